@@ -1,0 +1,120 @@
+"""The backend contract, and the one helper through which blocking SDK calls run.
+
+Contract (every backend, tested by tests/contract):
+- Keys are full object keys (the mount prefix included). Ranges are half-open
+  `[start, end)`; `end` past the object's size is clipped; `start >= size` gives b"".
+- `version` is an opaque string (S3 ETag without quotes, GCS generation). A read
+  pinned to a version either returns bytes of exactly that version or raises
+  ObjectChanged: never bytes of another version.
+- Errors are the types of bucketfs.errors: NotFound, AccessDenied, ObjectChanged,
+  TransientError (already retried), BackendError, BucketNotFound,
+  EndpointUnreachable.
+- Every backend counts its requests by type in `self.requests` (a Counter) and the
+  payload bytes it fetched in `self.bytes_fetched`.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import logging
+import random
+from typing import Callable, Optional, TypeVar
+
+import trio
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size_bytes: int
+    mtime_ns: int
+    version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ListPage:
+    """One page of a delimited listing: objects and common prefixes directly under `prefix`."""
+
+    objects: list  # list[ObjectInfo]
+    prefixes: list  # list[str], full prefixes ending in the delimiter
+    next_token: Optional[str]
+
+
+class Backend(abc.ABC):
+    """Async, read-only access to one bucket."""
+
+    def __init__(self) -> None:
+        self.requests: collections.Counter = collections.Counter()
+        self.bytes_fetched = 0
+
+    @abc.abstractmethod
+    async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
+        """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> ObjectInfo:
+        """Metadata of one object; NotFound if it does not exist."""
+
+    @abc.abstractmethod
+    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+        """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed."""
+
+    @abc.abstractmethod
+    async def check_bucket(self, prefix: str) -> None:
+        """Cheap probe before mounting: raises BucketNotFound, AccessDenied or EndpointUnreachable."""
+
+    async def aclose(self) -> None:
+        """Release connections and threads."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    attempts_count: int = 5
+    base_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+
+    def delay_s(self, attempt: int) -> float:
+        # "Full jitter" backoff: spreads retries of many readers hitting one throttled prefix.
+        return random.uniform(0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
+
+
+class BlockingCaller:
+    """Runs blocking SDK calls off the trio thread, bounded, with retries.
+
+    `classify(exc)` maps an SDK exception to a bucketfs error; TransientError is
+    retried with jittered exponential backoff up to `policy.attempts_count` attempts.
+    """
+
+    def __init__(self, max_threads_count: int, policy: RetryPolicy, classify: Callable[[BaseException], errors.BucketfsError]):
+        self.limiter = trio.CapacityLimiter(max_threads_count)
+        self.policy = policy
+        self.classify = classify
+        self.retries_count = 0
+
+    async def call(self, what: str, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
+        attempt = 0
+        while True:
+            try:
+                # abandon_on_cancel: a cancelled prefetch leaves its thread to finish alone;
+                # the limiter slot is still held until then, which keeps the pool bounded.
+                return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=abandon_on_cancel)
+            except errors.BucketfsError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every SDK failure is classified here
+                err = self.classify(exc)
+                attempt += 1
+                if isinstance(err, errors.TransientError) and attempt < self.policy.attempts_count:
+                    self.retries_count += 1
+                    delay_s = self.policy.delay_s(attempt)
+                    log.warning("%s failed (%s); retry %d/%d in %.2fs", what, err, attempt, self.policy.attempts_count - 1, delay_s)
+                    await trio.sleep(delay_s)
+                    continue
+                raise err from exc

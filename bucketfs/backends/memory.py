@@ -1,0 +1,100 @@
+"""In-memory fake backend for unit tests of core logic (never used by a real mount).
+
+It behaves like a strict S3: delimited, paginated, lexicographically ordered
+listings; versions change on every put; reads honour the version condition. Tests
+can inject failures and delays, and count requests by type.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Callable, Optional
+
+import trio
+
+from bucketfs import errors
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo
+
+_versions = itertools.count(1)
+
+
+class MemoryBackend(Backend):
+    def __init__(self, objects: Optional[dict] = None, page_size_count: int = 1000, delay_s: float = 0.0):
+        super().__init__()
+        self.page_size_count = page_size_count
+        self.delay_s = delay_s
+        self._data: dict = {}
+        self._info: dict = {}
+        self._sorted_keys: list = []
+        # Hook for tests: called with (op, key) before each request; may raise.
+        self.fail_hook: Optional[Callable[[str, str], None]] = None
+        for key, data in (objects or {}).items():
+            self.put(key, data)
+
+    # -- test helpers -------------------------------------------------------
+    def put(self, key: str, data: bytes, mtime_ns: int = 1_700_000_000 * 10**9) -> ObjectInfo:
+        if key not in self._data:
+            bisect.insort(self._sorted_keys, key)
+        self._data[key] = bytes(data)
+        info = ObjectInfo(key, len(data), mtime_ns, f"v{next(_versions)}")
+        self._info[key] = info
+        return info
+
+    def delete(self, key: str) -> None:
+        del self._data[key], self._info[key]
+        self._sorted_keys.remove(key)
+
+    async def _request(self, op: str, key: str) -> None:
+        self.requests[op] += 1
+        if self.fail_hook is not None:
+            self.fail_hook(op, key)
+        if self.delay_s:
+            await trio.sleep(self.delay_s)
+        else:
+            await trio.lowlevel.checkpoint()
+
+    # -- contract -----------------------------------------------------------
+    async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
+        await self._request("list", prefix)
+        start_after = token or ""
+        i = bisect.bisect_right(self._sorted_keys, start_after) if token else bisect.bisect_left(self._sorted_keys, prefix)
+        objects, prefixes, last = [], [], None
+        while i < len(self._sorted_keys) and len(objects) + len(prefixes) < self.page_size_count:
+            key = self._sorted_keys[i]
+            if not key.startswith(prefix):
+                break
+            rest = key[len(prefix):]
+            slash = rest.find("/")
+            if slash >= 0:
+                common = prefix + rest[: slash + 1]
+                prefixes.append(common)
+                last = common + "\U0010ffff"  # skip every key under this common prefix
+                i = bisect.bisect_right(self._sorted_keys, last)
+            else:
+                objects.append(self._info[key])
+                last = key
+                i += 1
+        more = i < len(self._sorted_keys) and self._sorted_keys[i].startswith(prefix)
+        return ListPage(objects, prefixes, last if more else None)
+
+    async def stat(self, key: str) -> ObjectInfo:
+        await self._request("head", key)
+        try:
+            return self._info[key]
+        except KeyError:
+            raise errors.NotFound(key) from None
+
+    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+        await self._request("get", key)
+        info = self._info.get(key)
+        if info is None:
+            raise errors.NotFound(key)
+        if info.version != version:
+            raise errors.ObjectChanged(f"{key}: version {version} is now {info.version}")
+        data = self._data[key][start:end]
+        self.bytes_fetched += len(data)
+        return data
+
+    async def check_bucket(self, prefix: str) -> None:
+        await self._request("list", prefix)
