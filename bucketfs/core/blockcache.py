@@ -1,0 +1,159 @@
+"""Block cache: fixed-size blocks keyed by (key, version, block index), LRU, single flight.
+
+Serves random reads (fetching only the blocks a read touches, coalesced into one
+ranged GET per run of missing blocks) and small files (one GET for the whole
+object, started at open, split into blocks).
+
+Invariants:
+- A block holds bytes of exactly one version: the version is part of its key and
+  the backend refuses reads of a changed object, so no read mixes versions.
+- Every cached byte is reserved in the MemoryBudget; eviction releases it.
+- Two readers that miss the same block wait on one GET (a Flight); a failed
+  flight hands its error to every waiter and caches nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import trio
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+
+class Flight:
+    __slots__ = ("done", "error", "blocks")
+
+    def __init__(self):
+        self.done = trio.Event()
+        self.error = None
+        self.blocks: dict = {}  # block index -> bytes, kept for the waiters even if evicted
+
+
+class BlockCache:
+    RECLAIM_PRIORITY = 0  # the cheapest memory to give back: re-fetchable, often in the page cache
+
+    def __init__(self, backend, budget, stats, block_size_bytes: int):
+        self.backend = backend
+        self.budget = budget
+        self.stats = stats
+        self.block_size_bytes = block_size_bytes
+        self._blocks: collections.OrderedDict = collections.OrderedDict()  # (key, version, idx) -> bytes
+        self._flights: dict = {}  # (key, version, idx) -> Flight
+        self.cached_bytes = 0
+        budget.add_reclaimer(self.RECLAIM_PRIORITY, self.evict)
+
+    def evict(self, wanted_bytes: int) -> int:
+        freed_bytes = 0
+        while freed_bytes < wanted_bytes and self._blocks:
+            _, data = self._blocks.popitem(last=False)
+            freed_bytes += len(data)
+            self.stats["cache.evictions"] += 1
+        self.cached_bytes -= freed_bytes
+        self.budget.release(freed_bytes)
+        return freed_bytes
+
+    def contains_all(self, key: str, version: str, size_bytes: int) -> bool:
+        n_blocks = -(-size_bytes // self.block_size_bytes)
+        return all((key, version, i) in self._blocks for i in range(n_blocks))
+
+    async def read(self, key: str, version: str, size_bytes: int, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object (end clipped to its size)."""
+        end = min(end, size_bytes)
+        if start >= end:
+            return b""
+        bs = self.block_size_bytes
+        first, last = start // bs, (end - 1) // bs
+        pieces = await self._blocks_for(key, version, size_bytes, first, last)
+        if first == last:
+            return pieces[0][start - first * bs : end - first * bs]
+        out = bytearray()
+        for i, data in zip(range(first, last + 1), pieces):
+            lo = max(start - i * bs, 0)
+            hi = min(end - i * bs, len(data))
+            out += data[lo:hi]
+        return bytes(out)
+
+    def start_read(self, key: str, version: str, size_bytes: int, start: int, end: int) -> None:
+        """Start fetching the missing blocks of [start, end) without waiting (small file at open)."""
+        end = min(end, size_bytes)
+        if start < end:
+            self._plan(key, version, size_bytes, start // self.block_size_bytes, (end - 1) // self.block_size_bytes)
+
+    async def _blocks_for(self, key, version, size_bytes, first, last) -> list:
+        found, waits = self._plan(key, version, size_bytes, first, last)
+        for i, flight in waits:
+            await flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            found[i] = flight.blocks[i]
+        return [found[i] for i in range(first, last + 1)]
+
+    def _plan(self, key, version, size_bytes, first, last):
+        """Split blocks into cached, in flight and missing; start one fetch per missing run."""
+        found: dict = {}
+        waits: list = []
+        missing_run: list = []
+        for i in range(first, last + 1):
+            ck = (key, version, i)
+            data = self._blocks.get(ck)
+            if data is not None:
+                self._blocks.move_to_end(ck)
+                found[i] = data
+                self.stats["cache.hits"] += 1
+                continue
+            flight = self._flights.get(ck)
+            if flight is not None:
+                waits.append((i, flight))
+                self.stats["cache.shared_misses"] += 1
+                continue
+            self.stats["cache.misses"] += 1
+            if missing_run and missing_run[-1] != i - 1:
+                waits.extend(self._start_fetch(key, version, size_bytes, missing_run))
+                missing_run = []
+            missing_run.append(i)
+        if missing_run:
+            waits.extend(self._start_fetch(key, version, size_bytes, missing_run))
+        return found, waits
+
+    def _start_fetch(self, key, version, size_bytes, run: list) -> list:
+        """Register one flight for a run of consecutive missing blocks; return its waits."""
+        flight = Flight()
+        for i in run:
+            self._flights[(key, version, i)] = flight
+        bs = self.block_size_bytes
+        start, end = run[0] * bs, min((run[-1] + 1) * bs, size_bytes)
+        # The fetch runs in its own task, so a reader that gives up (interrupt) does not
+        # strand the other waiters of this flight.
+        trio.lowlevel.spawn_system_task(self._fetch, key, version, start, end, run, flight)
+        return [(i, flight) for i in run]
+
+    async def _fetch(self, key, version, start, end, run, flight: Flight) -> None:
+        reserved_bytes = end - start
+        try:
+            await self.budget.reserve(reserved_bytes)
+            data = await self.backend.read_range(key, start, end, version)
+            if len(data) != end - start:
+                raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")
+            bs = self.block_size_bytes
+            for n, i in enumerate(run):
+                block = data[n * bs : (n + 1) * bs] if len(run) > 1 else data
+                flight.blocks[i] = block
+                self._blocks[(key, version, i)] = block
+            self.cached_bytes += len(data)
+            reserved_bytes = 0  # ownership moved to the cache; eviction releases it
+            self.stats["cache.fetched_bytes"] += len(data)
+        except errors.BucketfsError as exc:
+            flight.error = exc
+        except Exception as exc:  # noqa: BLE001 - a waiter must get an errno, never hang
+            log.exception("unexpected error fetching %r [%d, %d)", key, start, end)
+            flight.error = errors.BackendError(str(exc))
+        finally:
+            if reserved_bytes:
+                self.budget.release(reserved_bytes)
+            for i in run:
+                self._flights.pop((key, version, i), None)
+            flight.done.set()

@@ -1,0 +1,205 @@
+"""The filesystem core: what the FUSE adapter calls, in terms of inodes and handles.
+
+Invariants:
+- Read-only: any open for writing raises ReadOnly; nothing here writes to a backend.
+- An open handle is pinned to the version its node had at open; every read of
+  that handle asks for that version, so a changed object gives ObjectChanged
+  (ESTALE), never bytes of two versions.
+- Small files (size <= small_file_bytes, known from the listing) start one GET for
+  the whole object at open, so a sample costs one request however the kernel
+  splits its READs.
+- Shard-like files read to `SHARD_WARM_FRACTION` warm the head of the next shard
+  in listing order that has not been opened in the current pass.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import logging
+import os
+import time
+
+import trio
+
+from bucketfs import errors
+from bucketfs.core.blockcache import BlockCache
+from bucketfs.core.memory import MemoryBudget
+from bucketfs.core.namespace import ROOT_INO, Namespace, Node
+from bucketfs.core.prefetch import HandleReader, Prefetcher
+from bucketfs.core.stats import Stats
+
+log = logging.getLogger(__name__)
+
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+# Warm the next shard once this much of the current one is read: late enough that
+# the reader is committed to finishing it, early enough to hide one round trip.
+SHARD_WARM_FRACTION = 0.5
+
+
+class FileHandle:
+    __slots__ = ("node", "key", "version", "size_bytes", "reader")
+
+    def __init__(self, node: Node, key: str, reader):
+        self.node, self.key = node, key
+        self.version, self.size_bytes = node.version, node.size_bytes
+        self.reader = reader
+
+
+class Filesystem:
+    def __init__(self, backend, config, nursery: trio.Nursery):
+        self.backend = backend
+        self.config = config
+        self.stats = Stats()
+        self.key_prefix = config.url.prefix
+        self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count, time.time_ns())
+        self.ns.start_background(nursery)
+        self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
+        self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes)
+        self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery)
+        self._handles: dict = {}
+        self._dir_handles: dict = {}
+        self._fh_counter = itertools.count(1)
+        self._open_keys: dict = {}  # key -> number of open handles
+        self._shard_pass: dict = {}  # parent ino -> set of shard names opened in this pass
+
+    # -- metadata ----------------------------------------------------------------
+    async def lookup(self, parent_ino: int, name: str) -> Node:
+        return await self.ns.lookup(parent_ino, name)
+
+    async def getattr(self, ino: int) -> Node:
+        return self.ns.node(ino)
+
+    async def opendir(self, ino: int) -> int:
+        children = await self.ns.list_dir(ino)
+        dh = next(self._fh_counter)
+        self._dir_handles[dh] = children  # a snapshot: offsets stay stable while it is open
+        return dh
+
+    def readdir(self, dh: int, start_index: int) -> list:
+        """Children from `start_index` on; entry i's next offset is i + 1."""
+        try:
+            return self._dir_handles[dh][start_index:]
+        except KeyError:
+            raise errors.NotFound(f"directory handle {dh}") from None
+
+    def releasedir(self, dh: int) -> None:
+        self._dir_handles.pop(dh, None)
+
+    # -- data --------------------------------------------------------------------
+    def is_shard(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.config.shard_globs)
+
+    async def open(self, ino: int, flags: int) -> int:
+        if flags & WRITE_FLAGS:
+            raise errors.ReadOnly("read-only mount")
+        node = self.ns.node(ino)
+        if node.is_dir:
+            raise errors.BucketfsError("is a directory")
+        if not self.config.immutable:
+            await self.ns.refresh_file(node)
+        key = self.key_prefix + node.path
+        fh = next(self._fh_counter)
+        if node.size_bytes <= self.config.small_file_bytes:
+            reader = None
+            self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
+            self.stats["open.small"] += 1
+        else:
+            shard = self.is_shard(node.name)
+            on_progress = self._shard_progress(node) if shard else None
+            reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
+            if shard:
+                self._note_shard_open(node)
+            self.stats["open.large"] += 1
+        self._handles[fh] = FileHandle(node, key, reader)
+        self._open_keys[key] = self._open_keys.get(key, 0) + 1
+        return fh
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        handle = self._handles.get(fh)
+        if handle is None:
+            raise errors.NotFound(f"file handle {fh}")
+        end = min(off + size, handle.size_bytes)
+        if off >= end:
+            return b""
+        self.stats["read.calls"] += 1
+        self.stats["read.bytes"] += end - off
+        if handle.reader is None:
+            return await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
+        return await handle.reader.read(off, end)
+
+    def release(self, fh: int) -> None:
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            return
+        if handle.reader is not None:
+            handle.reader.close()
+        left = self._open_keys.get(handle.key, 1) - 1
+        if left:
+            self._open_keys[handle.key] = left
+        else:
+            self._open_keys.pop(handle.key, None)
+
+    # -- shard warming ------------------------------------------------------------
+    def _note_shard_open(self, node: Node) -> None:
+        opened = self._shard_pass.setdefault(node.parent_ino, set())
+        opened.add(node.name)
+
+    def _shard_progress(self, node: Node):
+        threshold = int(node.size_bytes * SHARD_WARM_FRACTION)
+        warmed = False
+
+        def on_progress(read_end: int) -> None:
+            nonlocal warmed
+            if not warmed and read_end >= threshold:
+                warmed = True
+                self._warm_next_shard(node)
+
+        return on_progress
+
+    def _warm_next_shard(self, node: Node) -> None:
+        parent = self.ns.node(node.parent_ino)
+        listing = parent.listing
+        if listing is None:
+            return
+        names = [n for n in listing.names_sorted if self.is_shard(n)]
+        opened = self._shard_pass.setdefault(parent.ino, set())
+        if len(opened) >= len(names):
+            opened.clear()  # every shard was opened: a new pass (epoch) begins
+            opened.add(node.name)
+        try:
+            i = names.index(node.name)
+        except ValueError:
+            return
+        for name in names[i + 1 :] + names[:i]:
+            if name in opened:
+                continue
+            nxt = self.ns.node(listing.children[name])
+            key = self.key_prefix + nxt.path
+            if key in self._open_keys or nxt.is_dir:
+                continue
+            self.prefetcher.warm_head(key, nxt.version, min(self.config.shard_head_bytes, nxt.size_bytes))
+            return
+
+    # -- misc ---------------------------------------------------------------------
+    @property
+    def open_handles_count(self) -> int:
+        return len(self._handles)
+
+    def snapshot(self) -> dict:
+        stats = self.stats.snapshot()
+        stats.update({
+            "memory.used_bytes": self.budget.used_bytes,
+            "memory.peak_bytes": self.budget.peak_bytes,
+            "memory.budget_bytes": self.budget.capacity_bytes,
+            "cache.bytes": self.cache.cached_bytes,
+            "namespace.entries": self.ns.entries_count,
+            "handles.open": len(self._handles),
+        })
+        for op, count in self.backend.requests.items():
+            stats[f"backend.requests.{op}"] = count
+        stats["backend.bytes_fetched"] = self.backend.bytes_fetched
+        return stats
+
+
+__all__ = ["Filesystem", "ROOT_INO"]

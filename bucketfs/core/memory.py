@@ -1,0 +1,84 @@
+"""One global memory budget for every buffer the daemon holds: cache and prefetch.
+
+Invariants:
+- `used_bytes` counts every reserved buffer; it never exceeds `capacity_bytes`
+  except by one demand request larger than the whole budget (let through alone so
+  a reader is never deadlocked).
+- Prefetch only takes memory with `try_reserve`, which fails rather than wait and
+  always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
+- Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
+  warm shard heads, then prefetch parts nobody waits on), then waits for releases.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+class MemoryBudget:
+    def __init__(self, capacity_bytes: int, stats, demand_headroom_bytes: int | None = None):
+        self.capacity_bytes = capacity_bytes
+        # Prefetch may fill all but this much; an eighth keeps demand reads from waiting
+        # on prefetch in the common case without idling most of a small budget.
+        self.demand_headroom_bytes = capacity_bytes // 8 if demand_headroom_bytes is None else demand_headroom_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.stats = stats
+        self._reclaimers: list = []  # (priority, fn(bytes_wanted) -> bytes_freed)
+        self._freed = trio.Event()
+        self._pressure_logged = False
+
+    def add_reclaimer(self, priority: int, reclaim: Callable[[int], int]) -> None:
+        """Register something that can free memory; lower priority is reclaimed first."""
+        self._reclaimers.append((priority, reclaim))
+        self._reclaimers.sort(key=lambda pr: pr[0])
+
+    def _take(self, n_bytes: int) -> None:
+        self.used_bytes += n_bytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def _reclaim(self, wanted_bytes: int, max_priority: int) -> None:
+        for priority, reclaim in self._reclaimers:
+            if wanted_bytes <= 0 or priority > max_priority:
+                return
+            wanted_bytes -= reclaim(wanted_bytes)
+
+    def try_reserve(self, n_bytes: int, reclaim_priority: int = 0) -> bool:
+        """Prefetch: reserve now or fail; may evict reclaimers up to `reclaim_priority`."""
+        limit_bytes = self.capacity_bytes - self.demand_headroom_bytes
+        over_bytes = self.used_bytes + n_bytes - limit_bytes
+        if over_bytes > 0:
+            self._reclaim(over_bytes, reclaim_priority)
+            if self.used_bytes + n_bytes > limit_bytes:
+                self.stats["memory.prefetch_refused"] += 1
+                return False
+        self._take(n_bytes)
+        return True
+
+    async def reserve(self, n_bytes: int) -> None:
+        """Demand: reserve, reclaiming everything reclaimable, waiting if still short."""
+        while True:
+            over_bytes = self.used_bytes + n_bytes - self.capacity_bytes
+            if over_bytes > 0:
+                self._reclaim(over_bytes, max_priority=1 << 30)
+                over_bytes = self.used_bytes + n_bytes - self.capacity_bytes
+            if over_bytes <= 0 or self.used_bytes == 0:
+                self._take(n_bytes)
+                self._pressure_logged = False
+                return
+            self.stats["memory.demand_waits"] += 1
+            if not self._pressure_logged:
+                self._pressure_logged = True
+                log.warning("memory budget of %d MiB is full; reads wait for buffers to drain", self.capacity_bytes >> 20)
+            await self._freed.wait()  # state re-check after: others may have taken the freed bytes
+
+    def release(self, n_bytes: int) -> None:
+        self.used_bytes -= n_bytes
+        assert self.used_bytes >= 0, "released more memory than reserved"
+        self._freed.set()
+        self._freed = trio.Event()

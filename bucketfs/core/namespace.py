@@ -1,0 +1,246 @@
+"""Namespace: inodes, directory listings from LIST pages, and the listing cache.
+
+Invariants:
+- A path component comes from a key split on '/'. Components that cannot be a
+  file name ('' from `a//b`, '.', '..', over 255 bytes, NUL, not UTF-8) are left
+  out with one warning per key; they never break the listing around them, and no
+  key can make a path escape the mountpoint.
+- A name that is both an object and a prefix (`a` and `a/b`) is a directory: the
+  object is hidden, with one warning. Directories win because they hold more data
+  and because a later object under the prefix would otherwise flip the type.
+- Size, mtime and version come from the listing: lookup and getattr of a listed
+  entry cost no request. Listings are cached for `metadata_ttl_s` (forever in the
+  immutable default), so a name absent from a fresh listing is a cached negative.
+- One inode number per (parent, name, kind) for the mount's lifetime: the kernel
+  may hold it at any time, so nodes are never reused for another object.
+- Concurrent misses on one directory share one listing (single flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import stat as stat_mod
+from typing import Optional
+
+import trio
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+ROOT_INO = 1
+NAME_MAX_BYTES = 255
+
+
+class Node:
+    __slots__ = ("ino", "name", "parent_ino", "path", "is_dir", "size_bytes", "mtime_ns", "version", "listing")
+
+    def __init__(self, ino, name, parent_ino, path, is_dir, size_bytes=0, mtime_ns=0, version=""):
+        self.ino = ino
+        self.name = name
+        self.parent_ino = parent_ino
+        self.path = path  # key relative to the mount prefix; directories end with '/'
+        self.is_dir = is_dir
+        self.size_bytes = size_bytes
+        self.mtime_ns = mtime_ns
+        self.version = version
+        self.listing: Optional[Listing] = None
+
+    def __repr__(self):
+        return f"Node({self.ino}, {self.path!r}, dir={self.is_dir}, size={self.size_bytes}, v={self.version})"
+
+
+class Listing:
+    """The cached children of one directory."""
+
+    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled")
+
+    def __init__(self, children: dict, loaded_at_s: float):
+        self.children = children  # name -> ino
+        self.names_sorted = sorted(children)  # code point order == UTF-8 byte order == S3 order
+        self.loaded_at_s = loaded_at_s
+        self.ahead_scheduled = False
+
+
+def valid_component(name: str) -> bool:
+    if name in ("", ".", "..") or "\x00" in name:
+        return False
+    try:
+        return len(name.encode("utf-8")) <= NAME_MAX_BYTES
+    except UnicodeEncodeError:  # lone surrogates: the key was not valid UTF-8
+        return False
+
+
+class Namespace:
+    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float = math.inf, list_ahead_count: int = 8, mount_time_ns: int = 0):
+        self.backend = backend
+        self.key_prefix = key_prefix
+        self.stats = stats
+        self.metadata_ttl_s = metadata_ttl_s
+        self.mount_time_ns = mount_time_ns
+        self._nodes = {ROOT_INO: Node(ROOT_INO, "", ROOT_INO, "", True, mtime_ns=mount_time_ns)}
+        self._next_ino = ROOT_INO + 1
+        self._loading: dict = {}  # ino -> trio.Event of the listing in flight
+        self._load_errors: dict = {}  # ino -> exception of the last failed listing (for its waiters)
+        self._warned_keys: set = set()
+        self._ahead_limiter = trio.CapacityLimiter(max(1, list_ahead_count))
+        self.list_ahead_count = list_ahead_count
+        self._nursery: Optional[trio.Nursery] = None
+
+    def start_background(self, nursery: trio.Nursery) -> None:
+        """Give the namespace a nursery for listings started ahead of a walk."""
+        self._nursery = nursery
+
+    # -- lookups -------------------------------------------------------------
+    def node(self, ino: int) -> Node:
+        try:
+            return self._nodes[ino]
+        except KeyError:
+            raise errors.NotFound(f"inode {ino}") from None
+
+    @property
+    def entries_count(self) -> int:
+        return len(self._nodes)
+
+    async def lookup(self, parent_ino: int, name: str) -> Node:
+        listing = await self.listing(parent_ino)
+        ino = listing.children.get(name)
+        if ino is None:
+            self.stats["namespace.negative_lookups"] += 1
+            raise errors.NotFound(name)
+        return self._nodes[ino]
+
+    async def list_dir(self, ino: int) -> list:
+        """Children of directory `ino` in stable (S3 key) order."""
+        listing = await self.listing(ino)
+        return [self._nodes[listing.children[n]] for n in listing.names_sorted]
+
+    async def refresh_file(self, node: Node) -> Node:
+        """In TTL mode, re-list the parent if stale so an open pins the current version."""
+        await self.listing(node.parent_ino)
+        return node
+
+    async def listing(self, ino: int) -> Listing:
+        node = self.node(ino)
+        if not node.is_dir:
+            raise errors.BucketfsError(f"{node.path} is not a directory")
+        while True:
+            listing = node.listing
+            if listing is not None and not self._expired(listing):
+                self.stats["namespace.listing_hits"] += 1
+                self._schedule_ahead(node, listing)
+                return listing
+            event = self._loading.get(ino)
+            if event is None:
+                return await self._load(node)
+            await event.wait()  # another task lists this directory: share its result
+            # state re-check: the shared listing may have failed or been replaced
+            if ino in self._load_errors:
+                raise self._load_errors[ino]
+
+    def _expired(self, listing: Listing) -> bool:
+        return not math.isinf(self.metadata_ttl_s) and trio.current_time() - listing.loaded_at_s > self.metadata_ttl_s
+
+    # -- loading -------------------------------------------------------------
+    async def _load(self, node: Node, demanded: bool = True) -> Listing:
+        event = self._loading[node.ino] = trio.Event()
+        self._load_errors.pop(node.ino, None)
+        try:
+            objects, prefixes = await self._fetch_all_pages(self.key_prefix + node.path)
+            listing = self._build(node, objects, prefixes)
+            node.listing = listing
+            if demanded:
+                self._schedule_ahead(node, listing)
+            return listing
+        except BaseException as exc:
+            self._load_errors[node.ino] = exc if isinstance(exc, errors.BucketfsError) else errors.BackendError(str(exc))
+            raise
+        finally:
+            del self._loading[node.ino]
+            event.set()
+
+    async def _fetch_all_pages(self, prefix: str):
+        objects, prefixes, token = [], [], None
+        while True:
+            page = await self.backend.list_page(prefix, token)
+            self.stats["namespace.list_pages"] += 1
+            objects.extend(page.objects)
+            prefixes.extend(page.prefixes)
+            token = page.next_token
+            if not token:
+                return objects, prefixes
+
+    def _warn_once(self, key: str, why: str) -> None:
+        if key not in self._warned_keys:
+            self._warned_keys.add(key)
+            self.stats["namespace.skipped_keys"] += 1
+            log.warning("skipping key %r: %s", key, why)
+
+    def _build(self, node: Node, objects, prefixes) -> Listing:
+        prefix = self.key_prefix + node.path
+        old = node.listing.children if node.listing is not None else {}
+        children: dict = {}
+        for common in prefixes:
+            name = common[len(prefix):-1]
+            if not valid_component(name):
+                self._warn_once(common, "not a valid directory name")
+                continue
+            children[name] = self._child(node, old.get(name), name, True)
+        for info in objects:
+            name = info.key[len(prefix):]
+            if name == "":
+                continue  # the directory's own marker object (`dir/`)
+            if not valid_component(name):
+                self._warn_once(info.key, "not a valid file name")
+                continue
+            if name in children:
+                self._warn_once(info.key, "a prefix of the same name exists; the directory wins")
+                continue
+            child = self._child(node, old.get(name), name, False)
+            child.size_bytes, child.mtime_ns, child.version = info.size_bytes, info.mtime_ns, info.version
+            children[name] = child
+        return Listing({name: child.ino for name, child in children.items()}, trio.current_time())
+
+    def _child(self, parent: Node, old_ino: Optional[int], name: str, is_dir: bool) -> Node:
+        if old_ino is not None:
+            existing = self._nodes[old_ino]
+            if existing.is_dir == is_dir:
+                return existing  # same name, same kind: keep the inode the kernel knows
+        ino = self._next_ino
+        self._next_ino += 1
+        path = parent.path + name + ("/" if is_dir else "")
+        child = Node(ino, name, parent.ino, path, is_dir, mtime_ns=self.mount_time_ns)
+        self._nodes[ino] = child
+        return child
+
+    # -- listing ahead of a walk ---------------------------------------------
+    def _schedule_ahead(self, node: Node, listing: Listing) -> None:
+        """List subdirectories concurrently, one level ahead of the walker.
+
+        ImageFolder and os.walk list every class directory right after the root;
+        their LISTs are independent, so start them now instead of one at a time.
+        Only a directory the walker itself reached schedules its children, so the
+        pre-listing stays one level ahead instead of crawling the whole bucket.
+        """
+        if listing.ahead_scheduled or self._nursery is None or self.list_ahead_count <= 0:
+            return
+        listing.ahead_scheduled = True
+        for name in listing.names_sorted:
+            child = self._nodes[listing.children[name]]
+            if child.is_dir and child.listing is None and child.ino not in self._loading:
+                self._nursery.start_soon(self._list_ahead, child)
+
+    async def _list_ahead(self, node: Node) -> None:
+        async with self._ahead_limiter:
+            if node.listing is not None or node.ino in self._loading:
+                return  # state re-check: a reader got there while we queued
+            try:
+                await self._load(node, demanded=False)
+                self.stats["namespace.listed_ahead"] += 1
+            except errors.BucketfsError as exc:
+                log.debug("listing ahead of %r failed: %s", node.path, exc)
+
+    # -- attributes ----------------------------------------------------------
+    def mode(self, node: Node, file_mode: int, dir_mode: int) -> int:
+        return (stat_mod.S_IFDIR | dir_mode) if node.is_dir else (stat_mod.S_IFREG | file_mode)

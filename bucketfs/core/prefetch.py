@@ -1,0 +1,315 @@
+"""Sequential read-ahead per open handle, and warm heads of the next shard.
+
+How a handle's reads are served (`HandleReader`):
+- Random reads go to the block cache: only the blocks they touch are fetched.
+- Once reads look sequential (a shard read from offset 0, or three reads in a row
+  that continue each other within the kernel's small reordering), a
+  `SequentialStream` takes over. It keeps `window_bytes` ahead of the reader as
+  parallel ranged GETs ("parts" of at most `part_size_bytes`), so one reader uses
+  several connections. The window starts small (wide for shards) and doubles each
+  time the reader consumes a part, up to a cap. A read outside the stream's window
+  is a real seek: the stream is dropped and detection starts again.
+- Parts are not cached: once the reader is past them they are freed (the kernel
+  page cache keeps the data for re-reads).
+
+Memory: every part is reserved in the MemoryBudget. Read-ahead parts use
+`try_reserve` and simply stop growing when the budget is short; a part a reader
+is waiting on is reserved as demand. Under demand pressure, unclaimed warm heads
+and then the furthest-ahead parts nobody waits on are given back.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional
+
+import trio
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+# The kernel reorders concurrent READs of one file by up to its readahead batch;
+# 2 MiB covers a raised read_ahead_kb with room to spare.
+REORDER_TOLERANCE_BYTES = 2 * 1024 * 1024
+# Contiguous reads needed before a non-shard stream starts: rules out random
+# readers whose next offset lands just after the last one by chance.
+SEQUENTIAL_READS_TO_START = 3
+
+
+class PartCancelled(Exception):
+    """A read-ahead part was dropped before it completed; the reader falls back."""
+
+
+class Part:
+    __slots__ = ("start", "end", "data", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed")
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+        self.data: Optional[bytes] = None
+        self.error: Optional[BaseException] = None
+        self.done = trio.Event()
+        self.reserved_bytes = 0
+        self.cancel_scope = trio.CancelScope()
+        self.waiters = 0
+        self.consumed = False
+
+    async def wait(self) -> bytes:
+        self.waiters += 1
+        try:
+            await self.done.wait()
+        finally:
+            self.waiters -= 1
+        if self.error is not None:
+            raise self.error
+        if self.data is None:
+            raise PartCancelled()  # dropped by another read that moved the stream on
+        return self.data
+
+
+class Prefetcher:
+    """Shared by all handles: spawns part fetches, holds warm shard heads, sheds memory."""
+
+    HEADS_PRIORITY = 1
+    PARTS_PRIORITY = 2
+    MAX_WARM_HEADS = 8
+
+    def __init__(self, backend, budget, stats, nursery: trio.Nursery):
+        self.backend = backend
+        self.budget = budget
+        self.stats = stats
+        self.nursery = nursery
+        self.streams: set = set()
+        self._heads: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> Part
+        budget.add_reclaimer(self.HEADS_PRIORITY, self._shed_heads)
+        budget.add_reclaimer(self.PARTS_PRIORITY, self._shed_parts)
+
+    def fetch(self, key: str, version: str, start: int, end: int, demanded: bool) -> Optional[Part]:
+        """Start fetching [start, end); None if read-ahead memory is not available."""
+        part = Part(start, end)
+        if not demanded:
+            if not self.budget.try_reserve(end - start, reclaim_priority=0):
+                return None
+            part.reserved_bytes = end - start
+        self.nursery.start_soon(self._run, key, version, part)
+        return part
+
+    async def _run(self, key: str, version: str, part: Part) -> None:
+        try:
+            with part.cancel_scope:
+                if not part.reserved_bytes:
+                    await self.budget.reserve(part.end - part.start)
+                    part.reserved_bytes = part.end - part.start
+                data = await self.backend.read_range(key, part.start, part.end, version)
+                if len(data) != part.end - part.start:
+                    raise errors.ObjectChanged(f"{key}: expected {part.end - part.start} bytes at {part.start}, got {len(data)}")
+                part.data = data
+                self.stats["prefetch.fetched_bytes"] += len(data)
+            if part.data is None and part.error is None:
+                part.error = PartCancelled()
+        except errors.BucketfsError as exc:
+            part.error = exc
+        except Exception as exc:  # noqa: BLE001 - a waiter must get an errno, never hang
+            log.exception("unexpected error fetching %r [%d, %d)", key, part.start, part.end)
+            part.error = errors.BackendError(str(exc))
+        finally:
+            if part.data is None:
+                self.release(part)
+            part.done.set()
+
+    def release(self, part: Part) -> None:
+        if part.reserved_bytes:
+            self.budget.release(part.reserved_bytes)
+            part.reserved_bytes = 0
+
+    def drop(self, part: Part) -> None:
+        """Free a part now if complete, else cancel it (its task frees it when the GET returns)."""
+        if part.done.is_set():
+            part.data = None
+            self.release(part)
+        else:
+            part.cancel_scope.cancel()
+
+    # -- warm heads of the next shard ------------------------------------------
+    def warm_head(self, key: str, version: str, head_end: int) -> None:
+        if (key, version) in self._heads or head_end <= 0:
+            return
+        part = self.fetch(key, version, 0, head_end, demanded=False)
+        if part is None:
+            return
+        self._heads[(key, version)] = part
+        self.stats["prefetch.heads_warmed"] += 1
+        while len(self._heads) > self.MAX_WARM_HEADS:
+            _, old = self._heads.popitem(last=False)
+            self._waste(old)
+
+    def take_head(self, key: str, version: str) -> Optional[Part]:
+        part = self._heads.pop((key, version), None)
+        if part is not None:
+            self.stats["prefetch.heads_used"] += 1
+        return part
+
+    def _waste(self, part: Part) -> None:
+        self.stats["prefetch.bytes_wasted"] += part.end - part.start
+        self.drop(part)
+
+    def _shed_heads(self, wanted_bytes: int) -> int:
+        freed_bytes = 0
+        while self._heads and freed_bytes < wanted_bytes:
+            _, part = self._heads.popitem(last=False)
+            freed_bytes += part.reserved_bytes if part.done.is_set() else 0
+            self._waste(part)
+        return freed_bytes
+
+    def _shed_parts(self, wanted_bytes: int) -> int:
+        freed_bytes = 0
+        for stream in list(self.streams):
+            if freed_bytes >= wanted_bytes:
+                break
+            freed_bytes += stream.shed(wanted_bytes - freed_bytes)
+        if freed_bytes:
+            self.stats["prefetch.shed_bytes"] += freed_bytes
+        return freed_bytes
+
+
+class SequentialStream:
+    def __init__(self, prefetcher: Prefetcher, key, version, size_bytes, start, window_bytes, max_window_bytes, part_size_bytes):
+        self.pf = prefetcher
+        self.key, self.version, self.size_bytes = key, version, size_bytes
+        self.window_bytes = window_bytes
+        self.max_window_bytes = max_window_bytes
+        self.part_size_bytes = part_size_bytes
+        self.parts: collections.deque = collections.deque()
+        self.fetch_end = start
+        self.read_end = start
+        head = prefetcher.take_head(key, version)
+        if head is not None:
+            if head.start <= start < head.end and not head.error:
+                self.parts.append(head)
+                self.fetch_end = head.end
+            else:
+                prefetcher._waste(head)
+        prefetcher.streams.add(self)
+
+    def accepts(self, off: int) -> bool:
+        first = self.parts[0].start if self.parts else self.fetch_end
+        return first <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES
+
+    async def read(self, off: int, end: int) -> bytes:
+        if end > self.fetch_end:
+            # The reader caught up: fetch what it needs now, as demand.
+            self._issue(self.fetch_end, max(end, min(self.fetch_end + min(self.window_bytes, self.part_size_bytes), self.size_bytes)), demanded=True)
+        self.read_end = max(self.read_end, end)
+        self._top_up()
+        wanted = [p for p in self.parts if p.end > off and p.start < end]
+        pieces = []
+        for part in wanted:
+            data = await part.wait()  # state re-check after: the stream may have moved on
+            pieces.append(data[max(off - part.start, 0) : min(end, part.end) - part.start])
+            if not part.consumed and self.read_end >= part.end:
+                part.consumed = True
+                self.window_bytes = min(self.window_bytes * 2, self.max_window_bytes)
+        self._drop_behind()
+        self._top_up()
+        self.pf.stats["prefetch.bytes_used"] += end - off
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _issue(self, start: int, end: int, demanded: bool) -> bool:
+        while start < end:
+            part_end = min(end, start + self.part_size_bytes)
+            part = self.pf.fetch(self.key, self.version, start, part_end, demanded)
+            if part is None:
+                return False
+            self.parts.append(part)
+            self.fetch_end = start = part_end
+        return True
+
+    def _top_up(self) -> None:
+        """Keep `window_bytes` in flight ahead of the reader, in parts of the window's size."""
+        while self.fetch_end < self.size_bytes and self.fetch_end - self.read_end < self.window_bytes:
+            size = min(self.part_size_bytes, self.window_bytes)
+            if not self._issue(self.fetch_end, min(self.fetch_end + size, self.size_bytes), demanded=False):
+                return
+
+    def _drop_behind(self) -> None:
+        while self.parts and self.parts[0].end + REORDER_TOLERANCE_BYTES <= self.read_end and self.parts[0].done.is_set():
+            self.pf.drop(self.parts.popleft())
+
+    def shed(self, wanted_bytes: int) -> int:
+        """Give back the furthest-ahead parts nobody waits on (memory pressure)."""
+        freed_bytes = 0
+        while len(self.parts) > 1 and freed_bytes < wanted_bytes:
+            part = self.parts[-1]
+            if part.waiters or part.start <= self.read_end:
+                break
+            self.parts.pop()
+            self.fetch_end = part.start
+            freed_bytes += part.reserved_bytes if part.done.is_set() else 0
+            self.pf._waste(part)
+            self.window_bytes = max(self.window_bytes // 2, self.part_size_bytes // 8)
+        return freed_bytes
+
+    def close(self) -> None:
+        self.pf.streams.discard(self)
+        while self.parts:
+            part = self.parts.pop()
+            if not part.consumed and part.end > self.read_end:
+                self.pf._waste(part)
+            else:
+                self.pf.drop(part)
+
+
+class HandleReader:
+    """Per open handle: picks the block cache or a sequential stream for each read."""
+
+    def __init__(self, prefetcher: Prefetcher, cache, key, version, size_bytes, is_shard, config, on_progress=None):
+        self.pf, self.cache = prefetcher, cache
+        self.key, self.version, self.size_bytes = key, version, size_bytes
+        self.is_shard = is_shard
+        self.config = config
+        self.on_progress = on_progress  # called with (read_end) after stream reads: shard warming
+        self.stream: Optional[SequentialStream] = None
+        self.last_end: Optional[int] = None
+        self.contiguous_count = 0
+
+    async def read(self, off: int, end: int) -> bytes:
+        contiguous = self.last_end is not None and abs(off - self.last_end) <= REORDER_TOLERANCE_BYTES // 16
+        self.contiguous_count = self.contiguous_count + 1 if contiguous else 1
+        self.last_end = end
+        stream = self.stream
+        if stream is not None and not stream.accepts(off):
+            self.pf.stats["prefetch.seeks"] += 1
+            stream.close()
+            stream = self.stream = None
+        if stream is None and self._starts_stream(off):
+            window = self.config.shard_readahead_initial_bytes if self.is_shard else self.config.readahead_initial_bytes
+            stream = self.stream = SequentialStream(
+                self.pf, self.key, self.version, self.size_bytes, off, window,
+                self.config.readahead_max_bytes, self.config.part_size_bytes,
+            )
+            self.pf.stats["prefetch.streams"] += 1
+        if stream is None:
+            return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
+        try:
+            data = await stream.read(off, end)
+        except PartCancelled:
+            return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
+        except errors.BucketfsError:
+            if self.stream is stream:
+                stream.close()
+                self.stream = None
+            raise
+        if self.on_progress is not None:
+            self.on_progress(stream.read_end)
+        return data
+
+    def _starts_stream(self, off: int) -> bool:
+        if self.is_shard and off == 0:
+            return True
+        return self.contiguous_count >= SEQUENTIAL_READS_TO_START
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None

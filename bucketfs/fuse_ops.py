@@ -1,0 +1,202 @@
+"""The FUSE adapter: the only module that speaks pyfuse3.
+
+It turns FUSE requests into core calls and core results into pyfuse3 types, and
+maps every exception to an errno in ONE table (`errno_for`). A handler never lets
+an exception escape: unexpected ones are logged and become EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat as stat_mod
+
+import pyfuse3
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+# Python's open() buffers in st_blksize chunks: 1 MiB turns a loader's small reads
+# into few large ones.
+BLKSIZE_BYTES = 1024 * 1024
+
+
+def errno_for(exc: BaseException) -> int:
+    if isinstance(exc, errors.BucketfsError):
+        return exc.errno_value
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    return errno.EIO
+
+
+def fuse_errors(fn):
+    """Run a handler; turn every failure into FUSEError(errno), count it, never crash."""
+
+    @functools.wraps(fn)
+    async def wrapper(self, *args):
+        try:
+            return await fn(self, *args)
+        except pyfuse3.FUSEError as exc:
+            self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
+            raise
+        except errors.BucketfsError as exc:
+            code = errno_for(exc)
+            self.fs.stats[f"errors.{errno.errorcode.get(code, code)}"] += 1
+            if code not in (errno.ENOENT, errno.EROFS):
+                log.warning("%s%r failed: %s: %s", fn.__name__, args[:2], type(exc).__name__, exc)
+            raise pyfuse3.FUSEError(code) from None
+        except Exception:  # noqa: BLE001 - the daemon must never die on one request
+            self.fs.stats["errors.EIO"] += 1
+            log.exception("unexpected error in %s%r", fn.__name__, args[:2])
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _read_only(name):
+    async def handler(self, *args, **kwargs):
+        self.fs.stats["errors.EROFS"] += 1
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    handler.__name__ = name
+    return handler
+
+
+class FuseOperations(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, fs, config):
+        super().__init__()
+        self.fs = fs
+        self.config = config
+        self.uid = os.getuid() if config.uid is None else config.uid
+        self.gid = os.getgid() if config.gid is None else config.gid
+        # Immutable data: the kernel may keep entries, attributes and pages for good.
+        timeout_s = 365 * 24 * 3600.0 if config.immutable else float(config.metadata_ttl_s)
+        self.entry_timeout_s = timeout_s
+        self.negative_timeout_s = timeout_s if config.immutable else min(timeout_s, float(config.negative_ttl_s))
+
+    def _attrs(self, node) -> pyfuse3.EntryAttributes:
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = node.ino
+        attrs.generation = 0
+        attrs.entry_timeout = self.entry_timeout_s
+        attrs.attr_timeout = self.entry_timeout_s
+        if node.is_dir:
+            attrs.st_mode = stat_mod.S_IFDIR | self.config.dir_mode
+            attrs.st_nlink = 2
+        else:
+            attrs.st_mode = stat_mod.S_IFREG | self.config.file_mode
+            attrs.st_nlink = 1
+        attrs.st_size = node.size_bytes
+        attrs.st_blocks = (node.size_bytes + 511) // 512
+        attrs.st_blksize = BLKSIZE_BYTES
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = node.mtime_ns
+        attrs.st_uid, attrs.st_gid = self.uid, self.gid
+        return attrs
+
+    # -- metadata ------------------------------------------------------------
+    @fuse_errors
+    async def lookup(self, parent_inode, name, ctx=None):
+        try:
+            node = await self.fs.lookup(parent_inode, os.fsdecode(name))
+        except errors.NotFound:
+            # st_ino 0 asks the kernel to cache the negative entry for entry_timeout.
+            attrs = pyfuse3.EntryAttributes()
+            attrs.st_ino = 0
+            attrs.entry_timeout = self.negative_timeout_s
+            return attrs
+        return self._attrs(node)
+
+    @fuse_errors
+    async def getattr(self, inode, ctx=None):
+        return self._attrs(await self.fs.getattr(inode))
+
+    @fuse_errors
+    async def opendir(self, inode, ctx):
+        return await self.fs.opendir(inode)
+
+    @fuse_errors
+    async def readdir(self, fh, start_id, token):
+        for i, node in enumerate(self.fs.readdir(fh, start_id), start=start_id + 1):
+            if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(node), i):
+                return
+
+    @fuse_errors
+    async def releasedir(self, fh):
+        self.fs.releasedir(fh)
+
+    @fuse_errors
+    async def statfs(self, ctx):
+        stat = pyfuse3.StatvfsData()
+        stat.f_bsize = BLKSIZE_BYTES
+        stat.f_frsize = 4096
+        stat.f_blocks = stat.f_bfree = stat.f_bavail = 0
+        stat.f_files = self.fs.ns.entries_count
+        stat.f_ffree = stat.f_favail = 0
+        stat.f_namemax = 255
+        return stat
+
+    @fuse_errors
+    async def access(self, inode, mode, ctx):
+        if mode & os.W_OK:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return True
+
+    @fuse_errors
+    async def getxattr(self, inode, name, ctx):
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    @fuse_errors
+    async def listxattr(self, inode, ctx):
+        return []
+
+    # -- data ----------------------------------------------------------------
+    @fuse_errors
+    async def open(self, inode, flags, ctx):
+        fh = await self.fs.open(inode, flags)
+        # keep_cache: the immutable default keeps the page cache across opens, so a
+        # second epoch never reaches the daemon.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=self.config.immutable, direct_io=False)
+
+    @fuse_errors
+    async def read(self, fh, off, size):
+        return await self.fs.read(fh, off, size)
+
+    async def flush(self, fh):
+        # ENOSYS makes the kernel stop sending FLUSH for this mount: one round trip
+        # less per close, and nothing to flush on a read-only mount.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    @fuse_errors
+    async def release(self, fh):
+        self.fs.release(fh)
+
+    async def forget(self, inode_list):
+        # Inodes live as long as the mount (the namespace never reuses a number).
+        return
+
+    # -- every write operation is EROFS ----------------------------------------
+    setattr = _read_only("setattr")
+    mknod = _read_only("mknod")
+    mkdir = _read_only("mkdir")
+    unlink = _read_only("unlink")
+    rmdir = _read_only("rmdir")
+    symlink = _read_only("symlink")
+    rename = _read_only("rename")
+    link = _read_only("link")
+    write = _read_only("write")
+    create = _read_only("create")
+    setxattr = _read_only("setxattr")
+    removexattr = _read_only("removexattr")
+
+    async def fsync(self, fh, datasync):
+        # Nothing is ever dirty; ENOSYS makes the kernel answer every later fsync with success.
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def fsyncdir(self, fh, datasync):
+        raise pyfuse3.FUSEError(errno.ENOSYS)

@@ -1,0 +1,213 @@
+"""Mount lifecycle: pre-flight checks, serving, readiness, signals, clean unmount.
+
+Invariants:
+- Everything that can be checked before attaching the mount is checked first
+  (mountpoint, /dev/fuse, fusermount3, the bucket), so a bad input leaves nothing
+  mounted.
+- `on_ready` is called only once the mount answers a stat from another thread.
+- SIGTERM/SIGINT end the FUSE loop; the mount is then detached (lazily if busy:
+  libfuse unmounts with MNT_DETACH) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from typing import Callable, Optional
+
+import pyfuse3
+import trio
+
+from bucketfs import errors
+from bucketfs.backends import make_backend
+from bucketfs.core.filesystem import Filesystem
+from bucketfs.fuse_ops import FuseOperations
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 30.0
+# Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
+# sequential reader's READs arrive in big batches; the daemon's own prefetcher
+# does the real read-ahead.
+KERNEL_READ_AHEAD_KB = 4096
+
+
+# -- pre-flight ----------------------------------------------------------------
+def fusermount_path() -> Optional[str]:
+    return shutil.which("fusermount3")
+
+
+def check_fuse_available() -> None:
+    if not os.path.exists("/dev/fuse"):
+        raise errors.UserError("FUSE is not available: /dev/fuse does not exist (install fuse3 and load the fuse module)", errors.EXIT_NO_FUSE)
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise errors.UserError("FUSE is not available: no read/write access to /dev/fuse", errors.EXIT_NO_FUSE)
+    if os.geteuid() != 0 and fusermount_path() is None:
+        raise errors.UserError("FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE)
+
+
+def check_mountpoint(path: str) -> None:
+    """The mountpoint must be an existing, empty directory that is not a mount.
+
+    A dead FUSE mount left by a crashed daemon (ENOTCONN) is detached first, so a new
+    mount recovers the path without a reboot.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise errors.UserError(f"mountpoint {path} does not exist", errors.EXIT_BAD_MOUNTPOINT) from None
+    except OSError as exc:
+        if exc.errno != errno.ENOTCONN:
+            raise errors.UserError(f"mountpoint {path}: {exc.strerror}", errors.EXIT_BAD_MOUNTPOINT) from None
+        log.warning("%s is a dead FUSE mount (crashed daemon?); detaching it", path)
+        unmount(path, lazy=True)
+        st = os.stat(path)
+    import stat as stat_mod
+
+    if not stat_mod.S_ISDIR(st.st_mode):
+        raise errors.UserError(f"mountpoint {path} is not a directory", errors.EXIT_BAD_MOUNTPOINT)
+    if os.path.ismount(path):
+        raise errors.UserError(f"mountpoint {path} is already a mount (bucketfs unmount {path} first)", errors.EXIT_BAD_MOUNTPOINT)
+    try:
+        if os.listdir(path):
+            raise errors.UserError(f"mountpoint {path} is not empty", errors.EXIT_BAD_MOUNTPOINT)
+    except PermissionError:
+        raise errors.UserError(f"mountpoint {path}: permission denied", errors.EXIT_BAD_MOUNTPOINT) from None
+
+
+def unmount(path: str, lazy: bool = False) -> None:
+    """Detach a mount (ours or a dead one); raises UserError if it cannot."""
+    tool = fusermount_path()
+    if tool is not None:
+        cmd = [tool, "-u"] + (["-z"] if lazy else []) + [path]
+    elif os.geteuid() == 0:
+        cmd = ["umount"] + (["-l"] if lazy else []) + [path]
+    else:
+        raise errors.UserError("cannot unmount: fusermount3 not found on PATH", errors.EXIT_NO_FUSE)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        detail = msg[-1] if msg else f"exit {proc.returncode}"
+        if "busy" in detail.lower() and not lazy:
+            detail += " (files are open; use --lazy to detach now and finish when they close)"
+        raise errors.UserError(f"unmount {path}: {detail}", errors.EXIT_BAD_MOUNTPOINT)
+
+
+# -- systemd readiness ----------------------------------------------------------
+def sd_notify(message: str) -> None:
+    """Send `message` to systemd's NOTIFY_SOCKET if we run under Type=notify."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("could not notify systemd: %s", exc)
+
+
+def tune_memory_allocator() -> None:
+    """Keep freed read buffers from pinning RSS.
+
+    glibc raises its mmap threshold after freeing a large block, after which 8 MiB
+    parts come from the heap and freed ones stay in RSS. A fixed threshold (which
+    also disables the dynamic raise) returns every large buffer to the OS on free.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
+        libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+        libc.mallopt(M_ARENA_MAX, 4)
+    except (OSError, AttributeError):
+        pass
+
+
+def raise_kernel_readahead(mountpoint: str) -> None:
+    dev = os.stat(mountpoint).st_dev
+    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(KERNEL_READ_AHEAD_KB))
+    except OSError as exc:
+        log.debug("could not raise %s: %s", path, exc)
+
+
+# -- serving ----------------------------------------------------------------------
+def fuse_options(config) -> set:
+    options = set(pyfuse3.default_options)
+    options |= {"ro", f"fsname=bucketfs:{config.url}".replace(",", "_"), "subtype=bucketfs"}
+    if config.allow_other:
+        options.add("allow_other")
+    return options
+
+
+async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] = None) -> None:
+    """Check the bucket, mount, serve until unmounted or signalled, then clean up.
+
+    Raises UserError for problems the user must fix (nothing is left mounted).
+    """
+    backend = make_backend(config)
+    try:
+        await backend.check_bucket(config.url.prefix)
+    except errors.BucketfsError as exc:
+        await backend.aclose()
+        raise errors.user_error_for(exc, str(config.url)) from None
+    mounted = False
+    try:
+        async with trio.open_nursery() as nursery:
+            fs = Filesystem(backend, config, nursery)
+            ops = FuseOperations(fs, config)
+            try:
+                pyfuse3.init(ops, config.mountpoint, fuse_options(config))
+            except RuntimeError as exc:
+                raise errors.UserError(f"mount {config.mountpoint} failed: {exc}", errors.EXIT_MOUNT_FAILED) from None
+            mounted = True
+            log.info("mounted %s on %s", config.url, config.mountpoint)
+            if on_fs is not None:
+                on_fs(fs, nursery)
+            nursery.start_soon(_watch_signals)
+            nursery.start_soon(_announce_ready, config.mountpoint, on_ready)
+            await pyfuse3.main(min_tasks=4, max_tasks=256)
+            log.info("FUSE loop ended; unmounting %s", config.mountpoint)
+            sd_notify("STOPPING=1")
+            nursery.cancel_scope.cancel()
+    finally:
+        if mounted:
+            pyfuse3.close(unmount=True)
+            log.info("unmounted %s", config.mountpoint)
+        with trio.CancelScope(shield=True):
+            await backend.aclose()
+
+
+async def _watch_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s; unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _announce_ready(mountpoint: str, on_ready: Callable[[], None]) -> None:
+    parent_dev = os.stat(os.path.dirname(os.path.abspath(mountpoint)) or "/").st_dev
+    with trio.move_on_after(READY_TIMEOUT_S) as scope:
+        while True:
+            # stat from a worker thread: the trio thread must stay free to answer it.
+            st = await trio.to_thread.run_sync(os.stat, mountpoint)
+            if st.st_dev != parent_dev:
+                break
+            await trio.sleep(0.01)  # the kernel has not attached the mount yet: poll with a deadline
+    if scope.cancelled_caught:
+        log.error("mount did not answer within %.0f s", READY_TIMEOUT_S)
+        pyfuse3.terminate()
+        return
+    raise_kernel_readahead(mountpoint)
+    on_ready()
