@@ -36,8 +36,9 @@ class Flight:
 class BlockCache:
     RECLAIM_PRIORITY = 0  # the cheapest memory to give back: re-fetchable, often in the page cache
 
-    def __init__(self, backend, budget, stats, block_size_bytes: int):
+    def __init__(self, backend, budget, stats, block_size_bytes: int, nursery: trio.Nursery):
         self.backend = backend
+        self.nursery = nursery
         self.budget = budget
         self.stats = stats
         self.block_size_bytes = block_size_bytes
@@ -128,7 +129,7 @@ class BlockCache:
         start, end = run[0] * bs, min((run[-1] + 1) * bs, size_bytes)
         # The fetch runs in its own task, so a reader that gives up (interrupt) does not
         # strand the other waiters of this flight.
-        trio.lowlevel.spawn_system_task(self._fetch, key, version, start, end, run, flight)
+        self.nursery.start_soon(self._fetch, key, version, start, end, run, flight)
         return [(i, flight) for i in run]
 
     async def _fetch(self, key, version, start, end, run, flight: Flight) -> None:

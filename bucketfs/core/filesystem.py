@@ -55,7 +55,7 @@ class Filesystem:
         self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count, time.time_ns())
         self.ns.start_background(nursery)
         self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
-        self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes)
+        self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes, nursery)
         self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery)
         self._handles: dict = {}
         self._dir_handles: dict = {}

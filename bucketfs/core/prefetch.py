@@ -237,8 +237,18 @@ class SequentialStream:
             self.pf.drop(self.parts.popleft())
 
     def shed(self, wanted_bytes: int) -> int:
-        """Give back the furthest-ahead parts nobody waits on (memory pressure)."""
+        """Give back memory under demand pressure: first the complete parts the reader
+        has passed (kept only for reordered READs), then the furthest-ahead parts
+        nobody waits on. Without the first step, streams each holding the part behind
+        them while waiting for the next could fill the budget and wait on each other."""
         freed_bytes = 0
+        while self.parts and freed_bytes < wanted_bytes:
+            part = self.parts[0]
+            if part.waiters or part.end > self.read_end or not part.done.is_set():
+                break
+            self.parts.popleft()
+            freed_bytes += part.reserved_bytes
+            self.pf.drop(part)
         while len(self.parts) > 1 and freed_bytes < wanted_bytes:
             part = self.parts[-1]
             if part.waiters or part.start <= self.read_end:

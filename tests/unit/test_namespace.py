@@ -1,0 +1,207 @@
+"""Namespace rules and the listing cache, on the in-memory backend."""
+
+import pytest
+import trio
+
+from bucketfs import errors
+from bucketfs.backends.memory import MemoryBackend
+from tests.unit.helpers import resolve, run_fs
+
+
+def names(nodes):
+    return [(n.name, n.is_dir) for n in nodes]
+
+
+def test_tree_from_keys_prefixes_and_markers():
+    backend = MemoryBackend({
+        "data/a.txt": b"a", "data/sub/b.txt": b"bb", "data/empty/": b"", "data/sub/deeper/c": b"c", "other/x": b"x",
+    })
+
+    async def body(fs):
+        root = await fs.ns.list_dir(1)
+        sub = await resolve(fs, "sub")
+        return names(root), names(await fs.ns.list_dir(sub.ino)), names(await fs.ns.list_dir((await resolve(fs, "empty")).ino))
+
+    root, sub, empty = run_fs(backend, body, prefix="data")
+    assert root == [("a.txt", False), ("empty", True), ("sub", True)]
+    assert sub == [("b.txt", False), ("deeper", True)]
+    assert empty == []
+
+
+def test_listed_file_stat_and_open_cost_no_head():
+    backend = MemoryBackend({f"d/f{i}": bytes(i) for i in range(50)})
+
+    async def body(fs):
+        for i in range(50):
+            node = await resolve(fs, f"d/f{i}")
+            assert node.size_bytes == i
+            fs.release(await fs.open(node.ino, 0))
+        return dict(backend.requests)
+
+    requests = run_fs(backend, body)
+    assert requests.get("head", 0) == 0
+    assert requests["list"] == 2  # root and d/, each listed once
+
+
+def test_pagination_lists_every_entry_once_in_order():
+    keys = [f"big/{i:05d}" for i in range(2500)]
+    backend = MemoryBackend({k: b"" for k in keys}, page_size_count=1000)
+
+    async def body(fs):
+        return [n.name for n in await fs.ns.list_dir((await resolve(fs, "big")).ino)]
+
+    listed = run_fs(backend, body)
+    assert listed == [k.split("/")[1] for k in keys]
+    assert backend.requests["list"] == 1 + 3
+
+
+def test_invalid_components_are_skipped_and_neighbours_survive(caplog):
+    backend = MemoryBackend({
+        "ok1": b"1", "a//b": b"x", "./x": b"x", "../y": b"y", ("n" * 256): b"long", "ok2": b"2", "nul\x00name": b"z",
+    })
+
+    async def body(fs):
+        root = sorted(n.name for n in await fs.ns.list_dir(1))
+        # `a//b`: `a` is a real directory; its empty component is what gets skipped.
+        inside_a = await fs.ns.list_dir((await fs.lookup(1, "a")).ino)
+        await fs.ns.list_dir(1)
+        return root, inside_a
+
+    root, inside_a = run_fs(backend, body)
+    assert root == ["a", "ok1", "ok2"]
+    assert inside_a == []
+    assert sum("skipping key" in r.message for r in caplog.records) == 5  # once per key
+
+
+def test_special_characters_round_trip():
+    special = ["sp ace", "per%cent", "pl+us", "ha#sh", "qu?est", "eq=ual", "am&p", "ünï cödé ✓", "日本語"]
+    backend = MemoryBackend({f"s/{n}": n.encode() for n in special})
+
+    async def body(fs):
+        out = {}
+        for n in special:
+            node = await resolve(fs, f"s/{n}")
+            fh = await fs.open(node.ino, 0)
+            out[n] = await fs.read(fh, 0, 1000)
+        return out
+
+    assert run_fs(backend, body) == {n: n.encode() for n in special}
+
+
+def test_file_and_prefix_with_same_name_directory_wins():
+    backend = MemoryBackend({"a": b"file", "a/b": b"child"})
+
+    async def body(fs):
+        node = await resolve(fs, "a")
+        return node.is_dir, names(await fs.ns.list_dir(node.ino))
+
+    assert run_fs(backend, body) == (True, [("b", False)])
+
+
+def test_negative_lookup_cached_and_concurrent_misses_share_one_list():
+    backend = MemoryBackend({"d/x": b"1"}, delay_s=0.05)
+
+    async def body(fs):
+        d = await resolve(fs, "d")
+        lists_before = backend.requests["list"]
+        async with trio.open_nursery() as n:
+            for _ in range(20):
+                n.start_soon(fs.ns.lookup, d.ino, "x")
+        for _ in range(5):
+            with pytest.raises(errors.NotFound):
+                await fs.lookup(d.ino, "missing")
+        return lists_before, backend.requests["list"]
+
+    before, after = run_fs(backend, body, list_ahead_count=0)
+    assert after == before + 1  # 20 concurrent lookups share one LIST of d/; 5 misses add none
+
+
+def test_concurrent_first_listing_is_single_flight():
+    backend = MemoryBackend({"d/x": b"1"}, delay_s=0.05)
+
+    async def body(fs):
+        await fs.ns.list_dir(1)
+        d = await fs.lookup(1, "d")
+        async with trio.open_nursery() as n:
+            for _ in range(10):
+                n.start_soon(fs.ns.list_dir, d.ino)
+
+    run_fs(backend, body, list_ahead_count=0)
+    assert backend.requests["list"] == 2
+
+
+def test_subdirectories_listed_ahead_of_the_walk():
+    backend = MemoryBackend({f"c{i:02d}/img{j}.jpg": b"x" for i in range(20) for j in range(3)}, delay_s=0.02)
+
+    async def body(fs):
+        classes = await fs.ns.list_dir(1)
+        # Let the background listings run, then walk: every class is already listed.
+        with trio.fail_after(10):
+            while fs.stats["namespace.listed_ahead"] < 20:
+                await trio.sleep(0.01)
+        lists = backend.requests["list"]
+        for c in classes:
+            assert len(await fs.ns.list_dir(c.ino)) == 3
+        return lists, backend.requests["list"]
+
+    lists_after_ahead, lists_after_walk = run_fs(backend, body)
+    assert lists_after_ahead == lists_after_walk == 21
+
+
+def test_metadata_ttl_relists_and_keeps_inode():
+    backend = MemoryBackend({"f": b"one"})
+
+    async def body(fs):
+        node = await fs.lookup(1, "f")
+        v1 = node.version
+        backend.put("f", b"three")
+        backend.put("g", b"new")
+        await trio.sleep(0.2)
+        node2 = await fs.lookup(1, "f")
+        g = await fs.lookup(1, "g")
+        return node.ino == node2.ino, v1 != node2.version, node2.size_bytes, g.size_bytes
+
+    assert run_fs(backend, body, metadata_ttl_s=0.1) == (True, True, 5, 3)
+
+
+def test_immutable_default_never_relists():
+    backend = MemoryBackend({"f": b"one"})
+
+    async def body(fs):
+        await fs.lookup(1, "f")
+        backend.put("g", b"new")
+        with pytest.raises(errors.NotFound):
+            await fs.lookup(1, "g")
+
+    run_fs(backend, body)
+    assert backend.requests["list"] == 1
+
+
+def test_listing_error_reaches_every_waiter_then_recovers():
+    backend = MemoryBackend({"d/x": b"1"}, delay_s=0.02)
+    fail = {"on": True}
+
+    def hook(op, key):
+        if op == "list" and fail["on"]:
+            raise errors.AccessDenied("denied")
+
+    backend.fail_hook = hook
+
+    async def body(fs):
+        results = []
+
+        async def one():
+            try:
+                await fs.ns.list_dir(1)
+                results.append("ok")
+            except errors.AccessDenied:
+                results.append("denied")
+
+        async with trio.open_nursery() as n:
+            for _ in range(3):
+                n.start_soon(one)
+        fail["on"] = False
+        return results, [x.name for x in await fs.ns.list_dir(1)]
+
+    results, listed = run_fs(backend, body)
+    assert results == ["denied"] * 3 and listed == ["d"]

@@ -1,0 +1,228 @@
+"""Read path on the in-memory backend: request counts prove caching and prefetch."""
+
+import os
+import random
+
+import pytest
+import trio
+
+from bucketfs import errors
+from bucketfs.backends.memory import MemoryBackend
+from tests.unit.helpers import read_all, resolve, run_fs
+
+MiB = 1024 * 1024
+
+
+def blob(n_bytes: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n_bytes)
+
+
+async def kernel_like_read(fs, fh, size_bytes):
+    """READs as the kernel sends them for a small file: 16 KiB, 32 KiB, then the rest."""
+    out, off = bytearray(), 0
+    for chunk in (16 * 1024, 32 * 1024, 128 * 1024, 128 * 1024, 1 * MiB):
+        out += await fs.read(fh, off, chunk)
+        off = len(out)
+    return bytes(out)
+
+
+def test_small_file_costs_exactly_one_get():
+    data = {f"train/c{i}/img{j}.jpg": blob(100_000, i * 100 + j) for i in range(3) for j in range(10)}
+    backend = MemoryBackend(data)
+
+    async def body(fs):
+        for key, expected in data.items():
+            node = await resolve(fs, key)
+            fh = await fs.open(node.ino, os.O_RDONLY)
+            assert await kernel_like_read(fs, fh, node.size_bytes) == expected
+            fs.release(fh)
+
+    run_fs(backend, body, list_ahead_count=0)
+    assert backend.requests["get"] == len(data)
+    assert backend.requests.get("head", 0) == 0
+
+
+def test_zero_byte_file_and_reads_past_eof():
+    backend = MemoryBackend({"empty": b"", "five": b"12345"})
+
+    async def body(fs):
+        e = await fs.open((await resolve(fs, "empty")).ino, 0)
+        f = await fs.open((await resolve(fs, "five")).ino, 0)
+        return await fs.read(e, 0, 4096), await fs.read(f, 3, 100), await fs.read(f, 5, 10), await fs.read(f, 99, 10)
+
+    assert run_fs(backend, body) == (b"", b"45", b"", b"")
+
+
+def test_large_sequential_read_is_byte_identical_and_uses_big_parallel_parts():
+    data = blob(40 * MiB, 1)
+    backend = MemoryBackend({"big.bin": data})
+
+    async def body(fs):
+        return await read_all(fs, "big.bin")
+
+    assert run_fs(backend, body, small_file_bytes=1 * MiB) == data
+    # 40 MiB in parts of at most 8 MiB after a short ramp: nowhere near one GET per READ.
+    assert backend.requests["get"] <= 16
+    assert backend.bytes_fetched <= len(data) + 2 * MiB
+
+
+def test_random_reads_fetch_little_and_never_trigger_big_readahead():
+    data = blob(64 * MiB, 2)
+    backend = MemoryBackend({"shard-000.tar": data})
+    rng = random.Random(3)
+
+    async def body(fs):
+        node = await resolve(fs, "shard-000.tar")
+        fh = await fs.open(node.ino, 0)
+        read_bytes = 0
+        for _ in range(300):
+            size = rng.randint(4 * 1024, 64 * 1024)
+            off = rng.randrange(1, len(data) - size)
+            assert await fs.read(fh, off, size) == data[off : off + size]
+            read_bytes += size
+        return read_bytes
+
+    read_bytes = run_fs(backend, body)
+    assert backend.bytes_fetched <= 4 * read_bytes
+
+
+def test_open_handle_pinned_to_its_version():
+    backend = MemoryBackend({"f.bin": blob(3 * MiB, 4)})
+
+    async def body(fs):
+        node = await resolve(fs, "f.bin")
+        fh = await fs.open(node.ino, 0)
+        first = await fs.read(fh, 0, 128 * 1024)
+        backend.put("f.bin", blob(3 * MiB, 5))  # overwritten mid-read
+        with pytest.raises(errors.ObjectChanged):
+            await fs.read(fh, 2 * MiB, 128 * 1024)
+        return first
+
+    assert run_fs(backend, body, small_file_bytes=1 * MiB, list_ahead_count=0) == blob(3 * MiB, 4)[: 128 * 1024]
+
+
+def test_small_file_changed_before_first_read_is_estale():
+    backend = MemoryBackend({"s.jpg": b"old bytes"})
+
+    async def body(fs):
+        node = await resolve(fs, "s.jpg")
+        backend.put("s.jpg", b"new bytes!")
+        fh = await fs.open(node.ino, 0)
+        with pytest.raises(errors.ObjectChanged):
+            await fs.read(fh, 0, 4096)
+
+    run_fs(backend, body)
+
+
+def test_concurrent_readers_of_one_block_share_one_get():
+    backend = MemoryBackend({"f": blob(500_000, 6)}, delay_s=0.05)
+
+    async def body(fs):
+        node = await resolve(fs, "f")
+        results = []
+
+        async def reader():
+            fh = await fs.open(node.ino, 0)
+            results.append(await fs.read(fh, 0, 500_000))
+
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(reader)
+        return results
+
+    results = run_fs(backend, body)
+    assert all(r == blob(500_000, 6) for r in results)
+    assert backend.requests["get"] == 1
+
+
+def test_write_opens_are_read_only():
+    backend = MemoryBackend({"f": b"x"})
+
+    async def body(fs):
+        node = await resolve(fs, "f")
+        for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
+            with pytest.raises(errors.ReadOnly):
+                await fs.open(node.ino, flags)
+
+    run_fs(backend, body)
+    assert backend.requests.get("get", 0) == 0
+
+
+def test_backend_failure_is_an_error_for_that_read_only():
+    backend = MemoryBackend({"bad": b"x" * 1000, "good": b"y" * 1000})
+
+    def hook(op, key):
+        if op == "get" and key == "bad":
+            raise errors.TransientError("503 SlowDown (retries exhausted)")
+
+    backend.fail_hook = hook
+
+    async def body(fs):
+        bad = await fs.open((await resolve(fs, "bad")).ino, 0)
+        with pytest.raises(errors.TransientError):
+            await fs.read(bad, 0, 1000)
+        good = await fs.open((await resolve(fs, "good")).ino, 0)
+        return await fs.read(good, 0, 1000)
+
+    assert run_fs(backend, body) == b"y" * 1000
+
+
+def test_memory_budget_holds_with_many_concurrent_readers():
+    files = {f"s/{i:02d}.tar": blob(24 * MiB, i) for i in range(8)}
+    files.update({f"img/{i:03d}.jpg": blob(2 * MiB, 100 + i) for i in range(64)})
+    backend = MemoryBackend(files, delay_s=0.001)
+    budget_bytes = 48 * MiB
+
+    async def body(fs):
+        async def one(path):
+            assert await read_all(fs, path) == files[path]
+
+        async with trio.open_nursery() as n:
+            for path in files:
+                n.start_soon(one, path)
+        return fs.budget.peak_bytes, fs.budget.used_bytes
+
+    peak, used_after = run_fs(backend, body, max_memory_bytes=budget_bytes)
+    assert peak <= budget_bytes
+    assert used_after <= budget_bytes
+
+
+def test_next_shard_head_is_warmed_and_used():
+    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(4)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        assert await read_all(fs, "w/shard-000000.tar") == shards["w/shard-000000.tar"]
+        gets_before = backend.requests["get"]
+        # The head of shard 1 is in flight or ready: wait for it without sleeping blindly.
+        part = fs.prefetcher._heads.get(("w/shard-000001.tar", (await resolve(fs, "w/shard-000001.tar")).version))
+        assert part is not None
+        await part.done.wait()
+        gets_with_head = backend.requests["get"]
+        node = await resolve(fs, "w/shard-000001.tar")
+        fh = await fs.open(node.ino, 0)
+        first = await fs.read(fh, 0, 128 * 1024)
+        return gets_before, gets_with_head, first, fs.stats["prefetch.heads_used"]
+
+    gets_before, gets_with_head, first, used = run_fs(backend, body)
+    assert first == shards["w/shard-000001.tar"][: 128 * 1024]
+    assert used == 1
+    assert gets_with_head >= gets_before
+
+
+def test_forward_seek_resets_the_stream():
+    data = blob(48 * MiB, 9)
+    backend = MemoryBackend({"big.bin": data})
+
+    async def body(fs):
+        node = await resolve(fs, "big.bin")
+        fh = await fs.open(node.ino, 0)
+        off = 0
+        for _ in range(8):
+            assert await fs.read(fh, off, 128 * 1024) == data[off : off + 128 * 1024]
+            off += 128 * 1024
+        far = 40 * MiB
+        assert await fs.read(fh, far, 4096) == data[far : far + 4096]
+        return fs.stats["prefetch.seeks"]
+
+    assert run_fs(backend, body, small_file_bytes=1 * MiB) == 1
