@@ -44,10 +44,12 @@ def fusermount_path() -> Optional[str]:
 
 
 def check_fuse_available() -> None:
-    if not os.path.exists("/dev/fuse"):
-        raise errors.UserError("FUSE is not available: /dev/fuse does not exist (install fuse3 and load the fuse module)", errors.EXIT_NO_FUSE)
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        raise errors.UserError("FUSE is not available: no read/write access to /dev/fuse", errors.EXIT_NO_FUSE)
+    # BUCKETFS_FUSE_DEVICE exists so tests can play a machine without FUSE.
+    device = os.environ.get("BUCKETFS_FUSE_DEVICE", "/dev/fuse")
+    if not os.path.exists(device):
+        raise errors.UserError(f"FUSE is not available: {device} does not exist (install fuse3 and load the fuse module)", errors.EXIT_NO_FUSE)
+    if not os.access(device, os.R_OK | os.W_OK):
+        raise errors.UserError(f"FUSE is not available: no read/write access to {device}", errors.EXIT_NO_FUSE)
     if os.geteuid() != 0 and fusermount_path() is None:
         raise errors.UserError("FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE)
 

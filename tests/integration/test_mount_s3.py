@@ -1,0 +1,184 @@
+"""Real mounts of a real S3 server (rclone serve s3 on 127.0.0.1): reads, names, EROFS, versions."""
+
+import errno
+import hashlib
+import mmap
+import os
+import random
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MiB = 1024 * 1024
+
+
+def rnd(n_bytes: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n_bytes)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_mixed_tree_copies_out_byte_identical(rclone_server, s3_bucket, mount_factory, tmp_path):
+    sizes = [0, 1, 100, 4095, 4096, 65536, 100_000, 1 * MiB, 8 * MiB, 8 * MiB + 1, 13 * MiB + 7, 40 * MiB + 3]
+    objects = {}
+    for i, size in enumerate(sizes):
+        depth = "/".join(f"d{j}" for j in range(i % 4))
+        objects[f"ds/{depth}/f{i}.bin".replace("//", "/")] = rnd(size, i)
+    objects["ds/shards/train-000.tar"] = rnd(20 * MiB, 99)
+    rclone_server.write_files(s3_bucket, objects)
+    m = mount_factory(rclone_server, s3_bucket, "ds")
+    out = tmp_path / "copy"
+    shutil.copytree(m.mountpoint, out)
+    copied = {str(p.relative_to(out)): sha(p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    assert copied == {k[len("ds/"):]: sha(v) for k, v in objects.items()}
+    for key, data in objects.items():  # stat sizes come from the listing
+        assert os.stat(m.path(key[len("ds/"):])).st_size == len(data)
+
+
+def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucket, mount_factory):
+    names = [f"item-{i:05d}.bin" for i in range(20_000)]
+    rclone_server.write_files(s3_bucket, {f"many/{n}": b"" for n in names})
+    m = mount_factory(rclone_server, s3_bucket)
+    first = os.listdir(m.path("many"))
+    assert first == names  # S3 key order, every entry exactly once
+    assert os.listdir(m.path("many")) == first
+    with os.scandir(m.path("many")) as it:
+        assert sum(1 for e in it if e.is_file()) == 20_000
+
+
+def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
+    special = ["with space.txt", "per%25cent%", "plus+sign", "hash#tag", "quest?ion", "eq=ual", "amp&ersand",
+               "ünïcødé.txt", "日本語.bin", "emoji-🚀", "semi;colon", "quote'd"]
+    rclone_server.write_files(s3_bucket, {f"s/{n}": n.encode() * 3 for n in special})
+    m = mount_factory(rclone_server, s3_bucket)
+    assert sorted(os.listdir(m.path("s"))) == sorted(special)
+    for n in special:
+        with open(m.path("s", n), "rb") as f:
+            assert f.read() == n.encode() * 3
+
+
+def test_skipped_keys_do_not_break_the_listing(moto_server, mount_factory):
+    bucket = moto_server.new_bucket()
+    good = {"k/a.txt": b"a", "k/z.txt": b"z", "k/dir/x": b"x"}
+    bad = ["k/b//c", "k/./d", "k/../e", "k/" + "n" * 300]
+    for key, data in good.items():
+        moto_server.put(bucket, key, data)
+    for key in bad:
+        moto_server.put(bucket, key, b"bad")
+    moto_server.put(bucket, "k/dir", b"file and prefix")  # the directory wins
+    m = mount_factory(moto_server, bucket, "k")
+    listing = sorted(os.listdir(m.mountpoint))
+    assert listing == ["a.txt", "b", "dir", "z.txt"]  # `b` is a real prefix; its `//` child is skipped
+    assert os.listdir(m.path("b")) == []
+    assert os.path.isdir(m.path("dir")) and os.listdir(m.path("dir")) == ["x"]
+    assert open(m.path("z.txt"), "rb").read() == b"z"
+    assert os.path.realpath(m.path("..", "e")) != m.path("e")
+    for name in ("..", "."):
+        assert os.path.realpath(m.path(name)).startswith(os.path.dirname(m.mountpoint))
+
+
+def test_every_write_operation_is_erofs_and_bucket_unchanged(rclone_server, s3_bucket, mount_factory):
+    rclone_server.write_files(s3_bucket, {"w/f.txt": b"data", "w/d/g.txt": b"g"})
+    before = sorted((o["Key"], o["ETag"]) for o in rclone_server.client.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    m = mount_factory(rclone_server, s3_bucket)
+    f, d = m.path("w", "f.txt"), m.path("w", "d")
+    ops = {
+        "create": lambda: open(m.path("w", "new.txt"), "x"),
+        "open-write": lambda: open(f, "w"),
+        "open-append": lambda: open(f, "a"),
+        "open-rw": lambda: open(f, "r+"),
+        "truncate": lambda: os.truncate(f, 0),
+        "mkdir": lambda: os.mkdir(m.path("w", "nd")),
+        "unlink": lambda: os.unlink(f),
+        "rmdir": lambda: os.rmdir(d),
+        "rename": lambda: os.rename(f, m.path("w", "h.txt")),
+        "chmod": lambda: os.chmod(f, 0o777),
+        "chown": lambda: os.chown(f, 1234, 1234),
+        "utime": lambda: os.utime(f, (0, 0)),
+        "symlink": lambda: os.symlink("f.txt", m.path("w", "ln")),
+        "link": lambda: os.link(f, m.path("w", "hard")),
+        "setxattr": lambda: os.setxattr(f, "user.k", b"v"),
+        "removexattr": lambda: os.removexattr(f, "user.k"),
+        "mknod": lambda: os.mkfifo(m.path("w", "fifo")),
+    }
+    for name, op in ops.items():
+        with pytest.raises(OSError) as info:
+            op()
+        assert info.value.errno == errno.EROFS, f"{name}: {info.value}"
+    after = sorted((o["Key"], o["ETag"]) for o in rclone_server.client.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert after == before
+    assert open(f, "rb").read() == b"data"
+
+
+def test_reads_past_eof_zero_bytes_and_mmap(rclone_server, s3_bucket, mount_factory):
+    data = rnd(3 * MiB + 5, 7)
+    rclone_server.write_files(s3_bucket, {"z/empty": b"", "z/blob": data})
+    m = mount_factory(rclone_server, s3_bucket)
+    assert open(m.path("z", "empty"), "rb").read() == b""
+    fd = os.open(m.path("z", "blob"), os.O_RDONLY)
+    try:
+        assert os.pread(fd, 100, len(data) - 10) == data[-10:]
+        assert os.pread(fd, 100, len(data)) == b""
+        assert os.pread(fd, 100, len(data) + 12345) == b""
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:100] == data[:100]
+            assert mm[2 * MiB : 2 * MiB + 4096] == data[2 * MiB : 2 * MiB + 4096]
+            assert sha(mm[:]) == sha(data)
+    finally:
+        os.close(fd)
+
+
+def test_object_over_5_gib_reads_at_any_offset(rclone_server, s3_bucket, mount_factory):
+    size = 5 * 1024 * MiB + 12345
+    marks = {0: b"head", 4 * 1024 * MiB: b"four-gib", size - 9: b"tail-mark"}
+    path = rclone_server.root_dir / s3_bucket / "huge" / "big.bin"
+    path.parent.mkdir(parents=True)
+    with open(path, "wb") as f:  # sparse: only the marks take disk space
+        f.truncate(size)
+        for off, mark in marks.items():
+            f.seek(off)
+            f.write(mark)
+    rclone_server.rclone_rc("vfs/forget")
+    m = mount_factory(rclone_server, s3_bucket, "", "--read-timeout", "120")
+    assert os.stat(m.path("huge", "big.bin")).st_size == size
+    fd = os.open(m.path("huge", "big.bin"), os.O_RDONLY)
+    try:
+        for off, mark in marks.items():
+            assert os.pread(fd, len(mark), off) == mark
+        assert os.pread(fd, 10, 5 * 1024 * MiB) == b"\0" * 10
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("server_name", ["rclone_server", "moto_server"])
+def test_overwrite_mid_read_gives_estale_never_mixed_bytes(request, server_name, mount_factory):
+    server = request.getfixturevalue(server_name)
+    bucket = server.new_bucket()
+    old, new = rnd(24 * MiB, 1), rnd(24 * MiB, 2)
+    server.put(bucket, "v/big.bin", old)
+    server.put(bucket, "v/small.jpg", old[:100_000])
+    # Small read-ahead so the rest of the object is not fetched before the overwrite.
+    m = mount_factory(server, bucket, "", "--readahead-max", "1M", "--part-size", "1M", "--small-file-bytes", "1M")
+    os.stat(m.path("v", "small.jpg"))  # listed (and pinned) before the overwrite
+    fd = os.open(m.path("v", "big.bin"), os.O_RDONLY)
+    try:
+        head = os.pread(fd, 128 * 1024, 0)
+        assert head == old[: len(head)]
+        server.put(bucket, "v/big.bin", new)
+        server.put(bucket, "v/small.jpg", new[:100_000])
+        with pytest.raises(OSError) as info:
+            for off in range(20 * MiB, 24 * MiB, 1 * MiB):
+                data = os.pread(fd, 64 * 1024, off)
+                assert data == old[off : off + len(data)], "bytes of the new version leaked"
+        assert info.value.errno in (errno.ESTALE, errno.EIO)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:
+        open(m.path("v", "small.jpg"), "rb").read()
+    assert info.value.errno in (errno.ESTALE, errno.EIO)
+    # The mount keeps serving other reads.
+    assert os.listdir(m.path("v")) == ["big.bin", "small.jpg"]
