@@ -1,0 +1,262 @@
+"""Google Cloud Storage backend: `gs://BUCKET[/PREFIX]` on google-cloud-storage.
+
+Role: the Backend contract (see base.py) over the GCS JSON API, with the same
+guarantees as the S3 backend.
+
+Invariants:
+- `version` is the object's generation as a decimal string. Size, mtime and
+  generation come from listing pages; there is no metadata GET per file.
+- A read pinned to a generation returns bytes of exactly that generation or
+  raises ObjectChanged/NotFound. The GET targets the generation (`generation=`)
+  and sends `ifGenerationMatch`, and the generation the response reports
+  (`x-goog-generation`) is checked; endpoints that omit that header (the
+  gcp-storage-emulator ignores both parameters) get a metadata GET after the
+  download instead.
+- Reads are raw (`raw_download`, `Accept-Encoding: gzip`): an object stored with
+  `Content-Encoding: gzip` is served as its stored bytes, so offsets match the
+  size the listing reports.
+- Every blocking call runs through one BlockingCaller; the library's own retry is
+  off (`retry=None`) so there is one bounded, jittered retry loop, and every call
+  carries (connect, read) timeouts. Requests are counted per attempt.
+- Credentials are never logged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from typing import Optional
+
+import google.auth.exceptions
+import requests
+import requests.adapters
+import trio
+import urllib3.exceptions
+from google.api_core import exceptions as gexc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from bucketfs import errors
+from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
+from bucketfs.config import Config
+
+log = logging.getLogger(__name__)
+
+_PAGE_SIZE_COUNT = 1000  # the JSON API's maximum entries per listing page
+# Partial response: a full object resource is ~25 fields; a listing needs 4.
+_LIST_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
+# Answer "is the bucket there?" within this, even against a black-holed address
+# where every attempt waits for the whole connect timeout.
+_PROBE_DEADLINE_S = 30.0
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+# Throttling and server-side failures, by HTTP status (408 has no class of its own).
+_TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_TRANSIENT = (
+    requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,  # raw body streaming can leak urllib3's own errors
+    google.auth.exceptions.TransportError,  # token endpoint unreachable
+    ConnectionError, TimeoutError,
+)
+_DENIED = (gexc.Forbidden, gexc.Unauthorized, google.auth.exceptions.DefaultCredentialsError,
+           google.auth.exceptions.RefreshError)
+
+
+def classify(exc: BaseException) -> errors.BucketfsError:
+    """Map a google-cloud / requests exception to a bucketfs error (one table)."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, gexc.PreconditionFailed):
+        return errors.ObjectChanged(message)
+    if isinstance(exc, gexc.NotFound):
+        return errors.NotFound(message)
+    if isinstance(exc, _DENIED):
+        return errors.AccessDenied(message)
+    if isinstance(exc, _TRANSIENT) or (isinstance(exc, gexc.GoogleAPICallError) and exc.code in _TRANSIENT_STATUSES):
+        return errors.TransientError(message)
+    return errors.BackendError(message)
+
+
+def _mtime_ns(updated: Optional[datetime.datetime]) -> int:
+    # Integer arithmetic: a float timestamp loses the microseconds GCS reports.
+    return 0 if updated is None else (updated - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+
+
+def _info(blob: storage.Blob) -> ObjectInfo:
+    return ObjectInfo(blob.name, int(blob.size or 0), _mtime_ns(blob.updated), str(blob.generation))
+
+
+class GCSBackend(Backend):
+    """One bucket over the GCS JSON API; keys are full object names."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self._config = config
+        self._bucket_name = config.url.bucket
+        self._timeout_s = (config.connect_timeout_s, config.read_timeout_s)
+        policy = RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s)
+        self._caller = BlockingCaller(config.max_connections_count, policy, classify)
+        self._count_lock = threading.Lock()  # counters are bumped from worker threads
+        self._client_lock = threading.Lock()
+        self._client: Optional[storage.Client] = None
+        self._bucket: Optional[storage.Bucket] = None
+        self._warned_no_generation_header = False
+
+    # -- client (built lazily in a worker thread: ADC discovery may block) ----
+    def _endpoint_url(self) -> Optional[str]:
+        endpoint = self._config.endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+        if endpoint and "://" not in endpoint:
+            endpoint = "http://" + endpoint  # STORAGE_EMULATOR_HOST is often host:port
+        return endpoint.rstrip("/") if endpoint else None
+
+    def _credentials(self, endpoint: Optional[str]):
+        if self._config.key_file:
+            from google.oauth2 import service_account
+
+            try:
+                return service_account.Credentials.from_service_account_file(self._config.key_file)
+            except (OSError, ValueError) as exc:
+                raise errors.AccessDenied(f"cannot load key file {self._config.key_file}: {type(exc).__name__}: {exc}") from None
+        # A plaintext endpoint is an emulator: it needs no token, and a real token
+        # must never travel unencrypted.
+        if self._config.no_sign_request or (endpoint and endpoint.startswith("http://")):
+            return AnonymousCredentials()
+        return None  # Application Default Credentials
+
+    def _get_bucket(self) -> storage.Bucket:
+        with self._client_lock:
+            if self._bucket is None:
+                endpoint = self._endpoint_url()
+                client = storage.Client(
+                    project=None,  # reads need no project; None avoids project discovery
+                    credentials=self._credentials(endpoint),
+                    client_options={"api_endpoint": endpoint} if endpoint else None,
+                )
+                # google-cloud-storage >= 3.x fetches bucket metadata in background
+                # threads for tracing: uncounted requests with their own retries.
+                if hasattr(client, "_bucket_metadata_cache"):
+                    client._bucket_metadata_cache = None
+                # One pool as large as the thread limiter, so concurrent GETs reuse
+                # connections instead of opening and discarding them. (An mTLS
+                # session keeps the adapter that carries its client certificate.)
+                if not getattr(client._http, "is_mtls", False):
+                    adapter = requests.adapters.HTTPAdapter(
+                        pool_connections=2, pool_maxsize=self._config.max_connections_count, max_retries=0)
+                    client._http.mount("https://", adapter)
+                    client._http.mount("http://", adapter)
+                self._client = client
+                self._bucket = client.bucket(self._bucket_name)
+            return self._bucket
+
+    def session(self) -> requests.Session:
+        """The shared HTTP session (tests mount fault-injecting adapters on it). Blocks."""
+        self._get_bucket()
+        return self._client._http
+
+    def _count(self, op: str) -> None:
+        with self._count_lock:
+            self.requests[op] += 1
+
+    def _count_bytes(self, bytes_count: int) -> None:
+        with self._count_lock:
+            self.bytes_fetched += bytes_count
+
+    # -- contract ---------------------------------------------------------------
+    async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
+        def fetch():
+            bucket = self._get_bucket()
+            self._count("list")
+            iterator = bucket.client.list_blobs(
+                bucket, prefix=prefix or None, delimiter="/", page_size=_PAGE_SIZE_COUNT,
+                page_token=token, fields=_LIST_FIELDS, retry=None, timeout=self._timeout_s)
+            page = next(iterator.pages)  # exactly one request: the caller drives paging
+            return [_info(blob) for blob in page], sorted(page.prefixes), iterator.next_page_token
+
+        objects, prefixes, next_token = await self._caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
+        return ListPage(objects, prefixes, next_token or None)
+
+    async def stat(self, key: str) -> ObjectInfo:
+        def fetch():
+            bucket = self._get_bucket()
+            self._count("head")
+            blob = bucket.blob(key)
+            blob.reload(retry=None, timeout=self._timeout_s)
+            return _info(blob)
+
+        return await self._caller.call(f"stat {key}", fetch)
+
+    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+        if end <= start:
+            return b""
+        generation = int(version)
+
+        def fetch():
+            bucket = self._get_bucket()
+            self._count("get")
+            # generation= makes GCS serve exactly that generation (404 once it is gone).
+            blob = storage.Blob(key, bucket, generation=generation)
+            try:
+                data = blob.download_as_bytes(
+                    start=start, end=end - 1,  # GCS ranges are inclusive
+                    raw_download=True, if_generation_match=generation, checksum=None,
+                    retry=None, timeout=self._timeout_s)
+            except gexc.RequestRangeNotSatisfiable:
+                return b"", generation  # start >= size: nothing to read, nothing to check
+            self._count_bytes(len(data))
+            # blob.generation now holds the response's x-goog-generation, or None.
+            return data, blob.generation
+
+        try:
+            data, served_generation = await self._caller.call(f"GET {key}", fetch)
+        except errors.NotFound:
+            raise await self._gone_error(key, version) from None
+        if served_generation is None:
+            served_generation = await self._live_generation_after_read(key)
+        if served_generation != generation:
+            raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
+        return data
+
+    async def _live_generation_after_read(self, key: str) -> int:
+        # Generations only grow, so if the live generation equals the pinned one
+        # after the download, the download served the pinned generation.
+        if not self._warned_no_generation_header:
+            self._warned_no_generation_header = True
+            log.warning("endpoint sends no x-goog-generation header; each read costs an extra metadata GET")
+        return int((await self.stat(key)).version)
+
+    async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:
+        """A generation-targeted GET gave 404: the object is gone or was replaced."""
+        try:
+            live = await self.stat(key)
+        except errors.NotFound:
+            return errors.NotFound(key)
+        if live.version == version:
+            return errors.NotFound(key)
+        return errors.ObjectChanged(f"{key}: generation {version} is now {live.version}")
+
+    async def check_bucket(self, prefix: str) -> None:
+        def probe():
+            bucket = self._get_bucket()
+            self._count("list")
+            iterator = bucket.client.list_blobs(
+                bucket, prefix=prefix or None, delimiter="/", max_results=1,
+                fields="nextPageToken", retry=None, timeout=self._timeout_s)
+            next(iterator.pages)
+
+        where = f"gs://{self._bucket_name}/{prefix}"
+        try:
+            with trio.fail_after(_PROBE_DEADLINE_S):
+                await self._caller.call(f"probe {where}", probe, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise errors.EndpointUnreachable(f"{where}: no answer within {_PROBE_DEADLINE_S:.0f}s") from None
+        except errors.NotFound as exc:
+            raise errors.BucketNotFound(f"{where}: {exc}") from None
+        except errors.TransientError as exc:
+            raise errors.EndpointUnreachable(f"{where}: {exc}") from None
+
+    async def aclose(self) -> None:
+        with self._client_lock:
+            client, self._client, self._bucket = self._client, None, None
+        if client is not None:
+            client.close()
