@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import stat as stat_mod
 import subprocess
 from typing import Callable, Optional
 
@@ -32,6 +33,10 @@ from bucketfs.fuse_ops import FuseOperations
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 30.0
+# After SIGTERM the mount is detached at once; readers already mid-file get this long
+# to finish (the kernel keeps a detached mount alive while files are open) before
+# the daemon stops serving them. Below systemd's default 90 s stop timeout.
+SHUTDOWN_GRACE_S = 30.0
 # Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
@@ -54,6 +59,14 @@ def check_fuse_available() -> None:
         raise errors.UserError("FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE)
 
 
+def _is_dead_mount(path: str) -> bool:
+    try:
+        os.listdir(path)
+        return False
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+
+
 def check_mountpoint(path: str) -> None:
     """The mountpoint must be an existing, empty directory that is not a mount.
 
@@ -61,17 +74,14 @@ def check_mountpoint(path: str) -> None:
     mount recovers the path without a reboot.
     """
     try:
+        if os.path.lexists(path) and _is_dead_mount(path):
+            log.warning("%s is a dead FUSE mount (crashed daemon?); detaching it", path)
+            unmount(path, lazy=True)
         st = os.stat(path)
     except FileNotFoundError:
         raise errors.UserError(f"mountpoint {path} does not exist", errors.EXIT_BAD_MOUNTPOINT) from None
     except OSError as exc:
-        if exc.errno != errno.ENOTCONN:
-            raise errors.UserError(f"mountpoint {path}: {exc.strerror}", errors.EXIT_BAD_MOUNTPOINT) from None
-        log.warning("%s is a dead FUSE mount (crashed daemon?); detaching it", path)
-        unmount(path, lazy=True)
-        st = os.stat(path)
-    import stat as stat_mod
-
+        raise errors.UserError(f"mountpoint {path}: {exc.strerror}", errors.EXIT_BAD_MOUNTPOINT) from None
     if not stat_mod.S_ISDIR(st.st_mode):
         raise errors.UserError(f"mountpoint {path} is not a directory", errors.EXIT_BAD_MOUNTPOINT)
     if os.path.ismount(path):
@@ -164,6 +174,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         await backend.aclose()
         raise errors.user_error_for(exc, str(config.url)) from None
     mounted = False
+    detached = []  # set by the signal handler once it has lazily unmounted
     try:
         async with trio.open_nursery() as nursery:
             fs = Filesystem(backend, config, nursery)
@@ -176,7 +187,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
             log.info("mounted %s on %s", config.url, config.mountpoint)
             if on_fs is not None:
                 on_fs(fs, nursery)
-            nursery.start_soon(_watch_signals)
+            nursery.start_soon(_watch_signals, config.mountpoint, detached)
             nursery.start_soon(_announce_ready, config.mountpoint, on_ready)
             await pyfuse3.main(min_tasks=4, max_tasks=256)
             log.info("FUSE loop ended; unmounting %s", config.mountpoint)
@@ -184,18 +195,35 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
             nursery.cancel_scope.cancel()
     finally:
         if mounted:
-            pyfuse3.close(unmount=True)
+            pyfuse3.close(unmount=not detached)
             log.info("unmounted %s", config.mountpoint)
         with trio.CancelScope(shield=True):
             await backend.aclose()
 
 
-async def _watch_signals() -> None:
+async def _watch_signals(mountpoint: str, detached: list) -> None:
+    """First signal: detach the mount (no new opens) and let open files finish; the
+    FUSE loop ends by itself when the last one closes. A second signal, or the grace
+    period running out, ends it at once."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
-            log.info("received %s; unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
+            if detached:
+                log.info("received %s again; stopping now", signal.Signals(signum).name)
+                break
+            log.info("received %s; detaching %s (open files may finish for %.0f s)", signal.Signals(signum).name, mountpoint, SHUTDOWN_GRACE_S)
+            sd_notify("STOPPING=1")
+            try:
+                await trio.to_thread.run_sync(unmount, mountpoint, True)
+                detached.append(True)
+            except errors.UserError as exc:
+                log.error("%s; stopping now", exc)
+                break
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                async for signum in signals:
+                    log.info("received %s again; stopping now", signal.Signals(signum).name)
+                    break
+            break
+    pyfuse3.terminate()
 
 
 async def _announce_ready(mountpoint: str, on_ready: Callable[[], None]) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -45,15 +48,36 @@ class Mount:
 
     def __init__(self, url: str, mountpoint: str, env: dict, args=()):
         self.url, self.mountpoint = url, str(mountpoint)
+        # Play systemd's part: bucketfs sends READY=1 to NOTIFY_SOCKET once the mount
+        # answers, which is the one reliable signal (a dead mount left on the same path
+        # already looks like a mount to os.path.ismount).
+        self._sock_dir = tempfile.mkdtemp(prefix="bucketfs-notify-")
+        sock_path = os.path.join(self._sock_dir, "notify")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(sock_path)
         self.proc = subprocess.Popen(
             bucketfs_cmd("mount", url, self.mountpoint, "--foreground", "--log-level", "INFO", *args),
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(env, NOTIFY_SOCKET=sock_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         try:
-            wait_for(lambda: os.path.ismount(self.mountpoint), MOUNT_DEADLINE_S, f"mount of {url}", self.proc)
+            self.wait_notify("READY=1", MOUNT_DEADLINE_S)
         except BaseException:
             self.close()
             raise
+
+    def wait_notify(self, message: str, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while True:
+            remaining_s = end - time.monotonic()
+            if remaining_s <= 0:
+                raise AssertionError(f"no {message} from the mount of {self.url} within {deadline_s} s")
+            self._sock.settimeout(min(remaining_s, 0.5))
+            try:
+                if message in self._sock.recv(4096).decode().split("\n"):
+                    return
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"mount of {self.url} exited with {self.proc.returncode}: {self.proc.stderr.read()}") from None
 
     def path(self, *parts) -> str:
         return os.path.join(self.mountpoint, *parts)
@@ -74,3 +98,5 @@ class Mount:
         if self.proc.stderr:
             self.stderr_text = self.proc.stderr.read()
             self.proc.stderr.close()
+        self._sock.close()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)

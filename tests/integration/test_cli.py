@@ -1,0 +1,188 @@
+"""The CLI's contract: one clear line and a distinct exit code for each bad input,
+nothing left mounted; daemon mode returns once mounted; signals unmount cleanly."""
+
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+
+from bucketfs import errors
+from tests.integration.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def run_cli(*args, env=None, timeout_s=60):
+    return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def assert_one_line_error(proc, code, *fragments):
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("bucketfs: ")
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def empty_dir(tmp_path):
+    d = tmp_path / "mp"
+    d.mkdir()
+    yield str(d)
+    force_unmount(str(d))
+
+
+def server_env(server, **extra):
+    env = dict(os.environ, **server.env())
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("not-a-url", "not a bucket URL"),
+    ("ftp://bucket/x", "unknown scheme"),
+    ("s3://", "not a valid bucket name"),
+    ("s3://Bad_Bucket/x", "not a valid bucket name"),
+])
+def test_malformed_url(url, fragment, empty_dir):
+    assert_one_line_error(run_cli("mount", url, empty_dir), errors.EXIT_USAGE, fragment)
+    assert not os.path.ismount(empty_dir)
+
+
+def test_missing_bucket(rclone_server, empty_dir):
+    proc = run_cli("mount", "s3://no-such-bucket-here/x", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=server_env(rclone_server))
+    assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
+    assert not os.path.ismount(empty_dir)
+
+
+def test_access_denied(rclone_server, s3_bucket, empty_dir):
+    env = server_env(rclone_server, AWS_SECRET_ACCESS_KEY="wrong-secret-key-0000000000000000")
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
+    assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "access denied")
+    assert "wrong-secret" not in proc.stderr
+    assert not os.path.ismount(empty_dir)
+
+
+def test_no_credentials(rclone_server, s3_bucket, empty_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_EC2_METADATA_DISABLED="true")
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
+    assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED)
+    assert not os.path.ismount(empty_dir)
+
+
+def test_unreachable_endpoint_answers_quickly(empty_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", f"http://127.0.0.1:{port}",
+                       env=dict(os.environ, AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40),
+                       timeout_s=45)
+    assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
+
+
+def test_bad_mountpoints(rclone_server, s3_bucket, tmp_path):
+    url, ep = f"s3://{s3_bucket}/", ("--endpoint-url", rclone_server.endpoint_url)
+    env = server_env(rclone_server)
+    assert_one_line_error(run_cli("mount", url, str(tmp_path / "missing"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "does not exist")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(run_cli("mount", url, str(tmp_path / "file"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "not a directory")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert_one_line_error(run_cli("mount", url, str(tmp_path / "full"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "not empty")
+    (tmp_path / "busy").mkdir()
+    m = Mount(url, str(tmp_path / "busy"), env, ep)
+    try:
+        assert_one_line_error(run_cli("mount", url, str(tmp_path / "busy"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
+    finally:
+        m.close()
+
+
+def test_no_fuse(rclone_server, s3_bucket, empty_dir):
+    env = server_env(rclone_server, BUCKETFS_FUSE_DEVICE="/nonexistent/fuse")
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
+    assert_one_line_error(proc, errors.EXIT_NO_FUSE, "FUSE is not available")
+
+
+def test_bad_option_value():
+    proc = run_cli("mount", "s3://b/x", "/tmp", "--max-memory", "lots")
+    assert proc.returncode == errors.EXIT_USAGE
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_detaches_lets_open_readers_finish_and_exits_zero(rclone_server, s3_bucket, empty_dir, sig):
+    data = os.urandom(3 * 1024 * 1024)
+    rclone_server.write_files(s3_bucket, {"f.bin": data})
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        with open(m.path("f.bin"), "rb", buffering=0) as f:  # a reader mid-file when the signal arrives
+            head = f.read(1000)
+            m.proc.send_signal(sig)
+            wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
+            assert os.listdir(empty_dir) == []  # detached at once: no new opens
+            assert head + f.read() == data  # the open reader still finishes
+        assert m.proc.wait(timeout=30) == 0  # the last close ends the daemon
+    finally:
+        m.close()
+
+
+def test_second_signal_stops_at_once(rclone_server, s3_bucket, empty_dir):
+    rclone_server.write_files(s3_bucket, {"f.bin": b"x" * 100})
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        f = open(m.path("f.bin"), "rb")
+        m.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=30) == 0
+        with pytest.raises(OSError):
+            f.close()  # the daemon is gone: the kernel answers ENOTCONN
+    finally:
+        m.close()
+
+
+def test_daemon_mode_returns_once_mounted_and_unmount_stops_it(rclone_server, s3_bucket, empty_dir, tmp_path):
+    rclone_server.write_files(s3_bucket, {"p/hello.txt": b"hello"})
+    log_file = tmp_path / "bucketfs.log"
+    proc = run_cli("mount", f"s3://{s3_bucket}/p", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--log-file", str(log_file), env=server_env(rclone_server))
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert os.path.ismount(empty_dir)  # mounted when the command returned: no waiting
+        assert open(os.path.join(empty_dir, "hello.txt")).read() == "hello"
+        assert run_cli("unmount", empty_dir).returncode == 0
+        assert not os.path.ismount(empty_dir)
+        wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
+    finally:
+        force_unmount(empty_dir)
+
+
+def test_unmount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir):
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        m.terminate(signal.SIGKILL)  # a crash: the mount is left dead (ENOTCONN)
+        with pytest.raises(OSError):
+            os.listdir(empty_dir)
+        assert run_cli("unmount", empty_dir).returncode == 0
+        assert os.listdir(empty_dir) == []
+    finally:
+        m.close()
+
+
+def test_new_mount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir):
+    env, ep = server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url)
+    rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, env, ep)
+    m.terminate(signal.SIGKILL)
+    m2 = Mount(f"s3://{s3_bucket}/", empty_dir, env, ep)
+    try:
+        assert os.listdir(empty_dir) == ["a.txt"]
+    finally:
+        m2.close()
+        m.close()
