@@ -1,0 +1,237 @@
+"""S3 (and S3-compatible) backend on boto3.
+
+Role: the contract of backends/base.py over ListObjectsV2, HeadObject and ranged
+GetObject. Invariants:
+- One boto3 client, shared by the worker threads of one BlockingCaller; its pool
+  holds as many connections as the caller runs threads. botocore's own retries are
+  off: every retry happens in BlockingCaller, with jittered backoff, so attempts are
+  bounded in one place.
+- A read pinned to a version returns bytes of exactly that version or raises
+  ObjectChanged. We send If-Match AND compare the ETag of the response, because
+  some servers (rclone serve s3) ignore If-Match.
+- ETags are normalised (quotes stripped): LIST answers them unquoted on some
+  servers, HEAD and GET always quote them.
+- `requests` counts the calls the core made, by type; retries of one call are
+  counted in `caller.retries_count`. Both are touched only on the trio thread.
+- Error messages never carry credentials (botocore never prints them; an endpoint
+  URL's user-info is scrubbed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import logging
+import re
+from typing import Optional
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import trio
+import urllib3.exceptions
+from botocore import UNSIGNED
+
+from bucketfs import errors
+from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
+from bucketfs.config import Config
+
+log = logging.getLogger(__name__)
+
+LIST_PAGE_KEYS_COUNT = 1000  # the S3 maximum: one page answers a whole typical directory
+# check_bucket must answer within ~30 s even when packets to the endpoint are dropped:
+# 3 attempts x 5 s connect timeout, plus backoff.
+PROBE_ATTEMPTS_COUNT = 3
+PROBE_CONNECT_TIMEOUT_S = 5.0
+PROBE_READ_TIMEOUT_S = 10.0
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
+_DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+                 "AccountProblem", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+                    "503", "500", "502", "504"}
+_TRANSIENT_STATUSES = {429, 500, 502, 503, 504}
+# Failures of the connection or of the body stream: the whole request is worth repeating.
+_TRANSIENT_EXCEPTIONS = (
+    botocore.exceptions.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError, ...
+    botocore.exceptions.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
+    botocore.exceptions.IncompleteReadError,
+    urllib3.exceptions.HTTPError,  # ProtocolError, ReadTimeoutError, IncompleteRead
+    http.client.IncompleteRead,
+    ConnectionError,
+    TimeoutError,
+)
+# Failures to reach the endpoint at all: check_bucket reports these as EndpointUnreachable.
+_UNREACHABLE_EXCEPTIONS = (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)
+_USERINFO_RE = re.compile(r"//[^/@\s]+@")
+
+
+def _scrub(text: str) -> str:
+    return _USERINFO_RE.sub("//***@", text)
+
+
+def classify(exc: BaseException) -> errors.BucketfsError:
+    """Map a boto3/botocore/urllib3 exception to a bucketfs error (see module docstring)."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        text = _scrub(f"{exc.operation_name}: {code or status} {error.get('Message', '')}".strip())
+        if code == "NoSuchBucket":
+            return errors.BucketNotFound(text)
+        if code in _NOT_FOUND_CODES or status == 404:
+            return errors.NotFound(text)
+        if code in _DENIED_CODES or status == 403:
+            return errors.AccessDenied(text)
+        if code == "PreconditionFailed" or status == 412:
+            return errors.ObjectChanged(text)
+        if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES:
+            return errors.TransientError(text)
+        return errors.BackendError(text)
+    if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
+        return errors.AccessDenied(f"{exc} (set AWS credentials or a profile, or use --no-sign-request)")
+    if isinstance(exc, _TRANSIENT_EXCEPTIONS):
+        return errors.TransientError(_scrub(f"{type(exc).__name__}: {exc}"))
+    return errors.BackendError(_scrub(f"{type(exc).__name__}: {exc}"))
+
+
+def normalise_etag(etag: str) -> str:
+    return etag.strip('"') if etag else ""
+
+
+def _mtime_ns(when: datetime.datetime) -> int:
+    # Integer arithmetic: a float timestamp * 1e9 loses the low bits of a nanosecond count.
+    return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+
+
+class S3Backend(Backend):
+    def __init__(self, config: Config, session: Optional[boto3.session.Session] = None):
+        """`session` lets tests pass explicit credentials; by default the profile's session."""
+        super().__init__()
+        self.bucket = config.url.bucket
+        self._config = config
+        self._session = session or boto3.session.Session(profile_name=config.profile)
+        self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
+        self.caller = BlockingCaller(
+            config.max_connections_count,
+            RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
+            classify,
+        )
+
+    def _make_client(self, connect_timeout_s: float, read_timeout_s: float):
+        config = self._config
+        botocore_config = botocore.config.Config(
+            region_name=config.region or self._session.region_name or "us-east-1",
+            signature_version=UNSIGNED if config.no_sign_request else None,
+            s3={"addressing_style": "path" if config.path_style else "auto"},
+            max_pool_connections=config.max_connections_count,
+            connect_timeout=connect_timeout_s,
+            read_timeout=read_timeout_s,
+            retries={"total_max_attempts": 1},  # BlockingCaller retries, with backoff
+            # Flexible checksums off unless an operation requires them: rclone serve s3
+            # sends the whole object's CRC with a ranged GET, which botocore would then
+            # reject; our version check (ETag) already guards consistency.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return self._session.client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
+
+    # -- blocking bodies, run in worker threads --------------------------------
+    def _list_blocking(self, client, prefix: str, token: Optional[str], max_keys: int) -> dict:
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/", "MaxKeys": max_keys}
+        if token:
+            kwargs["ContinuationToken"] = token
+        # boto3 asks for EncodingType=url and decodes keys itself, so any UTF-8 key
+        # (including characters XML 1.0 cannot carry) round-trips exactly.
+        return client.list_objects_v2(**kwargs)
+
+    def _get_blocking(self, key: str, start: int, end: int, version: str):
+        """Returns (etag, bytes) or None when the range starts past the end (416)."""
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                              IfMatch=f'"{version}"')
+        except botocore.exceptions.ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                return None
+            raise
+        body = response["Body"]
+        try:
+            # Read the whole body here, in the worker: a reset mid-body raises in this
+            # thread and BlockingCaller repeats the whole request.
+            data = body.read()
+        finally:
+            body.close()
+        if not response.get("ContentRange"):
+            # A server that ignores Range answers 200 with the whole object.
+            data = data[start:end]
+        return normalise_etag(response.get("ETag", "")), data
+
+    # -- contract ---------------------------------------------------------------
+    async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
+        self.requests["list"] += 1
+        response = await self.caller.call(f"LIST {prefix!r}", self._list_blocking, self.client, prefix, token,
+                                          LIST_PAGE_KEYS_COUNT, abandon_on_cancel=True)
+        objects = [
+            ObjectInfo(item["Key"], item["Size"], _mtime_ns(item["LastModified"]), normalise_etag(item.get("ETag", "")))
+            for item in response.get("Contents", ())
+            # A directory marker object (key == prefix) is the directory itself, not a child.
+            if item["Key"] != prefix
+        ]
+        prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
+        next_token = response.get("NextContinuationToken") if response.get("IsTruncated") else None
+        if response.get("IsTruncated") and not next_token:
+            # A silently short directory would be worse than an error.
+            raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
+        return ListPage(objects, prefixes, next_token)
+
+    async def stat(self, key: str) -> ObjectInfo:
+        self.requests["head"] += 1
+        response = await self.caller.call(f"HEAD {key!r}", lambda: self.client.head_object(Bucket=self.bucket, Key=key),
+                                          abandon_on_cancel=True)
+        return ObjectInfo(key, response["ContentLength"], _mtime_ns(response["LastModified"]),
+                          normalise_etag(response.get("ETag", "")))
+
+    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+        if end <= start:
+            return b""
+        self.requests["get"] += 1
+        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version,
+                                        abandon_on_cancel=True)
+        if result is None:
+            # 416 carries no ETag, so a replacement shorter than `start` would read as
+            # EOF. Rare (the core knows sizes from the listing): confirm with one HEAD.
+            current = await self.stat(key)
+            if current.version != version:
+                raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
+            return b""
+        etag, data = result
+        if etag and etag != version:
+            raise errors.ObjectChanged(f"{key}: version {version} is now {etag}")
+        self.bytes_fetched += len(data)
+        return data
+
+    async def check_bucket(self, prefix: str) -> None:
+        self.requests["list"] += 1
+        # Its own short-timeout client and few attempts: the user waits for this answer.
+        # (Made in a thread: building a client reads botocore's service models.)
+        probe_client = await trio.to_thread.run_sync(
+            self._make_client, min(self._config.connect_timeout_s, PROBE_CONNECT_TIMEOUT_S),
+            min(self._config.read_timeout_s, PROBE_READ_TIMEOUT_S))
+        policy = self.caller.policy
+        probe = BlockingCaller(1, RetryPolicy(min(policy.attempts_count, PROBE_ATTEMPTS_COUNT), policy.base_delay_s,
+                                              policy.max_delay_s), classify)
+        try:
+            await probe.call(f"probe LIST {prefix!r}", self._list_blocking, probe_client, prefix, None, 1)
+        except errors.TransientError as exc:
+            if isinstance(exc.__cause__, _UNREACHABLE_EXCEPTIONS):
+                raise errors.EndpointUnreachable(str(exc)) from exc.__cause__
+            raise
+        finally:
+            probe_client.close()
+            self.caller.retries_count += probe.retries_count
+
+    async def aclose(self) -> None:
+        self.client.close()

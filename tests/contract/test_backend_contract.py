@@ -1,0 +1,393 @@
+"""One contract suite, run against every backend (see bucketfs/backends/base.py).
+
+Each backend is a factory in FACTORIES: `factory(request, stack) -> ContractTarget`.
+To add a backend (e.g. "gcs"), write one factory that seeds through the real store
+and add it to the table; the optional capabilities (`denied_backend`,
+`inject_transient`, ...) are None when a backend cannot provide them, and the
+tests that need them skip.
+
+Async code runs with trio.run inside each test (no pytest-trio).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import uuid
+from typing import Callable, Optional
+
+import pytest
+import trio
+
+from bucketfs import errors
+from bucketfs.backends.base import Backend
+from bucketfs.backends.memory import MemoryBackend
+
+
+@dataclasses.dataclass
+class ContractTarget:
+    name: str
+    backend: Backend
+    put: Callable[[str, bytes], None]  # seeds one object through the store itself
+    prefix: str  # unique per test, ends with '/'
+    # Seeds many objects fast; None when that is too slow to be worth it.
+    put_many: Optional[Callable[[dict], None]] = None
+    # Variants of the backend (each closed at teardown); None: not testable here.
+    denied_backend: Optional[Callable[[], Backend]] = None  # valid bucket, wrong credentials
+    missing_bucket_backend: Optional[Callable[[], Backend]] = None
+    unreachable_backend: Optional[Callable[[], Backend]] = None  # endpoint with nothing listening
+    # inject_transient(op, times_count, kind): the next `times_count` requests of op
+    # ("get" | "list" | "head") fail transiently; kind is "throttle" or "reset".
+    inject_transient: Optional[Callable[[str, int, str], None]] = None
+    retries_count: Optional[Callable[[], int]] = None
+    secrets: tuple = ()  # strings that must never appear in an error message
+
+
+def _closing(stack: contextlib.ExitStack, backend: Backend) -> Backend:
+    stack.callback(trio.run, backend.aclose)
+    return backend
+
+
+def _unique_prefix() -> str:
+    return f"contract-{uuid.uuid4().hex[:8]}/"
+
+
+# -- factories ------------------------------------------------------------------
+
+def memory_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    backend = _closing(stack, MemoryBackend())
+
+    def put_many(objects: dict) -> None:
+        for key, data in objects.items():
+            backend.put(key, data)
+
+    return ContractTarget("memory", backend, lambda key, data: backend.put(key, data) and None, _unique_prefix(),
+                          put_many=put_many)
+
+
+def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool) -> ContractTarget:
+    from bucketfs.backends.s3 import S3Backend
+    from tests.servers import closed_port_url, inject_s3_failures
+
+    def make(bucket_name: str = bucket, secret_key: Optional[str] = None, **overrides) -> Backend:
+        config = server.config(bucket_name, **overrides)
+        return _closing(stack, S3Backend(config, session=server.session(secret_key=secret_key)))
+
+    backend = make()
+    wrong_secret = "wrong-secret-key-0123456789abcdefghijklmn"
+    return ContractTarget(
+        name, backend, lambda key, data: server.put(bucket, key, data), _unique_prefix(),
+        put_many=put_many,
+        denied_backend=(lambda: make(secret_key=wrong_secret)) if authenticates else None,
+        missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
+        unreachable_backend=lambda: make(endpoint_url=closed_port_url()),
+        inject_transient=lambda op, times_count, kind: inject_s3_failures(backend.client, op, times_count, kind),
+        retries_count=lambda: backend.caller.retries_count,
+        secrets=(server.secret_key, wrong_secret),
+    )
+
+
+def rclone_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    server = request.getfixturevalue("rclone_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return _s3_target("s3-rclone", server, bucket, stack, lambda objects: server.write_files(bucket, objects),
+                      authenticates=True)
+
+
+def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    server = request.getfixturevalue("moto_server")
+    bucket = server.new_bucket()
+    stack.callback(server.delete_bucket, bucket)
+    # Seeding 2,500 objects over moto's HTTP takes ~12 s; rclone covers pagination.
+    # moto does not check signatures, so it cannot deny access.
+    return _s3_target("s3-moto", server, bucket, stack, None, authenticates=False)
+
+
+FACTORIES = {
+    "memory": memory_target,
+    "s3-rclone": rclone_target,
+    "s3-moto": moto_target,
+}
+
+
+@pytest.fixture(params=list(FACTORIES))
+def contract_backend(request):
+    with contextlib.ExitStack() as stack:
+        yield FACTORIES[request.param](request, stack)
+
+
+# -- helpers --------------------------------------------------------------------
+
+async def _list_all(backend: Backend, prefix: str):
+    """Every page of the listing of `prefix`."""
+    pages, token = [], None
+    while True:
+        page = await backend.list_page(prefix, token)
+        pages.append(page)
+        token = page.next_token
+        if token is None:
+            return pages
+
+
+def _children(page, prefix: str) -> list:
+    # A `prefix` marker object listed inside its own directory is the directory, not a
+    # child: S3Backend drops it, MemoryBackend still returns it; accept either here.
+    return sorted(info.key for info in page.objects if info.key != prefix)
+
+
+# -- the contract -----------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_check_bucket_accepts_an_existing_bucket(contract_backend):
+    t = contract_backend
+    trio.run(t.backend.check_bucket, t.prefix)
+    trio.run(t.backend.check_bucket, "")
+
+
+@pytest.mark.timeout(30)
+def test_delimited_listing_shows_files_and_common_prefixes(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    t.put(p + "a.txt", b"alpha")
+    t.put(p + "b.bin", b"\x00" * 300)
+    t.put(p + "empty", b"")
+    t.put(p + "sub/c", b"c")
+    t.put(p + "sub/deeper/d", b"d")
+    t.put(p + "marker/", b"")  # directory marker only, nothing under it
+    t.put(p + "both/", b"")  # marker and a child
+    t.put(p + "both/e", b"eee")
+    t.put("outside-" + p.rstrip("/"), b"not under the prefix")
+
+    async def body():
+        pages = await _list_all(t.backend, p)
+        assert len(pages) == 1 and t.backend.requests["list"] == 1
+        page = pages[0]
+        assert sorted(info.key for info in page.objects) == [p + "a.txt", p + "b.bin", p + "empty"]
+        assert sorted(page.prefixes) == [p + "both/", p + "marker/", p + "sub/"]
+        sizes = {info.key: info.size_bytes for info in page.objects}
+        assert sizes == {p + "a.txt": 5, p + "b.bin": 300, p + "empty": 0}
+        for info in page.objects:
+            assert isinstance(info.mtime_ns, int) and info.mtime_ns > 0
+            assert info.version and '"' not in info.version
+            # LIST and HEAD agree on the version (rclone quotes ETags only in HEAD/GET).
+            assert (await t.backend.stat(info.key)).version == info.version
+        assert t.backend.requests["head"] == 3
+
+        both = await t.backend.list_page(p + "both/")
+        assert _children(both, p + "both/") == [p + "both/e"] and both.prefixes == []
+        marker = await t.backend.list_page(p + "marker/")
+        assert _children(marker, p + "marker/") == [] and marker.prefixes == []
+        sub = await t.backend.list_page(p + "sub/")
+        assert _children(sub, p + "sub/") == [p + "sub/c"] and sub.prefixes == [p + "sub/deeper/"]
+        nothing = await t.backend.list_page(p + "no-such-dir/")
+        assert nothing.objects == [] and nothing.prefixes == [] and nothing.next_token is None
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(60)
+def test_pagination_returns_every_entry_once_in_order(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    if t.put_many is None:
+        pytest.skip(f"{t.name}: no fast bulk seeding")
+    objects, expected = {}, []
+    for i in range(2500):
+        if i % 250 == 7:  # some common prefixes among the objects, across page boundaries
+            objects[f"{p}{i:05d}/inner"] = b"x"
+            expected.append(f"{p}{i:05d}/")
+        else:
+            objects[f"{p}{i:05d}"] = i.to_bytes(2, "big")
+            expected.append(f"{p}{i:05d}")
+    t.put_many(objects)
+
+    async def body():
+        pages = await _list_all(t.backend, p)
+        assert t.backend.requests["list"] == len(pages) >= 3
+        seen = []
+        for page in pages[:-1]:
+            assert len(page.objects) + len(page.prefixes) == 1000
+        for page in pages:
+            seen.extend(sorted([info.key for info in page.objects] + page.prefixes))
+        assert seen == sorted(expected)
+        sizes = {info.key: info.size_bytes for page in pages for info in page.objects}
+        assert set(sizes.values()) == {2}
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_ranged_reads_at_every_boundary(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    data = bytes(range(256)) * 4 + b"tail"
+    size = len(data)
+    t.put(p + "obj", data)
+    t.put(p + "zero", b"")
+
+    async def body():
+        info = await t.backend.stat(p + "obj")
+        assert info.size_bytes == size
+        v = info.version
+        gets_before = t.backend.requests["get"]
+        fetched_before = t.backend.bytes_fetched
+        nonempty = [(0, 1), (size - 1, size), (size - 10, size + 100), (0, size), (0, 2 * size), (300, 700)]
+        for start, end in nonempty:
+            assert await t.backend.read_range(p + "obj", start, end, v) == data[start:end], (start, end)
+        # Counters: one GET per non-empty range, payload bytes counted exactly.
+        assert t.backend.requests["get"] - gets_before == len(nonempty)
+        assert t.backend.bytes_fetched - fetched_before == sum(len(data[s:e]) for s, e in nonempty)
+
+        for start, end in [(0, 0), (5, 5), (10, 3), (size, size + 10), (size + 5, size + 10), (size, size)]:
+            assert await t.backend.read_range(p + "obj", start, end, v) == b"", (start, end)
+
+        zero = await t.backend.stat(p + "zero")
+        assert zero.size_bytes == 0
+        assert await t.backend.read_range(p + "zero", 0, 0, zero.version) == b""
+        assert await t.backend.read_range(p + "zero", 0, 4096, zero.version) == b""
+
+    trio.run(body)
+
+
+SPECIAL_NAMES = [
+    "a b.txt", "100%.txt", "%41%2F", "c++.txt", "x+y", "hash#tag", "what?", "k=v&x=y",
+    "ünïcödé.txt", "日本語.txt", "emoji-😀", "semi;colon", "tilde~", "sq'uote", "dq\"uote",
+    "dir with space/inner file", "plus+dir/a+b",
+]
+
+
+@pytest.mark.timeout(30)
+def test_special_character_keys_round_trip(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    for name in SPECIAL_NAMES:
+        t.put(p + name, name.encode())
+
+    async def body():
+        page = await t.backend.list_page(p)
+        top = {name for name in SPECIAL_NAMES if "/" not in name}
+        assert sorted(info.key for info in page.objects) == sorted(p + name for name in top)
+        assert sorted(page.prefixes) == [p + "dir with space/", p + "plus+dir/"]
+        for name in SPECIAL_NAMES:
+            info = await t.backend.stat(p + name)
+            assert info.key == p + name and info.size_bytes == len(name.encode())
+            assert await t.backend.read_range(p + name, 0, info.size_bytes, info.version) == name.encode()
+        nested = await t.backend.list_page(p + "plus+dir/")
+        assert [info.key for info in nested.objects] == [p + "plus+dir/a+b"]
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_read_pinned_to_an_overwritten_version_raises_object_changed(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    key = p + "shard-000.tar"
+    old_data, new_data = b"old content, version one" * 10, b"new"
+    t.put(key, old_data)
+
+    async def body():
+        old = (await t.backend.list_page(p)).objects[0]
+        assert await t.backend.read_range(key, 0, 10, old.version) == old_data[:10]
+        t.put(key, new_data)
+        new = await t.backend.stat(key)
+        assert new.version != old.version
+        with pytest.raises(errors.ObjectChanged):
+            await t.backend.read_range(key, 0, 10, old.version)
+        # Past the end of the new (shorter) object: still not a silent EOF.
+        with pytest.raises(errors.ObjectChanged):
+            await t.backend.read_range(key, 100, 200, old.version)
+        assert await t.backend.read_range(key, 0, 100, new.version) == new_data
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_missing_key_is_not_found(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    t.put(p + "present", b"x")
+
+    async def body():
+        with pytest.raises(errors.NotFound):
+            await t.backend.stat(p + "absent")
+        with pytest.raises(errors.NotFound):
+            await t.backend.read_range(p + "absent", 0, 10, "0123456789abcdef0123456789abcdef")
+        # (No `stat(p + "present/")` here: rclone strips the slash and finds the file.)
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_wrong_credentials_are_access_denied(contract_backend):
+    t = contract_backend
+    if t.denied_backend is None:
+        pytest.skip(f"{t.name}: cannot deny access")
+    t.put(t.prefix + "x", b"x")
+    denied = t.denied_backend()
+
+    async def body():
+        for call in (lambda: denied.check_bucket(t.prefix), lambda: denied.list_page(t.prefix),
+                     lambda: denied.stat(t.prefix + "x"), lambda: denied.read_range(t.prefix + "x", 0, 1, "v")):
+            with pytest.raises(errors.AccessDenied) as caught:
+                await call()
+            for secret in t.secrets:
+                assert secret not in str(caught.value)
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_missing_bucket_is_bucket_not_found(contract_backend):
+    t = contract_backend
+    if t.missing_bucket_backend is None:
+        pytest.skip(f"{t.name}: has no bucket to miss")
+    with pytest.raises(errors.BucketNotFound):
+        trio.run(t.missing_bucket_backend().check_bucket, "")
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_endpoint_fails_fast(contract_backend):
+    t = contract_backend
+    if t.unreachable_backend is None:
+        pytest.skip(f"{t.name}: has no endpoint")
+    backend = t.unreachable_backend()
+    started_s = time.monotonic()
+    with pytest.raises(errors.EndpointUnreachable) as caught:
+        trio.run(backend.check_bucket, t.prefix)
+    assert time.monotonic() - started_s < 10
+    for secret in t.secrets:
+        assert secret not in str(caught.value)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["throttle", "reset"])
+@pytest.mark.parametrize("op", ["get", "list", "head"])
+def test_transient_errors_are_retried(contract_backend, op, kind):
+    t, p = contract_backend, contract_backend.prefix
+    if t.inject_transient is None:
+        pytest.skip(f"{t.name}: no retry layer to test")
+    t.put(p + "obj", b"0123456789")
+
+    async def body():
+        info = await t.backend.stat(p + "obj")
+        t.inject_transient(op, 2, kind)
+        requests_before = dict(t.backend.requests)
+        if op == "get":
+            assert await t.backend.read_range(p + "obj", 2, 5, info.version) == b"234"
+        elif op == "list":
+            assert [o.key for o in (await t.backend.list_page(p)).objects] == [p + "obj"]
+        else:
+            assert (await t.backend.stat(p + "obj")).version == info.version
+        assert t.retries_count() == 2
+        # Retries are not separate requests of the core: one call, one count.
+        assert t.backend.requests[op] == requests_before.get(op, 0) + 1
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_transient_errors_give_up_after_the_attempt_budget(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    if t.inject_transient is None:
+        pytest.skip(f"{t.name}: no retry layer to test")
+    t.put(p + "obj", b"0123456789")
+    t.inject_transient("head", 1000, "throttle")
+    with pytest.raises(errors.TransientError):
+        trio.run(t.backend.stat, p + "obj")
+    assert t.retries_count() == 4  # Config.retry_attempts_count (5) attempts in all

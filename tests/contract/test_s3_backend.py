@@ -1,0 +1,175 @@
+"""S3-only checks the shared contract cannot express: which code path catches a
+changed object on each server, error classification, credentials handling."""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+
+import botocore.credentials
+import botocore.exceptions
+import botocore.session
+import boto3
+import pytest
+import trio
+import urllib3.exceptions
+
+from bucketfs import errors
+from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
+from tests.servers import inject_s3_failures
+
+
+def _client_error(code: str, status: int, operation: str = "GetObject") -> botocore.exceptions.ClientError:
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+
+
+@pytest.mark.parametrize("exc, expected", [
+    (_client_error("NoSuchKey", 404), errors.NotFound),
+    (_client_error("404", 404, "HeadObject"), errors.NotFound),
+    (_client_error("NoSuchBucket", 404, "ListObjectsV2"), errors.BucketNotFound),
+    (_client_error("AccessDenied", 403), errors.AccessDenied),
+    (_client_error("403", 403, "HeadObject"), errors.AccessDenied),
+    (_client_error("InvalidAccessKeyId", 403), errors.AccessDenied),
+    (_client_error("SignatureDoesNotMatch", 403), errors.AccessDenied),
+    (botocore.exceptions.NoCredentialsError(), errors.AccessDenied),
+    (botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"), errors.AccessDenied),
+    (_client_error("PreconditionFailed", 412), errors.ObjectChanged),
+    (_client_error("SlowDown", 503), errors.TransientError),
+    (_client_error("503", 503, "HeadObject"), errors.TransientError),
+    (_client_error("InternalError", 500), errors.TransientError),
+    (_client_error("BadGateway", 502), errors.TransientError),
+    (_client_error("GatewayTimeout", 504), errors.TransientError),
+    (_client_error("RequestTimeout", 400), errors.TransientError),
+    (_client_error("Throttling", 400), errors.TransientError),
+    (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), errors.TransientError),
+    (botocore.exceptions.ConnectTimeoutError(endpoint_url="http://x"), errors.TransientError),
+    (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), errors.TransientError),
+    (botocore.exceptions.ResponseStreamingError(error="reset"), errors.TransientError),
+    (botocore.exceptions.IncompleteReadError(actual_bytes=1, expected_bytes=2), errors.TransientError),
+    (urllib3.exceptions.ProtocolError("Connection broken"), errors.TransientError),
+    (http.client.IncompleteRead(b"x", 3), errors.TransientError),
+    (ConnectionResetError(), errors.TransientError),
+    (_client_error("InvalidArgument", 400), errors.BackendError),
+    (ValueError("weird"), errors.BackendError),
+])
+def test_classify(exc, expected):
+    assert type(classify(exc)) is expected
+
+
+def test_classify_scrubs_userinfo_from_urls():
+    err = classify(botocore.exceptions.EndpointConnectionError(endpoint_url="http://AKIA:s3cr3t@host:9000/b"))
+    assert "s3cr3t" not in str(err)
+
+
+def test_etag_and_mtime_normalisation():
+    assert normalise_etag('"abc"') == normalise_etag("abc") == "abc"
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=datetime.timezone.utc)
+    assert _mtime_ns(when) == 1714979289_123456000  # exact: no float rounding
+
+
+async def _read_stale(backend: S3Backend, server, bucket: str):
+    server.put(bucket, "k", b"version one")
+    old = await backend.stat("k")
+    server.put(bucket, "k", b"version two!")
+    with pytest.raises(errors.ObjectChanged) as caught:
+        await backend.read_range("k", 0, 5, old.version)
+    return caught.value
+
+
+@pytest.mark.timeout(30)
+def test_moto_refuses_a_stale_version_with_412(moto_server):
+    bucket = moto_server.new_bucket()
+    backend = S3Backend(moto_server.config(bucket), session=moto_server.session())
+    try:
+        err = trio.run(_read_stale, backend, moto_server, bucket)
+        cause = err.__cause__
+        assert isinstance(cause, botocore.exceptions.ClientError)
+        assert cause.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    finally:
+        trio.run(backend.aclose)
+        moto_server.delete_bucket(bucket)
+
+
+@pytest.mark.timeout(30)
+def test_rclone_ignores_if_match_so_the_etag_check_catches_it(rclone_server, s3_bucket):
+    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+    try:
+        err = trio.run(_read_stale, backend, rclone_server, s3_bucket)
+        assert err.__cause__ is None  # raised by our ETag comparison, not by the server
+    finally:
+        trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(30)
+def test_a_body_that_breaks_mid_stream_is_fetched_again(rclone_server, s3_bucket):
+    rclone_server.put(s3_bucket, "k", b"0123456789")
+    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+
+    async def body():
+        info = await backend.stat("k")
+        inject_s3_failures(backend.client, "get", 1, "broken-body")
+        assert await backend.read_range("k", 0, 10, info.version) == b"0123456789"
+        assert backend.caller.retries_count == 1
+        assert backend.bytes_fetched == 10
+
+    try:
+        trio.run(body)
+    finally:
+        trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(30)
+def test_no_credentials_is_access_denied(rclone_server, s3_bucket):
+    no_credentials = botocore.session.Session()
+    no_credentials.register_component("credential_provider", botocore.credentials.CredentialResolver(providers=[]))
+    session = boto3.session.Session(botocore_session=no_credentials, region_name="us-east-1")
+    backend = S3Backend(rclone_server.config(s3_bucket), session=session)
+    try:
+        with pytest.raises(errors.AccessDenied, match="no-sign-request"):
+            trio.run(backend.check_bucket, "")
+    finally:
+        trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(30)
+def test_no_sign_request_sends_anonymous_requests(moto_server):
+    # (rclone answers an unsigned request 400 UnsupportedAlgorithm, not 403: moto
+    # serves anonymous requests, so it shows the requests really go unsigned.)
+    bucket = moto_server.new_bucket()
+    moto_server.client.put_object(Bucket=bucket, Key="k", Body=b"public", ACL="public-read")
+    backend = S3Backend(moto_server.config(bucket, no_sign_request=True), session=moto_server.session())
+    sent_headers = []
+    backend.client.meta.events.register("before-send.s3", lambda request, **_: sent_headers.append(request.headers))
+
+    async def body():
+        info = (await backend.list_page("")).objects[0]
+        assert await backend.read_range("k", 0, 6, info.version) == b"public"
+
+    try:
+        trio.run(body)
+        assert len(sent_headers) == 2 and not any("Authorization" in headers for headers in sent_headers)
+    finally:
+        trio.run(backend.aclose)
+        moto_server.delete_bucket(bucket)
+
+
+@pytest.mark.timeout(30)
+def test_check_bucket_gives_up_on_throttling_as_a_transient_error(rclone_server, s3_bucket):
+    # Throttled (reachable) is not "unreachable": the caller sees the transient error.
+    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+    try:
+        original = backend._make_client
+
+        def make_client(*args):
+            client = original(*args)
+            inject_s3_failures(client, "list", 100, "throttle")
+            return client
+
+        backend._make_client = make_client
+        with pytest.raises(errors.TransientError) as caught:
+            trio.run(backend.check_bucket, "")
+        assert not isinstance(caught.value, errors.EndpointUnreachable)
+        assert backend.caller.retries_count == 2  # PROBE_ATTEMPTS_COUNT (3) attempts
+    finally:
+        trio.run(backend.aclose)

