@@ -94,10 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
     g.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level (default INFO)")
     g.add_argument("--log-file", help="log file when daemonised (default: syslog)")
+    g.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
 
     u = sub.add_parser("unmount", help="unmount MOUNTPOINT", description="Unmount a bucketfs mount (also recovers a mountpoint left by a crashed daemon).")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open; finish when they close")
+
+    s = sub.add_parser("stats", help="print a running mount's counters", description="Print requests, cache, read-ahead, memory and error counters of a running mount.")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print the raw counters as JSON")
     return parser
 
 
@@ -137,6 +142,7 @@ def config_from_args(args) -> Config:
         foreground=args.foreground,
         log_level=args.log_level,
         log_file=args.log_file,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -145,7 +151,9 @@ def setup_logging(config: Config, daemon: bool) -> None:
     root.handlers.clear()
     if not daemon:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        # Under systemd stderr goes to the journal, which stamps each line itself.
+        stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
+        handler.setFormatter(logging.Formatter(stamp + "%(levelname)s %(name)s: %(message)s"))
     elif config.log_file:
         handler = logging.FileHandler(config.log_file)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -226,6 +234,20 @@ def _daemonise(config: Config) -> int:
     raise errors.UserError(f"mount failed: the daemon exited ({os.waitstatus_to_exitcode(status)}) before the mount answered", errors.EXIT_MOUNT_FAILED)
 
 
+def print_stats(mountpoint: str, as_json: bool) -> int:
+    import json
+
+    from bucketfs.metrics import STATS_XATTR, format_stats
+
+    try:
+        raw = os.getxattr(mountpoint, STATS_XATTR)
+    except OSError as exc:
+        raise errors.UserError(f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT) from None
+    snapshot = json.loads(raw)
+    print(json.dumps(snapshot, indent=2, sort_keys=True) if as_json else format_stats(snapshot))
+    return errors.EXIT_OK
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -236,6 +258,8 @@ def main(argv=None) -> int:
 
             mount.unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
             return errors.EXIT_OK
+        if args.command == "stats":
+            return print_stats(args.mountpoint, args.json)
     except errors.UserError as exc:
         print(f"bucketfs: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -16,6 +16,7 @@ import stat as stat_mod
 import pyfuse3
 
 from bucketfs import errors
+from bucketfs.metrics import STATS_XATTR, encode_stats
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,11 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def getxattr(self, inode, name, ctx):
+        # `bucketfs stats` reads the counters here: an attribute of the root, not a
+        # file, so nothing appears in the tree (ImageFolder would take a hidden
+        # directory for a class). It is not listed, so copies don't carry it.
+        if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR.encode():
+            return encode_stats(self.fs.snapshot())
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     @fuse_errors

@@ -185,6 +185,10 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
                 raise errors.UserError(f"mount {config.mountpoint} failed: {exc}", errors.EXIT_MOUNT_FAILED) from None
             mounted = True
             log.info("mounted %s on %s", config.url, config.mountpoint)
+            if config.metrics_port:
+                from bucketfs.metrics import start_metrics_server
+
+                start_metrics_server(config.metrics_port, fs.snapshot)
             if on_fs is not None:
                 on_fs(fs, nursery)
             nursery.start_soon(_watch_signals, config.mountpoint, detached)

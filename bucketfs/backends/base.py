@@ -98,6 +98,7 @@ class BlockingCaller:
         self.policy = policy
         self.classify = classify
         self.retries_count = 0
+        self.failures: collections.Counter = collections.Counter()  # error type name -> count
 
     async def call(self, what: str, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
         attempt = 0
@@ -117,4 +118,5 @@ class BlockingCaller:
                     log.warning("%s failed (%s); retry %d/%d in %.2fs", what, err, attempt, self.policy.attempts_count - 1, delay_s)
                     await trio.sleep(delay_s)
                     continue
+                self.failures[type(err).__name__] += 1
                 raise err from exc

@@ -124,9 +124,13 @@ class Filesystem:
             return b""
         self.stats["read.calls"] += 1
         self.stats["read.bytes"] += end - off
-        if handle.reader is None:
-            return await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
-        return await handle.reader.read(off, end)
+        started_s = time.monotonic()
+        try:
+            if handle.reader is None:
+                return await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
+            return await handle.reader.read(off, end)
+        finally:
+            self.stats["read.wait_seconds"] += time.monotonic() - started_s
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
@@ -199,6 +203,11 @@ class Filesystem:
         for op, count in self.backend.requests.items():
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched
+        caller = getattr(self.backend, "_caller", None)
+        if caller is not None:
+            stats["backend.retries"] = caller.retries_count
+            for name, count in caller.failures.items():
+                stats[f"backend.failures.{name}"] = count
         return stats
 
 

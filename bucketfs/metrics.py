@@ -1,0 +1,113 @@
+"""Prometheus metrics and the `bucketfs stats` summary, both read from the core's counters.
+
+The core's counters live on the trio thread; the HTTP server runs in its own thread
+and takes each snapshot on the trio thread (trio.from_thread), so it never reads a
+dict while the core changes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import trio
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+STATS_XATTR = "user.bucketfs.stats"
+
+# (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
+_SIMPLE = [
+    ("backend.bytes_fetched", "bucketfs_backend_fetched_bytes", "Payload bytes fetched from the store", "counter"),
+    ("cache.hits", "bucketfs_cache_hits", "Block cache hits", "counter"),
+    ("cache.misses", "bucketfs_cache_misses", "Block cache misses (a GET was started)", "counter"),
+    ("cache.shared_misses", "bucketfs_cache_shared_misses", "Misses that joined a GET already in flight", "counter"),
+    ("cache.evictions", "bucketfs_cache_evictions", "Blocks evicted from the cache", "counter"),
+    ("cache.bytes", "bucketfs_cache_bytes", "Bytes held by the block cache", "gauge"),
+    ("prefetch.fetched_bytes", "bucketfs_prefetch_fetched_bytes", "Bytes fetched by sequential read-ahead", "counter"),
+    ("prefetch.bytes_used", "bucketfs_prefetch_used_bytes", "Read-ahead bytes that readers consumed", "counter"),
+    ("prefetch.bytes_wasted", "bucketfs_prefetch_wasted_bytes", "Read-ahead bytes dropped unread", "counter"),
+    ("prefetch.heads_warmed", "bucketfs_prefetch_shard_heads_warmed", "Next-shard heads warmed", "counter"),
+    ("prefetch.heads_used", "bucketfs_prefetch_shard_heads_used", "Warmed shard heads that an open used", "counter"),
+    ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
+    ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
+    ("read.wait_seconds", "bucketfs_read_wait_seconds", "Time readers spent waiting inside READ (network and queueing)", "counter"),
+    ("memory.used_bytes", "bucketfs_memory_used_bytes", "Bytes reserved in the memory budget", "gauge"),
+    ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
+    ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest reservation seen", "gauge"),
+    ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
+    ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
+    ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),
+]
+
+
+class _Collector:
+    def __init__(self, snapshot):
+        self._snapshot = snapshot
+
+    def collect(self):
+        snap = self._snapshot()
+        for key, name, help_text, kind in _SIMPLE:
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(name, help_text, value=snap.get(key, 0))
+        requests = CounterMetricFamily("bucketfs_backend_requests", "Requests to the store by type and result", labels=["type", "result"])
+        for key, value in snap.items():
+            if key.startswith("backend.requests."):
+                requests.add_metric([key.split(".")[2], "ok"], value)
+        yield requests
+        failures = CounterMetricFamily("bucketfs_backend_failures", "Failed store requests (after retries) by error", labels=["error"])
+        for key, value in snap.items():
+            if key.startswith("backend.failures."):
+                failures.add_metric([key.split(".")[2]], value)
+        yield failures
+        yield CounterMetricFamily("bucketfs_backend_retries", "Retried store requests (throttling, 5xx, resets)", value=snap.get("backend.retries", 0))
+        errs = CounterMetricFamily("bucketfs_errors", "Errors returned to the kernel by errno", labels=["errno"])
+        for key, value in snap.items():
+            if key.startswith("errors."):
+                errs.add_metric([key.split(".", 1)[1]], value)
+        yield errs
+
+
+def start_metrics_server(port: int, snapshot_on_trio_thread) -> None:
+    """Serve /metrics on 127.0.0.1:`port` from a daemon thread."""
+    token = trio.lowlevel.current_trio_token()
+
+    def snapshot():
+        return trio.from_thread.run_sync(snapshot_on_trio_thread, trio_token=token)
+
+    registry = CollectorRegistry()
+    registry.register(_Collector(snapshot))
+    start_http_server(port, addr="127.0.0.1", registry=registry)
+    log.info("metrics on http://127.0.0.1:%d/metrics", port)
+
+
+def encode_stats(snapshot: dict) -> bytes:
+    return json.dumps(snapshot, sort_keys=True).encode()
+
+
+def format_stats(snapshot: dict) -> str:
+    """A human summary for `bucketfs stats`."""
+    mib = 1024 * 1024
+    get = snapshot.get
+    reqs = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.requests.")}
+    hits, misses = get("cache.hits", 0), get("cache.misses", 0) + get("cache.shared_misses", 0)
+    used, wasted = get("prefetch.bytes_used", 0), get("prefetch.bytes_wasted", 0)
+    lines = [
+        f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}",
+        f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",
+        f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; hits {hits}, misses {misses}"
+        + (f" ({100 * hits / (hits + misses):.0f}% hit)" if hits + misses else "") + f", evictions {get('cache.evictions', 0)}",
+        f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
+        f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}",
+        f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of {get('memory.budget_bytes', 0) / mib:.0f} MiB budget (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB)",
+        f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
+        f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
+    ]
+    errs = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("errors.")}
+    lines.append(f"errors        {', '.join(f'{k} {v}' for k, v in sorted(errs.items())) or 'none'}")
+    return "\n".join(lines)
+
+

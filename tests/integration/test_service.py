@@ -1,0 +1,154 @@
+"""Running as a service: systemd unit, readiness, fstab helper, stats and metrics."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import urllib.request
+
+import pytest
+
+from bucketfs import errors
+from tests.integration.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def env_for(server):
+    env = dict(os.environ)
+    env.update(server.env())
+    return env
+
+
+@pytest.fixture
+def mp(tmp_path):
+    d = tmp_path / "mnt"
+    d.mkdir()
+    yield str(d)
+    force_unmount(str(d))
+
+
+def test_unit_file_verifies(tmp_path):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed")
+    proc = subprocess.run([analyze, "verify", os.path.join(REPO, "systemd", "bucketfs@.service")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "bucketfs" not in proc.stderr  # no warning about our unit at all
+    broken = tmp_path / "broken@.service"  # and the check can fail
+    broken.write_text(open(os.path.join(REPO, "systemd", "bucketfs@.service")).read().replace("/usr/bin/env", "/nonexistent/env"))
+    assert subprocess.run([analyze, "verify", str(broken)], capture_output=True, timeout=60).returncode != 0
+
+
+def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server, s3_bucket, mp, tmp_path):
+    rclone_server.write_files(s3_bucket, {"d/x.txt": b"x"})
+    sock_path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(sock_path)
+        sock.settimeout(MOUNT_DEADLINE_S)
+        env = env_for(rclone_server)
+        env["NOTIFY_SOCKET"] = sock_path
+        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", mp, "--endpoint-url", rclone_server.endpoint_url, "-f"),
+                                env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            assert sock.recv(4096) == b"READY=1"
+            # The moment READY arrives, the mount is live and serving the bucket.
+            assert os.path.ismount(mp)
+            assert os.listdir(mp) == ["d"]
+            proc.send_signal(signal.SIGTERM)
+            assert sock.recv(4096) == b"STOPPING=1"
+            assert proc.wait(timeout=30) == 0
+            assert not os.path.ismount(mp)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stderr.close()
+
+
+def test_no_ready_when_the_mount_fails(tmp_path, mp):
+    sock_path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(sock_path)
+        sock.setblocking(False)
+        env = dict(os.environ, NOTIFY_SOCKET=sock_path)
+        proc = subprocess.run(bucketfs_cmd("mount", "s3://bucket/", mp, "-f", "--no-sign-request", "--endpoint-url", f"http://127.0.0.1:{free_port()}"),
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == errors.EXIT_ENDPOINT_UNREACHABLE
+        with pytest.raises(BlockingIOError):
+            sock.recv(4096)
+
+
+def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, mp):
+    rclone_server.write_files(s3_bucket, {"prefix/a.txt": b"abc"})
+    opts = f"ro,_netdev,allow_other,nofail,x-systemd.automount,endpoint_url={rclone_server.endpoint_url},max_memory=256M,metadata-ttl=60"
+    proc = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/prefix", mp, "-o", opts], env=env_for(rclone_server),
+                          capture_output=True, text=True, timeout=60)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert os.path.ismount(mp)  # mount(8) expects the helper to return once mounted
+        assert open(os.path.join(mp, "a.txt")).read() == "abc"
+        opts_seen = [line for line in open("/proc/mounts") if mp in line][0]
+        assert "allow_other" in opts_seen and "fuse.bucketfs" in opts_seen
+    finally:
+        subprocess.run(bucketfs_cmd("unmount", mp), timeout=30)
+    assert not os.path.ismount(mp)
+    bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", mp, "-o", "rw"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == errors.EXIT_USAGE and "read-only" in bad.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mount(8) with a helper needs root")
+def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, mp, tmp_path):
+    rclone_server.write_files(s3_bucket, {"p/b.txt": b"b"})
+    helper = "/sbin/mount.fuse.bucketfs"
+    created = not os.path.exists(helper)
+    if created:
+        os.symlink(shutil.which("mount.fuse.bucketfs"), helper)
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"s3://{s3_bucket}/p {mp} fuse.bucketfs ro,_netdev,allow_other,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
+    try:
+        proc = subprocess.run(["mount", "--fstab", str(fstab), mp], env=env_for(rclone_server), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert open(os.path.join(mp, "b.txt")).read() == "b"
+    finally:
+        force_unmount(mp)
+        if created:
+            os.unlink(helper)
+
+
+def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_path):
+    rclone_server.write_files(s3_bucket, {"c/img.jpg": b"j" * 50_000})
+    port = free_port()
+    (tmp_path / "m").mkdir()
+    m = Mount(f"s3://{s3_bucket}/", str(tmp_path / "m"), env_for(rclone_server),
+              ("--endpoint-url", rclone_server.endpoint_url, "--metrics-port", str(port)))
+    try:
+        assert open(m.path("c", "img.jpg"), "rb").read() == b"j" * 50_000
+        out = subprocess.run(bucketfs_cmd("stats", m.mountpoint), capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "requests" in out.stdout and "get 1" in out.stdout
+        raw = json.loads(subprocess.run(bucketfs_cmd("stats", m.mountpoint, "--json"), capture_output=True, text=True, timeout=30).stdout)
+        assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
+        assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'bucketfs_backend_requests_total{result="ok",type="get"} 1.0' in body
+        assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
+    finally:
+        m.close()
+    bad = subprocess.run(bucketfs_cmd("stats", str(tmp_path)), capture_output=True, text=True, timeout=30)
+    assert bad.returncode == errors.EXIT_BAD_MOUNTPOINT and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_install_script_writes_unit_config_and_helper(tmp_path):
+    dest = tmp_path / "root"
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "imagenet", "s3://b/imagenet", "/mnt/imagenet",
+                           "--allow-other", "--max-memory", "2G"], env=dict(os.environ, DESTDIR=str(dest)), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "etc/systemd/system/bucketfs@.service").exists()
+    conf = (dest / "etc/bucketfs/imagenet.conf").read_text().splitlines()
+    assert conf == ["BUCKETFS_URL=s3://b/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS=--allow-other --max-memory 2G"]
+    assert os.path.islink(dest / "sbin/mount.fuse.bucketfs")
