@@ -1,0 +1,119 @@
+"""A tiny HTTP proxy that counts requests on their way to a local S3 server.
+
+The mount talks to the proxy (`--endpoint-url proxy.url`); the proxy forwards every
+request unchanged (the Host header too, so SigV4 signatures still verify) and records
+`(method, path, query)`. That lets a test count what the mount really asked the
+store for, from outside the mount, e.g. "the second epoch made no GETs".
+
+Responses are read whole and re-sent with a Content-Length: fine for test datasets of
+a few MB, not a general-purpose proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import threading
+import urllib.parse
+from typing import Iterator, List, NamedTuple
+
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
+
+
+class Request(NamedTuple):
+    method: str
+    path: str  # URL path, percent-decoded: /bucket/key
+    query: str
+
+    @property
+    def is_object_get(self) -> bool:
+        """A GET of one object (not a LIST, which is a GET on the bucket with a query)."""
+        return self.method == "GET" and self.path.count("/") >= 2 and not self.path.endswith("/")
+
+
+class CountingProxy:
+    def __init__(self, upstream_url: str):
+        parsed = urllib.parse.urlsplit(upstream_url)
+        self.upstream = (parsed.hostname, parsed.port)
+        self._lock = threading.Lock()
+        self._requests: List[Request] = []
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    @property
+    def requests(self) -> List[Request]:
+        with self._lock:
+            return list(self._requests)
+
+    def object_gets(self) -> List[Request]:
+        return [r for r in self.requests if r.is_object_get]
+
+    def _record(self, request: Request) -> None:
+        with self._lock:
+            self._requests.append(request)
+
+    def _handler_class(self):
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, like a real S3 endpoint
+
+            def log_message(self, *args):  # no access log on stderr
+                pass
+
+            def _forward(self):
+                split = urllib.parse.urlsplit(self.path)
+                proxy._record(Request(self.command, urllib.parse.unquote(split.path), split.query))
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                upstream = getattr(self, "_upstream", None)
+                if upstream is None:
+                    upstream = self._upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream.getresponse()
+                    data = response.read()
+                except (OSError, http.client.HTTPException):
+                    upstream.close()
+                    self._upstream = None
+                    raise
+                self.send_response_only(response.status, response.reason)
+                for key, value in response.getheaders():
+                    if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                        self.send_header(key, value)
+                # HEAD: the object's length as the server gave it; else the body we relay.
+                self.send_header("Content-Length", response.getheader("Content-Length", "0")
+                                 if self.command == "HEAD" else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+            def finish(self):
+                super().finish()
+                upstream = getattr(self, "_upstream", None)
+                if upstream is not None:
+                    upstream.close()
+
+        return Handler
+
+    def start(self) -> None:
+        threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@contextlib.contextmanager
+def counting_proxy(upstream_url: str) -> Iterator[CountingProxy]:
+    proxy = CountingProxy(upstream_url)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
