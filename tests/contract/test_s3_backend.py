@@ -18,6 +18,8 @@ from bucketfs import errors
 from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
 from tests.servers import inject_s3_failures
 
+pytestmark = pytest.mark.timeout(30)
+
 
 def _client_error(code: str, status: int, operation: str = "GetObject") -> botocore.exceptions.ClientError:
     return botocore.exceptions.ClientError(
