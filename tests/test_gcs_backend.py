@@ -405,7 +405,7 @@ def test_transient_errors_are_retried(make_backend, store, fail):
         # 2 GET attempts, then the emulator-only metadata GET that checks the generation.
         assert (backend.requests["get"], backend.requests["head"]) == (2, 1)
         assert backend.bytes_fetched == 7  # the failed attempt delivered nothing
-        assert backend._caller.retries_count == 3
+        assert backend.caller.retries_count == 3
         faults.failures_left = 100  # a persistent failure gives up after the attempts
         with pytest.raises(errors.TransientError):
             await backend.stat("k")
@@ -426,7 +426,7 @@ def test_permanent_errors_are_not_retried(make_backend, store, code, error):
         faults.failures_left = 100
         with pytest.raises(error):
             await backend.read_range("k", 0, 7, info.version)
-        assert faults.failed_count == 1 and backend._caller.retries_count == 0
+        assert faults.failed_count == 1 and backend.caller.retries_count == 0
 
     trio.run(main)
 
@@ -458,7 +458,7 @@ def test_concurrent_reads(make_backend, store):
 def test_connection_pool_matches_thread_limit(make_backend):
     backend = make_backend(max_connections_count=7)
     assert backend.session().get_adapter("https://storage.googleapis.com/")._pool_maxsize == 7
-    assert backend._caller.limiter.total_tokens == 7
+    assert backend.caller.limiter.total_tokens == 7
 
 
 def test_emulator_host_env_var_is_honoured(emulator, store, monkeypatch):

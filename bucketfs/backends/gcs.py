@@ -96,7 +96,7 @@ class GCSBackend(Backend):
         self._bucket_name = config.url.bucket
         self._timeout_s = (config.connect_timeout_s, config.read_timeout_s)
         policy = RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s)
-        self._caller = BlockingCaller(config.max_connections_count, policy, classify)
+        self.caller = BlockingCaller(config.max_connections_count, policy, classify)
         self._count_lock = threading.Lock()  # counters are bumped from worker threads
         self._client_lock = threading.Lock()
         self._client: Optional[storage.Client] = None
@@ -173,7 +173,7 @@ class GCSBackend(Backend):
             page = next(iterator.pages)  # exactly one request: the caller drives paging
             return [_info(blob) for blob in page], sorted(page.prefixes), iterator.next_page_token
 
-        objects, prefixes, next_token = await self._caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
+        objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
 
     async def stat(self, key: str) -> ObjectInfo:
@@ -184,7 +184,7 @@ class GCSBackend(Backend):
             blob.reload(retry=None, timeout=self._timeout_s)
             return _info(blob)
 
-        return await self._caller.call(f"stat {key}", fetch)
+        return await self.caller.call(f"stat {key}", fetch)
 
     async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
         if end <= start:
@@ -208,7 +208,7 @@ class GCSBackend(Backend):
             return data, blob.generation
 
         try:
-            data, served_generation = await self._caller.call(f"GET {key}", fetch)
+            data, served_generation = await self.caller.call(f"GET {key}", fetch)
         except errors.NotFound:
             raise await self._gone_error(key, version) from None
         if served_generation is None:
@@ -247,7 +247,7 @@ class GCSBackend(Backend):
         where = f"gs://{self._bucket_name}/{prefix}"
         try:
             with trio.fail_after(_PROBE_DEADLINE_S):
-                await self._caller.call(f"probe {where}", probe, abandon_on_cancel=True)
+                await self.caller.call(f"probe {where}", probe, abandon_on_cancel=True)
         except trio.TooSlowError:
             raise errors.EndpointUnreachable(f"{where}: no answer within {_PROBE_DEADLINE_S:.0f}s") from None
         except errors.NotFound as exc:

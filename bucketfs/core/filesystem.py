@@ -203,7 +203,7 @@ class Filesystem:
         for op, count in self.backend.requests.items():
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched
-        caller = getattr(self.backend, "_caller", None)
+        caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one
         if caller is not None:
             stats["backend.retries"] = caller.retries_count
             for name, count in caller.failures.items():
