@@ -7,7 +7,9 @@ Invariants:
   (ESTALE), never bytes of two versions.
 - Small files (size <= small_file_bytes, known from the listing) start one GET for
   the whole object at open, so a sample costs one request however the kernel
-  splits its READs.
+  splits its READs. Not when the kernel was already given the whole file in the
+  immutable mode (keep_cache): a second epoch is served from the page cache and
+  must not cost a GET. If the kernel did evict it, the first READ fetches it whole.
 - Shard-like files read to `SHARD_WARM_FRACTION` warm the head of the next shard
   in listing order that has not been opened in the current pass.
 """
@@ -102,7 +104,8 @@ class Filesystem:
         fh = next(self._fh_counter)
         if node.size_bytes <= self.config.small_file_bytes:
             reader = None
-            self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
+            if not (self.config.immutable and node.served_version == node.version):
+                self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
             self.stats["open.small"] += 1
         else:
             shard = self.is_shard(node.name)
@@ -127,10 +130,16 @@ class Filesystem:
         started_s = time.monotonic()
         try:
             if handle.reader is None:
-                return await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
-            return await handle.reader.read(off, end)
+                # Whole object in one GET on a miss (no-op for cached or in-flight blocks).
+                self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
+                data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
+            else:
+                data = await handle.reader.read(off, end)
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
+        if end == handle.size_bytes:
+            handle.node.served_version = handle.version
+        return data
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)

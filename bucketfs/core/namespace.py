@@ -34,7 +34,7 @@ NAME_MAX_BYTES = 255
 
 
 class Node:
-    __slots__ = ("ino", "name", "parent_ino", "path", "is_dir", "size_bytes", "mtime_ns", "version", "listing")
+    __slots__ = ("ino", "name", "parent_ino", "path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version")
 
     def __init__(self, ino, name, parent_ino, path, is_dir, size_bytes=0, mtime_ns=0, version=""):
         self.ino = ino
@@ -46,6 +46,9 @@ class Node:
         self.mtime_ns = mtime_ns
         self.version = version
         self.listing: Optional[Listing] = None
+        # The version whose last byte was handed to the kernel: with keep_cache its
+        # pages are likely still in the page cache, so an open need not fetch eagerly.
+        self.served_version = ""
 
     def __repr__(self):
         return f"Node({self.ino}, {self.path!r}, dir={self.is_dir}, size={self.size_bytes}, v={self.version})"

@@ -226,3 +226,28 @@ def test_forward_seek_resets_the_stream():
         return fs.stats["prefetch.seeks"]
 
     assert run_fs(backend, body, small_file_bytes=1 * MiB) == 1
+
+
+def test_reopen_after_the_kernel_got_the_whole_file_costs_no_get():
+    """Second epoch: the kernel page cache (keep_cache) has the file; open must not fetch."""
+    data = {f"c/{i}.jpg": blob(50_000, i) for i in range(10)}
+    backend = MemoryBackend(data)
+
+    async def body(fs):
+        for key in data:
+            node = await resolve(fs, key)
+            fh = await fs.open(node.ino, 0)
+            assert await kernel_like_read(fs, fh, node.size_bytes) == data[key]
+            fs.release(fh)
+        fs.cache.evict(1 << 40)  # the daemon's own cache is gone too
+        gets = backend.requests["get"]
+        for key in data:  # epoch 2: the kernel answers reads itself, only OPEN/RELEASE arrive
+            fs.release(await fs.open((await resolve(fs, key)).ino, 0))
+        epoch2_gets = backend.requests["get"] - gets
+        # If the kernel evicted a file after all, its READ still gets it in one GET.
+        node = await resolve(fs, "c/3.jpg")
+        fh = await fs.open(node.ino, 0)
+        assert await kernel_like_read(fs, fh, node.size_bytes) == data["c/3.jpg"]
+        return epoch2_gets, backend.requests["get"] - gets
+
+    assert run_fs(backend, body) == (0, 1)
