@@ -39,8 +39,10 @@ def _load_script(name: str):
     return module
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _e2e_requirements():
+    """First of all fixtures (session-scoped autouse), so a missing package is reported
+    as such, not as an error of the fixtures that need it."""
     missing = []
     for module in ("torch", "torchvision", "webdataset", "PIL"):
         try:

@@ -68,6 +68,9 @@ def bucketfs_mount(url: str, mountpoint: str, log_path: str, *, endpoint_url: Op
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                 env=env if env is not None else os.environ.copy(),
+                                # Its own session: a Ctrl-C reaches us, not the mount, so the
+                                # mount stays up until we unmount it after readers have stopped.
+                                start_new_session=True,
                                 preexec_fn=_die_with_parent)  # no orphaned mount if we are killed
     try:
         deadline = time.monotonic() + deadline_s
