@@ -1,4 +1,5 @@
-"""Shared fixtures: real S3-compatible servers on 127.0.0.1 (see tests/servers.py).
+"""Shared fixtures: real S3-compatible servers and the GCS emulator on 127.0.0.1
+(see tests/servers.py and tests/gcs_server.py).
 
 Servers are session-scoped and started lazily, only by tests that ask for them;
 buckets are per test, so tests never see each other's objects.
@@ -6,8 +7,13 @@ buckets are per test, so tests never see each other's objects.
 
 from __future__ import annotations
 
+import http.client
+import urllib.parse
+from typing import Optional
+
 import pytest
 
+from tests.gcs_server import GCSEmulator, start_gcs_emulator
 from tests.servers import moto_s3_server, rclone_s3_server
 
 
@@ -33,3 +39,63 @@ def s3_bucket(rclone_server):
         yield bucket
     finally:
         rclone_server.delete_bucket(bucket)
+
+
+class GCSServer:
+    """The GCS emulator as the mount and contract fixtures see a server.
+
+    Same shape as tests.servers.S3Server where they overlap (`scheme`,
+    `endpoint_url`, `env()`, `new_bucket()`, `put()`, `config()`), plus
+    `put_many()`, a bulk seeding path: one bare media upload per object over
+    http.client, ~4x faster than the client library's multipart upload
+    (2,500 objects: ~2 s instead of ~8 s; the emulator serves one request at a
+    time, so uploading in parallel does not help).
+    """
+
+    scheme = "gs"
+
+    def __init__(self, emulator: GCSEmulator):
+        self.emulator = emulator
+        self.endpoint_url = emulator.endpoint_url
+        self.client = emulator.client
+        self._netloc = urllib.parse.urlsplit(emulator.endpoint_url).netloc
+
+    def env(self) -> dict:
+        """Environment for a subprocess: no credentials needed (an http:// endpoint is
+        an emulator, and the backend talks to it anonymously)."""
+        return {}
+
+    def new_bucket(self) -> str:
+        return self.emulator.new_bucket()
+
+    def put(self, bucket: str, key: str, data: bytes, content_encoding: Optional[str] = None) -> int:
+        """Upload one object through the client library; returns its generation."""
+        return self.emulator.put(bucket, key, data, content_encoding=content_encoding)
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.emulator.delete(bucket, key)
+
+    def put_many(self, bucket: str, objects: dict) -> None:
+        """Upload `{key: bytes}` fast (plain objects: no Content-Encoding)."""
+        for key, data in objects.items():
+            connection = http.client.HTTPConnection(self._netloc, timeout=10.0)
+            try:
+                connection.request(
+                    "POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(key, safe='')}",
+                    body=data, headers={"Content-Type": "application/octet-stream"})
+                response = connection.getresponse()
+                response.read()
+            finally:
+                connection.close()  # the emulator speaks HTTP/1.0: one request per connection
+            if response.status != 200:
+                raise RuntimeError(f"seeding {key!r} into {bucket}: HTTP {response.status}")
+
+    def config(self, bucket: str, prefix: str = "", **overrides):
+        return self.emulator.config(bucket, prefix, **overrides)
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """The GCS emulator (gcp-storage-emulator, in memory), for the whole session."""
+    with start_gcs_emulator() as emulator:
+        yield GCSServer(emulator)

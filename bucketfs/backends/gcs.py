@@ -11,13 +11,15 @@ Invariants:
   and sends `ifGenerationMatch`, and the generation the response reports
   (`x-goog-generation`) is checked; endpoints that omit that header (the
   gcp-storage-emulator ignores both parameters) get a metadata GET after the
-  download instead.
+  download instead, as does a 416 (a range past the end names no generation).
 - Reads are raw (`raw_download`, `Accept-Encoding: gzip`): an object stored with
   `Content-Encoding: gzip` is served as its stored bytes, so offsets match the
   size the listing reports.
 - Every blocking call runs through one BlockingCaller; the library's own retry is
   off (`retry=None`) so there is one bounded, jittered retry loop, and every call
-  carries (connect, read) timeouts. Requests are counted per attempt.
+  carries (connect, read) timeouts. `requests` counts the calls the core made,
+  by type (retries of one call are in `caller.retries_count`); it and
+  `bytes_fetched` are touched only on the trio thread.
 - Credentials are never logged.
 """
 
@@ -97,7 +99,6 @@ class GCSBackend(Backend):
         self._timeout_s = (config.connect_timeout_s, config.read_timeout_s)
         policy = RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s)
         self.caller = BlockingCaller(config.max_connections_count, policy, classify)
-        self._count_lock = threading.Lock()  # counters are bumped from worker threads
         self._client_lock = threading.Lock()
         self._client: Optional[storage.Client] = None
         self._bucket: Optional[storage.Bucket] = None
@@ -154,36 +155,28 @@ class GCSBackend(Backend):
         self._get_bucket()
         return self._client._http
 
-    def _count(self, op: str) -> None:
-        with self._count_lock:
-            self.requests[op] += 1
-
-    def _count_bytes(self, bytes_count: int) -> None:
-        with self._count_lock:
-            self.bytes_fetched += bytes_count
-
     # -- contract ---------------------------------------------------------------
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         def fetch():
             bucket = self._get_bucket()
-            self._count("list")
             iterator = bucket.client.list_blobs(
                 bucket, prefix=prefix or None, delimiter="/", page_size=_PAGE_SIZE_COUNT,
                 page_token=token, fields=_LIST_FIELDS, retry=None, timeout=self._timeout_s)
             page = next(iterator.pages)  # exactly one request: the caller drives paging
             return [_info(blob) for blob in page], sorted(page.prefixes), iterator.next_page_token
 
+        self.requests["list"] += 1
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
 
     async def stat(self, key: str) -> ObjectInfo:
         def fetch():
             bucket = self._get_bucket()
-            self._count("head")
             blob = bucket.blob(key)
             blob.reload(retry=None, timeout=self._timeout_s)
             return _info(blob)
 
+        self.requests["head"] += 1
         return await self.caller.call(f"stat {key}", fetch)
 
     async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
@@ -193,7 +186,6 @@ class GCSBackend(Backend):
 
         def fetch():
             bucket = self._get_bucket()
-            self._count("get")
             # generation= makes GCS serve exactly that generation (404 once it is gone).
             blob = storage.Blob(key, bucket, generation=generation)
             try:
@@ -202,19 +194,29 @@ class GCSBackend(Backend):
                     raw_download=True, if_generation_match=generation, checksum=None,
                     retry=None, timeout=self._timeout_s)
             except gexc.RequestRangeNotSatisfiable:
-                return b"", generation  # start >= size: nothing to read, nothing to check
-            self._count_bytes(len(data))
+                return None  # start >= size of whichever generation was served
             # blob.generation now holds the response's x-goog-generation, or None.
             return data, blob.generation
 
+        self.requests["get"] += 1
         try:
-            data, served_generation = await self.caller.call(f"GET {key}", fetch)
+            result = await self.caller.call(f"GET {key}", fetch)
         except errors.NotFound:
             raise await self._gone_error(key, version) from None
+        if result is None:
+            # A 416 names no generation: from a server that ignores `generation=`, a
+            # replacement shorter than `start` would read as EOF. Rare (the core knows
+            # sizes from the listing): confirm with one metadata GET.
+            live = await self.stat(key)
+            if live.version != version:
+                raise errors.ObjectChanged(f"{key}: generation {version} is now {live.version}")
+            return b""
+        data, served_generation = result
         if served_generation is None:
             served_generation = await self._live_generation_after_read(key)
         if served_generation != generation:
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
+        self.bytes_fetched += len(data)
         return data
 
     async def _live_generation_after_read(self, key: str) -> int:
@@ -238,13 +240,13 @@ class GCSBackend(Backend):
     async def check_bucket(self, prefix: str) -> None:
         def probe():
             bucket = self._get_bucket()
-            self._count("list")
             iterator = bucket.client.list_blobs(
                 bucket, prefix=prefix or None, delimiter="/", max_results=1,
                 fields="nextPageToken", retry=None, timeout=self._timeout_s)
             next(iterator.pages)
 
         where = f"gs://{self._bucket_name}/{prefix}"
+        self.requests["list"] += 1
         try:
             with trio.fail_after(_PROBE_DEADLINE_S):
                 await self.caller.call(f"probe {where}", probe, abandon_on_cancel=True)

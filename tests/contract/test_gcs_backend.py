@@ -1,0 +1,288 @@
+"""GCS-only checks the shared contract (test_backend_contract.py, factories "gcs"
+and "gcs-emulator") cannot express: which code path catches a changed object in
+each server mode, HTTP status classification, gzip-encoded objects, timeouts and
+the probe deadline, the connection pool, STORAGE_EMULATOR_HOST, credentials.
+
+Server modes (a transport adapter mounted on the backend's HTTP session):
+- "emulator": the raw gcp-storage-emulator, which ignores `generation=` and
+  `ifGenerationMatch` and sends no `x-goog-generation`: the backend verifies each
+  read with a metadata GET;
+- "gcs-like": `GCSLikeAdapter()`, 404/412 for an old generation, reports the
+  generation served;
+- "truthful": serves the live object but reports which generation it served.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+import socket
+import time
+from typing import Callable, Optional
+
+import pytest
+import requests
+import requests.adapters
+import trio
+
+from bucketfs import errors
+from bucketfs.backends import gcs
+from bucketfs.backends.gcs import GCSBackend
+from tests.gcs_server import GCSLikeAdapter, fake_response
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def bucket(gcs_server) -> str:
+    return gcs_server.new_bucket()
+
+
+@pytest.fixture
+def make_backend(gcs_server, bucket):
+    """`make_backend(adapter=None, bucket_name=None, **config_overrides)`; closed after the test."""
+    made = []
+
+    def make(adapter: Optional[requests.adapters.HTTPAdapter] = None, bucket_name: Optional[str] = None,
+             **overrides) -> GCSBackend:
+        backend = GCSBackend(gcs_server.config(bucket_name or bucket, **overrides))
+        if adapter is not None:
+            backend.session().mount(overrides.get("endpoint_url", gcs_server.endpoint_url), adapter)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        trio.run(backend.aclose)
+
+
+MODES = {
+    "emulator": lambda: None,
+    "gcs-like": lambda: GCSLikeAdapter(),
+    "truthful": lambda: GCSLikeAdapter(targeting=False),
+}
+# Requests one stale read costs in each mode: the GET, plus the metadata GET that
+# tells a replaced object from a deleted one (gcs-like: 404) or finds the live
+# generation (emulator: no header). A truthful server's header alone suffices.
+STALE_READ_REQUESTS = {"emulator": {"get": 1, "head": 1}, "gcs-like": {"get": 1, "head": 1}, "truthful": {"get": 1}}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_version_pinning_in_every_server_mode(make_backend, gcs_server, bucket, mode):
+    backend = make_backend(MODES[mode]())
+
+    async def main():
+        gcs_server.put(bucket, "obj", b"old-bytes")
+        old = await backend.stat("obj")
+        assert await backend.read_range("obj", 0, 9, old.version) == b"old-bytes"
+        gcs_server.put(bucket, "obj", b"NEW-BYTES")  # same size: only the generation tells them apart
+        new = await backend.stat("obj")
+        assert int(new.version) > int(old.version)
+        backend.requests.clear()
+        with pytest.raises(errors.ObjectChanged):
+            await backend.read_range("obj", 0, 9, old.version)
+        assert dict(backend.requests) == STALE_READ_REQUESTS[mode]
+        for start, end in ((0, 1), (4, 100), (9, 20)):  # (9, 20): at the end, still not a silent EOF
+            with pytest.raises(errors.ObjectChanged):
+                await backend.read_range("obj", start, end, old.version)
+        assert await backend.read_range("obj", 0, 9, new.version) == b"NEW-BYTES"
+        gcs_server.delete(bucket, "obj")
+        with pytest.raises(errors.NotFound):
+            await backend.read_range("obj", 0, 9, new.version)
+
+    trio.run(main)
+
+
+class _RangeNotSatisfiableAdapter(requests.adapters.HTTPAdapter):
+    """Serves the live object whatever generation is asked for (like the emulator),
+    but answers 416 to a range at or past its end (like GCS and S3), with no
+    generation header: the emulator's 206-with-an-empty-body becomes a 416."""
+
+    def send(self, request, **kwargs):
+        response = super().send(request, **kwargs)
+        if "/download/" in request.url and response.status_code == 206 and not response.content:
+            return fake_response(request, 416)
+        return response
+
+
+def test_range_past_the_end_of_a_shorter_replacement_is_not_a_silent_eof(make_backend, gcs_server, bucket):
+    backend = make_backend(_RangeNotSatisfiableAdapter())
+
+    async def main():
+        gcs_server.put(bucket, "obj", b"0123456789" * 2)
+        old = await backend.stat("obj")
+        assert await backend.read_range("obj", 20, 30, old.version) == b""  # 416 on the pinned version: EOF
+        gcs_server.put(bucket, "obj", b"short")
+        with pytest.raises(errors.ObjectChanged):
+            await backend.read_range("obj", 10, 20, old.version)
+
+    trio.run(main)
+
+
+def test_read_costs_one_get_when_the_server_reports_the_generation(make_backend, gcs_server, bucket):
+    gcs_server.put(bucket, "k", b"abc")
+
+    async def one_read(backend):
+        info = await backend.stat("k")
+        backend.requests.clear()
+        assert await backend.read_range("k", 0, 3, info.version) == b"abc"
+        return dict(backend.requests), backend.bytes_fetched
+
+    assert trio.run(one_read, make_backend(GCSLikeAdapter())) == ({"get": 1}, 3)
+    # The emulator sends no x-goog-generation: the backend checks with a metadata GET.
+    assert trio.run(one_read, make_backend()) == ({"get": 1, "head": 1}, 3)
+
+
+class _GzipHeaderAdapter(requests.adapters.HTTPAdapter):
+    """Adds `Content-Encoding: gzip` to media responses, as GCS does for such objects."""
+
+    def send(self, request, **kwargs):
+        response = super().send(request, **kwargs)
+        if "/download/" in request.url:
+            response.headers["Content-Encoding"] = "gzip"
+            response.raw.headers["Content-Encoding"] = "gzip"
+        return response
+
+
+@pytest.mark.parametrize("adapter", [None, _GzipHeaderAdapter], ids=["emulator", "gzip-header"])
+def test_gzip_encoded_object_is_served_as_stored(gcs_server, bucket, make_backend, adapter):
+    plain = b"hello gzip " * 1000
+    stored = gzip.compress(plain)
+    gcs_server.put(bucket, "data.json.gz", stored, content_encoding="gzip")
+    backend = make_backend(adapter() if adapter else None)
+
+    async def main():
+        (info,) = (await backend.list_page("")).objects
+        assert info.size_bytes == len(stored)  # the listing reports the stored size
+        assert await backend.read_range(info.key, 0, info.size_bytes, info.version) == stored
+        assert await backend.read_range(info.key, 10, 20, info.version) == stored[10:20]
+
+    trio.run(main)
+
+
+@pytest.fixture
+def silent_port():
+    """A port that accepts TCP connections (kernel backlog) but never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_silent_endpoint_times_out_into_unreachable(make_backend, silent_port):
+    backend = make_backend(endpoint_url=silent_port, read_timeout_s=0.2, retry_attempts_count=3)
+    with pytest.raises(errors.EndpointUnreachable, match="Timeout"):
+        trio.run(backend.check_bucket, "")
+
+
+def test_probe_has_an_overall_deadline(make_backend, silent_port, monkeypatch):
+    monkeypatch.setattr(gcs, "_PROBE_DEADLINE_S", 0.5)
+    backend = make_backend(endpoint_url=silent_port, read_timeout_s=30.0)
+    started_s = time.monotonic()
+    with pytest.raises(errors.EndpointUnreachable, match="no answer"):
+        trio.run(backend.check_bucket, "")
+    assert time.monotonic() - started_s < 5
+
+
+class FaultAdapter(requests.adapters.HTTPAdapter):
+    """Fails the first `failures_count` requests."""
+
+    def __init__(self, failures_count: int, fail: Callable[[requests.PreparedRequest], requests.Response]):
+        super().__init__(max_retries=0)
+        self.failures_left, self.fail = failures_count, fail
+        self.failed_count = 0
+
+    def send(self, request, **kwargs):
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            self.failed_count += 1
+            return self.fail(request)
+        return super().send(request, **kwargs)
+
+
+@pytest.mark.parametrize("code, error", [
+    (408, errors.TransientError), (429, errors.TransientError), (500, errors.TransientError),
+    (502, errors.TransientError), (503, errors.TransientError), (504, errors.TransientError),
+    (401, errors.AccessDenied), (403, errors.AccessDenied), (412, errors.ObjectChanged),
+    (400, errors.BackendError),
+])
+def test_http_status_classification(make_backend, gcs_server, bucket, code, error):
+    gcs_server.put(bucket, "k", b"payload")
+    faults = FaultAdapter(0, lambda request: fake_response(request, code))
+    backend = make_backend(faults, retry_attempts_count=3)
+
+    async def main():
+        info = await backend.stat("k")
+        faults.failures_left = 100
+        with pytest.raises(error):
+            await backend.read_range("k", 0, 7, info.version)
+        retried = error is errors.TransientError
+        assert faults.failed_count == (3 if retried else 1)
+        assert backend.caller.retries_count == (2 if retried else 0)
+        assert backend.requests["get"] == 1 and backend.bytes_fetched == 0
+
+    trio.run(main)
+
+
+def test_concurrent_reads(make_backend, gcs_server, bucket):
+    payloads = {f"f{i}": random.Random(i).randbytes(100_000) for i in range(8)}
+    for key, data in payloads.items():
+        gcs_server.put(bucket, key, data)
+    backend = make_backend(GCSLikeAdapter(), max_connections_count=4)
+    results = {}
+
+    async def main():
+        infos = {o.key: o for o in (await backend.list_page("")).objects}
+
+        async def read(key, start):
+            results[key, start] = await backend.read_range(key, start, start + 30_000, infos[key].version)
+
+        async with trio.open_nursery() as nursery:
+            for key in payloads:
+                for start in (0, 30_000, 60_000, 90_000):
+                    nursery.start_soon(read, key, start)
+
+    trio.run(main)
+    assert len(results) == 32
+    for (key, start), data in results.items():
+        assert data == payloads[key][start:start + 30_000]
+    assert backend.requests["get"] == 32
+
+
+def test_connection_pool_matches_thread_limit(make_backend):
+    backend = make_backend(max_connections_count=7)
+    assert backend.session().get_adapter("https://storage.googleapis.com/")._pool_maxsize == 7
+    assert backend.caller.limiter.total_tokens == 7
+
+
+def test_emulator_host_env_var_is_honoured(gcs_server, bucket, monkeypatch):
+    gcs_server.put(bucket, "k", b"v")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint_url.removeprefix("http://"))
+    backend = GCSBackend(gcs_server.config(bucket, endpoint_url=None))
+    try:
+        assert trio.run(backend.stat, "k").size_bytes == 1
+    finally:
+        trio.run(backend.aclose)
+
+
+def test_credentials(gcs_server, tmp_path, monkeypatch):
+    async def probe(**overrides):
+        backend = GCSBackend(gcs_server.config("some-bucket", **overrides))
+        try:
+            await backend.check_bucket("")
+        finally:
+            await backend.aclose()
+
+    with pytest.raises(errors.AccessDenied, match="key file"):
+        trio.run(lambda: probe(key_file=str(tmp_path / "missing.json")))
+    (tmp_path / "bad.json").write_text('{"type": "service_account"}')
+    with pytest.raises(errors.AccessDenied, match="key file"):
+        trio.run(lambda: probe(key_file=str(tmp_path / "bad.json")))
+    # No endpoint and no Application Default Credentials: denied, without a request.
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-adc.json"))
+    with pytest.raises(errors.AccessDenied, match="DefaultCredentialsError"):
+        trio.run(lambda: probe(endpoint_url=None))
+    # --no-sign-request works without any credentials (BucketNotFound proves it got an answer).
+    with pytest.raises(errors.BucketNotFound):
+        trio.run(lambda: probe(no_sign_request=True))
