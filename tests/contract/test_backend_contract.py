@@ -6,11 +6,12 @@ and add it to the table; the optional capabilities (`denied_backend`,
 `inject_transient`, ...) are None when a backend cannot provide them, and the
 tests that need them skip.
 
-A "gcs" factory is about 15 lines: a session fixture around
-tests.gcs_server.start_gcs_emulator(), a fresh bucket, `GCSBackend(emu.config(bucket))`
-with `GCSLikeAdapter(generations=False)` mounted on `backend.session()` (the
-emulator does not paginate), `put=lambda k, d: emu.put(bucket, k, d)`, and
-missing-bucket / unreachable variants; it passed this suite when tried.
+The GCS factories run on the emulator (the session fixture `gcs_server`), which
+neither pages listings nor honours generation conditions, so a `GCSLikeAdapter`
+on the backend's HTTP session makes it page like GCS: "gcs" also answers
+generation-targeted GETs like GCS (404/412, `x-goog-generation`), "gcs-emulator"
+leaves reads to the raw emulator (the backend then checks the generation with a
+metadata GET). The emulator has no authentication: access cannot be denied.
 
 Async code runs with trio.run inside each test (no pytest-trio).
 """
@@ -112,10 +113,64 @@ def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return _s3_target("s3-moto", server, bucket, stack, None, authenticates=False)
 
 
+def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool) -> ContractTarget:
+    import requests
+
+    from bucketfs.backends.gcs import GCSBackend
+    from tests.gcs_server import GCSLikeAdapter, closed_port_url, fake_response
+
+    class FaultyGCSLikeAdapter(GCSLikeAdapter):
+        """GCS-like pages (and generations), and transient faults on demand."""
+
+        def __init__(self):
+            super().__init__(paging=True, generations=generations)
+            self.faults: dict = {}  # op -> [remaining_count, kind]
+
+        def send(self, request_, **kwargs):
+            path = request_.path_url.partition("?")[0]
+            op = "get" if path.startswith("/download/") else "list" if path.endswith("/o") else "head"
+            fault = self.faults.get(op)
+            if request_.method == "GET" and fault and fault[0] > 0:
+                fault[0] -= 1
+                if fault[1] == "reset":
+                    raise requests.ConnectionError("injected: connection reset by peer")
+                return fake_response(request_, 429)  # GCS throttles with 429 rateLimitExceeded
+            return super().send(request_, **kwargs)
+
+    server = request.getfixturevalue("gcs_server")
+    bucket = server.new_bucket()
+
+    def make(bucket_name: str = bucket, **overrides) -> Backend:
+        return _closing(stack, GCSBackend(server.config(bucket_name, **overrides)))
+
+    backend = make()
+    adapter = FaultyGCSLikeAdapter()
+    backend.session().mount(server.endpoint_url, adapter)
+    return ContractTarget(
+        name, backend, lambda key, data: server.put(bucket, key, data), _unique_prefix(),
+        put_many=lambda objects: server.put_many(bucket, objects),
+        denied_backend=None,  # the emulator has no authentication: it cannot deny access
+        missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
+        unreachable_backend=lambda: make(endpoint_url=closed_port_url()),
+        inject_transient=lambda op, times_count, kind: adapter.faults.__setitem__(op, [times_count, kind]),
+        retries_count=lambda: backend.caller.retries_count,
+    )
+
+
+def gcs_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    return _gcs_target("gcs", request, stack, generations=True)
+
+
+def gcs_emulator_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    return _gcs_target("gcs-emulator", request, stack, generations=False)
+
+
 FACTORIES = {
     "memory": memory_target,
     "s3-rclone": rclone_target,
     "s3-moto": moto_target,
+    "gcs": gcs_target,
+    "gcs-emulator": gcs_emulator_target,
 }
 
 
