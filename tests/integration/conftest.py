@@ -1,4 +1,5 @@
-"""Fixtures for real mounts against the rclone (and moto) S3 servers."""
+"""Fixtures for real mounts against the test servers: rclone and moto (S3), and
+the GCS emulator (tests/conftest.py)."""
 
 import os
 
@@ -6,18 +7,30 @@ import pytest
 
 from tests.integration.mounting import Mount
 
+_USE_SERVER_ENDPOINT = object()
+
 
 @pytest.fixture
 def mount_factory(tmp_path):
-    """mount(server, bucket, prefix="", *args) -> Mount; every mount is torn down."""
+    """mount(server, bucket, prefix="", *args) -> Mount; every mount is torn down.
+
+    The URL's scheme is the server's `scheme` ("s3" when it has none, "gs" for the
+    GCS emulator). `--endpoint-url` is the server's unless `endpoint_url=` says
+    otherwise (None: no flag, e.g. to mount through STORAGE_EMULATOR_HOST);
+    `extra_env` is added to the mount's environment.
+    """
     mounts = []
 
-    def mount(server, bucket, prefix="", *args, mountpoint=None):
+    def mount(server, bucket, prefix="", *args, mountpoint=None, endpoint_url=_USE_SERVER_ENDPOINT, extra_env=None):
         mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
         os.makedirs(mp, exist_ok=True)
-        url = f"s3://{bucket}/{prefix}"
-        env = dict(os.environ, **server.env())
-        m = Mount(url, str(mp), env, ("--endpoint-url", server.endpoint_url, *args))
+        url = f"{getattr(server, 'scheme', 's3')}://{bucket}/{prefix}"
+        env = {k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"}
+        env.update(server.env(), **(extra_env or {}))
+        if endpoint_url is _USE_SERVER_ENDPOINT:
+            endpoint_url = server.endpoint_url
+        endpoint_args = ("--endpoint-url", endpoint_url) if endpoint_url else ()
+        m = Mount(url, str(mp), env, (*endpoint_args, *args))
         mounts.append(m)
         return m
 
