@@ -172,7 +172,7 @@ def local_bucket(args, work_dir: pathlib.Path):
 def demo(args, work_dir: pathlib.Path) -> None:
     import train_imagefolder
     import train_webdataset
-    from tests.e2e.mounting import MountError, bucketfs_mount
+    from tests.mounting import MountError, bucketfs_mount
 
     check_requirements(local_server=not args.url)
     with contextlib.ExitStack() as stack:

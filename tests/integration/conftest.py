@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.integration.mounting import Mount
+from tests.mounting import Mount
 
 _USE_SERVER_ENDPOINT = object()
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from bucketfs import errors
-from tests.integration.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ import pytest
 
 from bucketfs import errors
 from tests.gcs_server import closed_port_url
-from tests.integration.mounting import bucketfs_cmd
+from tests.mounting import bucketfs_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -1,0 +1,143 @@
+"""Mount bucketfs for real, with the real CLI in a subprocess, and always clean up.
+
+Used by the integration and e2e tests and by scripts/demo.py. Readiness comes from
+the daemon itself: the harness plays systemd's part (a datagram socket as
+NOTIFY_SOCKET) and waits for READY=1, which bucketfs sends only once the mount
+answers; a dead mount left on the same path would fool os.path.ismount. The
+daemon logs to a file, so a chatty mount never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.servers import _die_with_parent
+
+MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
+EXIT_DEADLINE_S = 15.0
+
+
+class MountError(RuntimeError):
+    pass
+
+
+def bucketfs_cmd(*args) -> list:
+    return [sys.executable, "-m", "bucketfs.cli", *args]
+
+
+def wait_for(predicate, deadline_s: float, what: str, proc=None) -> None:
+    """Poll `predicate` until true; fail after `deadline_s` or if `proc` exits first."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {proc.returncode}")
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {deadline_s} s")
+        time.sleep(0.02)  # polling interval of a condition wait, not synchronisation
+
+
+def _is_dead_mount(mountpoint: str) -> bool:
+    try:
+        os.listdir(mountpoint)
+        return False
+    except OSError:
+        return os.path.exists(os.path.dirname(mountpoint))
+
+
+def force_unmount(mountpoint: str) -> None:
+    """Detach `mountpoint` if it is mounted (or a dead mount): -u, then -uz."""
+    for flags in (["-u"], ["-uz"]):
+        if not (os.path.ismount(mountpoint) or _is_dead_mount(mountpoint)):
+            return
+        subprocess.run(["fusermount3", *flags, mountpoint], capture_output=True, timeout=30)
+
+
+class Mount:
+    """A foreground `bucketfs mount` subprocess serving `url` on `mountpoint`."""
+
+    def __init__(self, url: str, mountpoint: str, env: dict, args=(), log_path: str | None = None, new_session: bool = False):
+        self.url, self.mountpoint = url, str(mountpoint)
+        self._tmp_dir = tempfile.mkdtemp(prefix="bucketfs-mount-")
+        self.log_path = log_path or os.path.join(self._tmp_dir, "bucketfs.log")
+        sock_path = os.path.join(self._tmp_dir, "notify")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(sock_path)
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                bucketfs_cmd("mount", url, self.mountpoint, "--foreground", "--log-level", "INFO", *args),
+                env=dict(env, NOTIFY_SOCKET=sock_path), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                # new_session: a Ctrl-C at the terminal reaches the caller, which unmounts
+                # after its readers stopped, rather than the daemon mid-read.
+                start_new_session=new_session, preexec_fn=_die_with_parent,
+            )
+        try:
+            self.wait_notify("READY=1", MOUNT_DEADLINE_S)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def stderr_text(self) -> str:
+        if hasattr(self, "_saved_log"):
+            return self._saved_log
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return "(no log)"
+
+    def wait_notify(self, message: str, deadline_s: float) -> None:
+        end = time.monotonic() + deadline_s
+        while True:
+            remaining_s = end - time.monotonic()
+            if remaining_s <= 0:
+                raise MountError(f"no {message} from the mount of {self.url} within {deadline_s} s:\n{self.stderr_text[-3000:]}")
+            self._sock.settimeout(min(remaining_s, 0.5))
+            try:
+                if message in self._sock.recv(4096).decode().split("\n"):
+                    return
+            except socket.timeout:
+                if self.proc.poll() is not None:
+                    raise MountError(f"mount of {self.url} exited with {self.proc.returncode}:\n{self.stderr_text[-3000:]}") from None
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.mountpoint, *parts)
+
+    def terminate(self, sig=signal.SIGTERM, timeout_s: float = 30) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        force_unmount(self.mountpoint)
+        try:
+            self.proc.wait(timeout=EXIT_DEADLINE_S)  # after an unmount the FUSE loop ends by itself
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=EXIT_DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=EXIT_DEADLINE_S)
+        self._sock.close()
+        if self.log_path.startswith(self._tmp_dir):
+            self._saved_log = self.stderr_text
+        shutil.rmtree(self._tmp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def bucketfs_mount(url: str, mountpoint: str, log_path: str, *, endpoint_url=None, env=None, extra_args=()):
+    """`with bucketfs_mount(...) as mount:` a Mount that is always torn down."""
+    args = [*extra_args] + (["--endpoint-url", endpoint_url] if endpoint_url else [])
+    mount = Mount(url, mountpoint, env if env is not None else dict(os.environ), args, log_path=log_path, new_session=True)
+    try:
+        yield mount
+    finally:
+        mount.close()
