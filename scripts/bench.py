@@ -1,0 +1,1403 @@
+#!/usr/bin/env python3
+"""Benchmark bucketfs against direct boto3 reads and local-disk reads, in one run.
+
+    python scripts/bench.py                      # everything, full scale (~10 min)
+    python scripts/bench.py --scale 0.25 --only W1,W3
+
+Setup: `rclone serve s3` (tests/servers.py) serves the data directory; a proxy
+(scripts/latency_proxy.py, its own process) in front of it delays the first byte of
+every response (--latency-ms, default 20) and caps each connection (--conn-mbps,
+default 100 MB/s), so 127.0.0.1 behaves like a remote bucket. bucketfs and the
+direct boto3 reads both go through the proxy, which counts the requests and bytes of
+each run. Local-disk reads use the same files straight from the data directory.
+
+The data set is generated once into --data-dir (default .bench-data/, reused):
+8 WebDataset shards (~64 MB of ~100 KB samples), an ImageFolder tree (50 classes x
+200 files of ~100 KB), a directory of 20,000 ~1 KB objects and 20,000 objects in
+200 folders. --scale shrinks it.
+
+Workloads (MB = 10^6 bytes): W1 shard streaming (1 and 4 readers; webdataset +
+DataLoader), W2 ImageFolder (listing, cold epochs with 8 and 32 threads, warm epoch),
+W3 metadata (listdir of 20k, walk+stat of 20k; cold and cached), W4 random preads in
+shards, W5 small files and shards at once (with the daemon's peak RSS).
+
+Cold runs: page cache dropped (`echo 3 > /proc/sys/vm/drop_caches`, root) and, for
+bucketfs, a fresh mount. Before remote runs the server's metadata is primed by
+listing directly (not through the proxy): rclone computes MD5 ETags by reading whole
+files the first time it lists or serves them, which a real store does not do.
+Every byte read is verified against the data set (xxh3 or crc32 digests): a wrong
+answer prints FAIL and the script exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import importlib
+import io
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import traceback
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+for _path in (str(REPO), str(REPO / "scripts")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+MB = 1_000_000  # throughput unit (like the targets and --conn-mbps)
+MiB = 1024 * 1024
+PART_BYTES = 8 * MiB  # direct boto3: one ranged GET of a large object
+PARALLEL_PARTS = 16  # direct boto3: ranged GETs in flight per large-object reader
+READ_BYTES = 1 * MiB  # shard readers' read size
+RUN_TIMEOUT_S = 300.0  # a run taking longer is a hang: the mount is aborted and the run FAILs
+MOUNT_DEADLINE_S = 30.0
+SYSTEMS = ("bucketfs", "direct", "local")
+
+try:
+    import xxhash
+
+    HASH_NAME = "xxh3_64"
+
+    def new_hash():
+        return xxhash.xxh3_64()
+
+    def digest(data) -> int:
+        return xxhash.xxh3_64_intdigest(data)
+except ImportError:  # crc32 is 5x slower but always there
+    HASH_NAME = "crc32"
+
+    class _Crc:
+        __slots__ = ("value",)
+
+        def __init__(self):
+            self.value = 0
+
+        def update(self, data):
+            self.value = zlib.crc32(data, self.value)
+
+        def intdigest(self):
+            return self.value
+
+    def new_hash():
+        return _Crc()
+
+    def digest(data) -> int:
+        return zlib.crc32(data)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# =============================================================================
+# Data set
+# =============================================================================
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    scale: float
+    shard_count: int = 8
+    shard_bytes: int = 64 * MB
+    sample_bytes: int = 100_000  # mean size of a sample / ImageFolder file (80-120 KB)
+    class_count: int = 50
+    files_per_class: int = 200
+    flat_count: int = 20_000
+    tree_dirs: int = 200
+    tree_per_dir: int = 100
+    small_bytes: int = 1_000  # mean size of a W3 object (500-1500 B)
+
+    @classmethod
+    def for_scale(cls, scale: float) -> "Spec":
+        return cls(scale=scale, shard_bytes=max(2 * MB, int(64 * MB * scale)),
+                   files_per_class=max(2, round(200 * scale)), flat_count=max(100, round(20_000 * scale)),
+                   tree_per_dir=max(1, round(100 * scale)))
+
+    @property
+    def bucket(self) -> str:
+        return "bench-full" if self.scale == 1 else f"bench-s{self.scale:g}"
+
+
+def _random_bytes_factory(seed: int) -> Callable[[int], bytes]:
+    try:
+        import numpy
+
+        rng = numpy.random.default_rng(seed)
+        return rng.bytes
+    except ImportError:
+        return os.urandom
+
+
+def _jpeg_like(rand, size: int, name: str) -> bytes:
+    head = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00" + name.encode() + b"\x00"
+    return head + rand(max(0, size - len(head) - 2)) + b"\xff\xd9"
+
+
+def generate(spec: Spec, bucket_dir: Path) -> None:
+    """Write the data set into a scratch directory, then rename it into place."""
+    scratch = bucket_dir.parent.parent / f"partial-{spec.bucket}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    rand = _random_bytes_factory(1234)
+    sizes = random.Random(42)
+    t0 = time.perf_counter()
+    (scratch / "shards").mkdir(parents=True)
+    sample = 0
+    for s in range(spec.shard_count):
+        with tarfile.open(scratch / "shards" / f"shard-{s:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            written = 0
+            while written < spec.shard_bytes:
+                key = f"{sample:06d}"
+                jpg = _jpeg_like(rand, sizes.randint(80_000, 120_000), key)
+                cls = str(sizes.randrange(1000)).encode()
+                for name, data in ((f"{key}.jpg", jpg), (f"{key}.cls", cls)):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+                    tar.addfile(info, io.BytesIO(data))
+                written += len(jpg) + len(cls) + 1024
+                sample += 1
+    for c in range(spec.class_count):
+        d = scratch / "imagefolder" / f"class-{c:03d}"
+        d.mkdir(parents=True)
+        for i in range(spec.files_per_class):
+            name = f"img-{c:03d}-{i:05d}.jpg"
+            (d / name).write_bytes(_jpeg_like(rand, sizes.randint(80_000, 120_000), name))
+    (scratch / "flat").mkdir()
+    for i in range(spec.flat_count):
+        (scratch / "flat" / f"obj-{i:06d}.bin").write_bytes(rand(sizes.randint(500, 1500)))
+    for d in range(spec.tree_dirs):
+        sub = scratch / "tree" / f"dir-{d:03d}"
+        sub.mkdir(parents=True)
+        for i in range(spec.tree_per_dir):
+            (sub / f"obj-{i:05d}.bin").write_bytes(rand(sizes.randint(500, 1500)))
+    os.sync()
+    shutil.rmtree(bucket_dir, ignore_errors=True)
+    bucket_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(scratch, bucket_dir)
+    log(f"generated {spec.bucket} in {time.perf_counter() - t0:.1f}s")
+
+
+def build_manifest(spec: Spec, bucket_dir: Path) -> dict:
+    """Sizes and digests of every file, and of every sample in the shards."""
+    files, samples = {}, {}
+    for dirpath, _dirs, names in os.walk(bucket_dir):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, bucket_dir)
+            h = new_hash()
+            size = 0
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(8 * MiB):
+                    h.update(chunk)
+                    size += len(chunk)
+            files[rel] = [size, h.intdigest()]
+    for rel in sorted(files):
+        if rel.startswith("shards/"):
+            entries = {}
+            with tarfile.open(bucket_dir / rel) as tar:
+                for member in tar:
+                    key, _, ext = member.name.partition(".")
+                    data = tar.extractfile(member).read()
+                    entry = entries.setdefault(key, [None, None])
+                    if ext == "jpg":
+                        entry[0] = digest(data)
+                    else:
+                        entry[1] = data.decode()
+            samples[rel] = entries
+    return {"version": 1, "spec": dataclasses.asdict(spec), "hash": HASH_NAME, "files": files, "samples": samples}
+
+
+def ensure_dataset(spec: Spec, data_dir: Path) -> tuple:
+    """(bucket_dir, manifest): generated once, reused while the spec matches."""
+    bucket_dir = data_dir / "srv" / spec.bucket
+    manifest_path = data_dir / f"{spec.bucket}.manifest.json"
+    manifest = None
+    if manifest_path.exists() and bucket_dir.is_dir():
+        with contextlib.suppress(ValueError, OSError):
+            manifest = json.loads(manifest_path.read_text())
+        if manifest and manifest.get("spec") != dataclasses.asdict(spec):
+            manifest = None
+        elif manifest and not _files_present(bucket_dir, manifest):
+            log(f"{bucket_dir} does not match its manifest: regenerating")
+            manifest = None
+        elif manifest and manifest.get("hash") != HASH_NAME:
+            log(f"re-hashing {bucket_dir} with {HASH_NAME}")
+            manifest = build_manifest(spec, bucket_dir)
+            manifest_path.write_text(json.dumps(manifest))
+    if manifest is None:
+        log(f"generating the data set {spec.bucket} in {bucket_dir} (once; reused afterwards)")
+        manifest_path.unlink(missing_ok=True)
+        generate(spec, bucket_dir)
+        manifest = build_manifest(spec, bucket_dir)
+        manifest_path.write_text(json.dumps(manifest))
+    else:
+        log(f"reusing the data set in {bucket_dir}")
+    return bucket_dir, manifest
+
+
+def _files_present(bucket_dir: Path, manifest: dict) -> bool:
+    try:
+        return all(os.stat(bucket_dir / rel).st_size == size for rel, (size, _) in manifest["files"].items())
+    except OSError:
+        return False
+
+
+class Dataset:
+    def __init__(self, spec: Spec, bucket_dir: Path, manifest: dict):
+        self.spec, self.bucket_dir, self.manifest = spec, bucket_dir, manifest
+        self.bucket = spec.bucket
+        self.files = manifest["files"]
+        self.shards = sorted(r for r in self.files if r.startswith("shards/"))
+        self.images = sorted(r for r in self.files if r.startswith("imagefolder/"))
+        self.flat = sorted(r for r in self.files if r.startswith("flat/"))
+        self.tree = sorted(r for r in self.files if r.startswith("tree/"))
+        self.sample_count = sum(len(v) for v in manifest["samples"].values())
+
+    def size(self, rel: str) -> int:
+        return self.files[rel][0]
+
+    def bytes_of(self, rels) -> int:
+        return sum(self.files[r][0] for r in rels)
+
+
+class Verifier:
+    """Collects mismatches (thread safe); a run with any is a FAIL."""
+
+    def __init__(self, dataset: Dataset):
+        self.files = dataset.files
+        self.errors: list = []
+        self._lock = threading.Lock()
+
+    def fail(self, what: str) -> None:
+        with self._lock:
+            self.errors.append(what)
+
+    def check(self, rel: str, size: int, value: int) -> None:
+        want_size, want = self.files[rel]
+        if size != want_size or value != want:
+            self.fail(f"{rel}: got {size} bytes digest {value:x}, expected {want_size} bytes digest {want:x}")
+
+
+# =============================================================================
+# Backends: the one place that knows S3 (a GCS backend would add a class here)
+# =============================================================================
+class S3Direct:
+    """Direct boto3 access (the baseline): a thread-safe client sized for `pool` threads."""
+
+    def __init__(self, endpoint_url: str, access_key: str, secret_key: str, region: str, pool: int):
+        import boto3
+        import botocore.config
+
+        session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key, region_name=region)
+        self.client = session.client("s3", endpoint_url=endpoint_url, config=botocore.config.Config(
+            s3={"addressing_style": "path"}, max_pool_connections=pool, retries={"total_max_attempts": 3},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",  # rclone sends whole-object CRCs on ranged GETs
+        ))
+
+    @classmethod
+    def from_env(cls, pool: int) -> "S3Direct":
+        return cls(os.environ["AWS_ENDPOINT_URL"], os.environ["AWS_ACCESS_KEY_ID"],
+                   os.environ["AWS_SECRET_ACCESS_KEY"], os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), pool)
+
+    def get(self, bucket: str, key: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+        kwargs = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
+        body = self.client.get_object(Bucket=bucket, Key=key, **kwargs)["Body"]
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def list_all(self, bucket: str, prefix: str) -> tuple:
+        """Every page of a delimited listing, one after another: ([(key, size)], [prefix])."""
+        objects, prefixes, token = [], [], None
+        while True:
+            kwargs = {"ContinuationToken": token} if token else {}
+            page = self.client.list_objects_v2(Bucket=bucket, Prefix=prefix, Delimiter="/", MaxKeys=1000, **kwargs)
+            objects += [(o["Key"], o["Size"]) for o in page.get("Contents", ())]
+            prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", ())]
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return objects, prefixes
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class S3Backend:
+    """rclone serve s3 over the data directory, behind the latency proxy."""
+
+    name = "s3"
+    url_scheme = "s3"
+
+    def __init__(self, root_dir: Path, latency_ms: float, conn_mbps: float, proxy_log: Optional[Path] = None):
+        self.root_dir, self.latency_ms, self.conn_mbps, self.proxy_log = root_dir, latency_ms, conn_mbps, proxy_log
+        self.server = self.proxy = None
+        self._primed: dict = {}  # directory -> when its server-side metadata was last rebuilt
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator["S3Backend"]:
+        from latency_proxy import ProxyProcess
+        from tests.servers import rclone_s3_server
+
+        with rclone_s3_server(self.root_dir) as server:
+            with ProxyProcess(server.endpoint_url, self.latency_ms, self.conn_mbps,
+                              log_path=str(self.proxy_log) if self.proxy_log else None) as proxy:
+                self.server, self.proxy = server, proxy
+                self._unproxied = S3Direct(server.endpoint_url, server.access_key, server.secret_key, server.region, 8)
+                try:
+                    yield self
+                finally:
+                    self._unproxied.close()
+                    self.server = self.proxy = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.url
+
+    def env(self) -> dict:
+        """AWS_* variables for a mount or a child process: the proxy as the endpoint."""
+        env = self.server.env()
+        env["AWS_ENDPOINT_URL"] = self.proxy.url
+        return env
+
+    def mount_argv(self, bucket: str) -> list:
+        return [f"{self.url_scheme}://{bucket}/", "--endpoint-url", self.proxy.url]
+
+    def direct(self, pool: int) -> S3Direct:
+        return S3Direct(self.proxy.url, self.server.access_key, self.server.secret_key, self.server.region, pool)
+
+    def prime(self, bucket: str, prefixes) -> None:
+        """Have the server's ETags ready, as a real store has: rclone computes them (MD5 of
+        whole files) when it first lists or serves a file and keeps them ~5 minutes with its
+        directory cache. Rebuild a directory's if older than 200 s; not through the proxy."""
+        now = time.monotonic()
+        for prefix in prefixes:
+            if now - self._primed.get(prefix, -math.inf) < 200:
+                continue
+            self.server.rclone_rc("vfs/forget", dir=f"{bucket}/{prefix.rstrip('/')}")
+            _objects, subdirs = self._unproxied.list_all(bucket, prefix)
+            for sub in subdirs:
+                self._unproxied.list_all(bucket, sub)
+            self._primed[prefix] = time.monotonic()
+
+    def stats(self) -> dict:
+        return self.proxy.stats()
+
+    def mark(self, text: str) -> None:
+        if self.proxy_log:
+            self.proxy.mark(text)
+
+    def server_cpu_s(self) -> float:
+        return proc_cpu_s(self.server.pid)
+
+    def proxy_cpu_s(self) -> float:
+        return proc_cpu_s(self.proxy.pid)
+
+
+BACKENDS = {"s3": S3Backend}
+
+
+# =============================================================================
+# Processes, mounts, caches
+# =============================================================================
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuCensus:
+    """CPU seconds of every process on the machine, split into this benchmark's (this
+    process and its descendants: daemon, proxy, server, webdataset workers) and the
+    others' (a shared machine: other people's tests). Exited processes are missed."""
+
+    def __init__(self):
+        self.me = os.getpid()
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.snapshot = self._take()
+
+    def _take(self) -> dict:
+        procs = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            procs[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+        return procs
+
+    def others_s(self) -> float:
+        """Others' CPU seconds since the last call."""
+        now = self._take()
+        ours = {self.me}
+        changed = True
+        while changed:  # descendants of this process, whatever their depth
+            changed = False
+            for pid, (ppid, _) in now.items():
+                if ppid in ours and pid not in ours:
+                    ours.add(pid)
+                    changed = True
+        total = 0.0
+        for pid, (_ppid, cpu) in now.items():
+            if pid not in ours and pid != 2 and _ppid != 2:  # kthreadd's children are kernel threads
+                total += cpu - self.snapshot.get(pid, (0, 0.0))[1]
+        self.snapshot = now
+        return max(total, 0.0)
+
+
+def self_cpu_s() -> float:
+    """This process's CPU seconds, with its children that were waited for (webdataset runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def proc_status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def is_mounted(path: str) -> bool:
+    """From the mount table, without touching the mount (a hung daemon cannot block this)."""
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+class Mount:
+    """One bucketfs daemon (`mount -f` as a subprocess); remount() gives a fresh one."""
+
+    def __init__(self, backend, bucket: str, mountpoint: str, max_memory: str, work_dir: str, extra_args=()):
+        self.backend, self.bucket, self.mountpoint = backend, bucket, mountpoint
+        self.max_memory, self.work_dir, self.extra_args = max_memory, work_dir, list(extra_args)
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = None
+        self.count = 0
+        self.notes: list = []  # warnings/errors the daemons logged
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> None:
+        self.count += 1
+        self.log_path = os.path.join(self.work_dir, f"bucketfs-{self.count}.log")
+        argv = [sys.executable, "-m", "bucketfs.cli", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
+                "-f", "--max-memory", self.max_memory, *self.extra_args]
+        env = dict(os.environ, **self.backend.env())
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + MOUNT_DEADLINE_S
+        while not (is_mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bucketfs exited ({self.proc.returncode}) before mounting: {self._tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"bucketfs did not mount within {MOUNT_DEADLINE_S}s: {self._tail()}")
+            time.sleep(0.02)  # polling interval, with a deadline
+
+    def stop(self) -> None:
+        """Unmount (-u, then -uz), wait for the daemon, and make sure nothing is left."""
+        if self.proc is None:
+            return
+        if is_mounted(self.mountpoint):
+            if subprocess.run(["fusermount3", "-u", self.mountpoint], capture_output=True).returncode != 0:
+                subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.notes.append(f"mount {self.count}: daemon still running 15 s after unmount; terminated")
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
+        self._collect_log_notes()
+        self.proc = None
+
+    def abort(self) -> None:
+        """A hung run: kill our daemon so blocked readers get errors, then detach."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
+
+    def remount(self) -> None:
+        self.stop()
+        drop_caches()
+        self.start()
+
+    def _tail(self, chars: int = 1500) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _collect_log_notes(self) -> None:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
+        except OSError:
+            return
+        if lines:
+            self.notes.append(f"mount {self.count}: {len(lines)} warning/error lines, first: {lines[0][:300]}")
+
+
+class RssSampler:
+    """Samples a process's VmRSS every 50 ms in a thread; peak in bytes."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05):
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self.peak_bytes = max(self.peak_bytes, proc_status_kib(self.pid, "VmRSS") * 1024)
+            self._stop.wait(self.interval_s)
+
+
+def run_threads(target: Callable, args_list: list, verifier: Verifier) -> float:
+    """Run target(*args) in one thread each; return the wall time. Exceptions become FAILs."""
+    def wrapped(*args):
+        try:
+            target(*args)
+        except Exception as exc:  # noqa: BLE001 - a reader error is a failed run, reported
+            verifier.fail(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=wrapped, args=args, daemon=True) for args in args_list]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def pull_loop(items: list, worker_fn: Callable) -> Callable:
+    """A thread body that takes the next item from a shared list until none are left."""
+    counter = itertools.count()
+
+    def body():
+        n = len(items)
+        while True:
+            i = next(counter)  # atomic under the GIL
+            if i >= n:
+                return
+            worker_fn(i, items[i])
+
+    return body
+
+
+# =============================================================================
+# Reading primitives (file systems vs direct boto3)
+# =============================================================================
+def read_file_streaming(path: str, buf: bytearray) -> tuple:
+    """Whole file with 1 MiB reads: (size, digest)."""
+    h, n, view = new_hash(), 0, memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                return n, h.intdigest()
+            h.update(view[:k])
+            n += k
+
+
+def iter_object_parallel(client: S3Direct, bucket: str, key: str, size: int, executor) -> Iterator[bytes]:
+    """A large object as 8 MiB ranged GETs, 16 in flight, yielded in order."""
+    starts = iter(range(0, size, PART_BYTES))
+    futures = collections.deque()
+    for start in itertools.islice(starts, PARALLEL_PARTS):
+        futures.append(executor.submit(client.get, bucket, key, start, min(start + PART_BYTES, size)))
+    while futures:
+        data = futures.popleft().result()
+        start = next(starts, None)
+        if start is not None:
+            futures.append(executor.submit(client.get, bucket, key, start, min(start + PART_BYTES, size)))
+        yield data
+
+
+def read_object_direct(client, bucket, key, size, executor) -> tuple:
+    h, n = new_hash(), 0
+    for data in iter_object_parallel(client, bucket, key, size, executor):
+        h.update(data)
+        n += len(data)
+    return n, h.intdigest()
+
+
+class IterReader(io.RawIOBase):
+    """A readable raw stream over an iterator of bytes chunks (direct objects for webdataset)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks, self._current, self._pos = chunks, b"", 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b) -> int:
+        while self._pos >= len(self._current):
+            self._current = next(self._chunks, None)
+            self._pos = 0
+            if self._current is None:
+                self._current = b""
+                return 0
+        n = min(len(b), len(self._current) - self._pos)
+        b[:n] = self._current[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+# =============================================================================
+# The benchmark
+# =============================================================================
+@dataclasses.dataclass
+class Row:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    target: str = ""
+    values: dict = dataclasses.field(default_factory=dict)
+    met: Optional[bool] = None
+
+
+class Bench:
+    def __init__(self, args, dataset: Dataset, backend, work_dir: str):
+        self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
+        self.rows: dict = {}
+        self.runs: list = []
+        self.failures: list = []
+        self.mountpoint = os.path.join(work_dir, "mnt")
+        os.makedirs(self.mountpoint)
+        self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir)
+        self.local_root = str(dataset.bucket_dir)
+        self.dropped_ok = True
+        self.census = CpuCensus()
+
+    # -- bookkeeping ------------------------------------------------------------
+    def row(self, key, label, unit, higher_is_better, target="") -> Row:
+        if key not in self.rows:
+            self.rows[key] = Row(key, label, unit, higher_is_better, target)
+        return self.rows[key]
+
+    def record(self, key: str, system: str, value) -> None:
+        self.rows[key].values[system] = value
+
+    def cold(self, system: str) -> None:
+        """Drop the page cache; a fresh mount for bucketfs; server metadata primed for remote runs."""
+        self.mount.stop()  # also before other systems: a mount's background work (listing ahead) must not overlap them
+        if system != "local":
+            # All of them, not only the run's: bucketfs lists sibling directories ahead.
+            self.backend.prime(self.ds.bucket, ["shards/", "imagefolder/", "flat/", "tree/"])
+        self.dropped_ok = drop_caches() and self.dropped_ok
+        if system == "bucketfs":
+            self.mount.start()
+
+    def root(self, system: str) -> str:
+        return self.mountpoint if system == "bucketfs" else self.local_root
+
+    def measure(self, label: str, system: str, fn: Callable[[Verifier], dict]) -> dict:
+        """Run fn(verifier) once, with the proxy's, the daemon's and our own costs around it."""
+        verifier = Verifier(self.ds)
+        remote = system != "local"
+        self.backend.mark(f"start {label} [{system}]")
+        before = self.backend.stats() if remote else None
+        daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
+        self_before = self_cpu_s()
+        self.census.others_s()
+        server_before = self.backend.server_cpu_s()
+        proxy_before = self.backend.proxy_cpu_s()
+        profiler = self._start_profiler(label) if system == "bucketfs" and self.args.py_spy else None
+        watchdog = threading.Timer(RUN_TIMEOUT_S, self._hung, args=(label, system, verifier))
+        watchdog.daemon = True
+        watchdog.start()
+        t0 = time.perf_counter()
+        try:
+            result = fn(verifier) or {}
+        except Exception as exc:  # noqa: BLE001 - reported as a failed run
+            verifier.fail(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+            result = {}
+        finally:
+            watchdog.cancel()
+        wall_s = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            try:
+                profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait()
+        run = {"run": label, "system": system, "wall_s": round(wall_s, 4), **result}
+        run["client_cpu_s"] = round(self_cpu_s() - self_before, 3)
+        run["server_cpu_s"] = round(self.backend.server_cpu_s() - server_before, 3)
+        proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
+        if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
+            run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
+        elif system == "bucketfs":
+            verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
+        # CPU used by processes that are not part of this benchmark (a shared machine): noise.
+        run["foreign_cpu_s"] = round(self.census.others_s(), 2)
+        if remote:
+            after = self.backend.stats()
+            requests = collections.Counter(after["requests"])
+            requests.subtract(before["requests"])
+            statuses = collections.Counter(after["statuses"])
+            statuses.subtract(before["statuses"])
+            run["requests"] = {k: v for k, v in sorted(requests.items()) if v}
+            run["statuses"] = {k: v for k, v in sorted(statuses.items()) if v}
+            run["fetched_bytes"] = after["body_bytes_down"] - before["body_bytes_down"]
+            run["proxy_cpu_s"] = round(proxy_cpu_s, 3)
+        run["errors"] = verifier.errors[:5]
+        run["error_count"] = len(verifier.errors)
+        self.runs.append(run)
+        summary = " ".join(f"{k}={v}" for k, v in result.items() if k not in ("errors",))
+        extra = ""
+        if remote:
+            extra = f" | requests {run['requests']} fetched {run['fetched_bytes'] / MB:.1f} MB"
+            if run.get("daemon_cpu_s") is not None:
+                extra += f" daemon_cpu {run['daemon_cpu_s']:.2f}s"
+            extra += f" proxy_cpu {run['proxy_cpu_s']:.2f}s"
+        log(f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"
+            + (f" (other processes: {run['foreign_cpu_s']:.1f} CPU s)" if run["foreign_cpu_s"] >= 0.5 else ""))
+        if verifier.errors:
+            self.failures.append(f"{label} [{system}]: {len(verifier.errors)} error(s), first: {verifier.errors[0]}")
+            print(f"\n!!!!!!!! FAIL {label} [{system}]: {len(verifier.errors)} error(s)", flush=True)
+            for e in verifier.errors[:5]:
+                print(f"!!!!!!!!   {e}", flush=True)
+            print(flush=True)
+            run["failed"] = True
+        return run
+
+    def _start_profiler(self, label: str) -> Optional[subprocess.Popen]:
+        """py-spy on the daemon for one run: collapsed stacks (flamegraph.pl input) in --py-spy DIR."""
+        self.args.py_spy.mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() else "-" for c in label.lower())
+        out = self.args.py_spy / f"{len(self.runs):02d}-{name}.txt"
+        try:
+            proc = subprocess.Popen(["py-spy", "record", "-p", str(self.mount.pid), "-o", str(out), "--format", "raw",
+                                     "-r", "100", "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            log(f"  py-spy not started ({exc}): pip install py-spy")
+            return None
+        time.sleep(0.5)  # py-spy attaches in ~0.1 s; the first samples of the run are not worth racing for
+        return proc
+
+    def _hung(self, label, system, verifier) -> None:
+        verifier.fail(f"no result after {RUN_TIMEOUT_S:.0f}s: hung; aborting")
+        log(f"  {label} [{system}]: no result after {RUN_TIMEOUT_S:.0f}s; aborting the run")
+        if system == "bucketfs":
+            self.mount.abort()
+
+    # -- W1 shards --------------------------------------------------------------
+    def w1(self) -> None:
+        ds = self.ds
+        total = ds.bytes_of(ds.shards)
+        for readers, target in ((1, 570), (4, 800)):
+            key = f"W1.{readers}"
+            self.row(key, f"W1 shards, {readers} reader{'s' if readers > 1 else ''}", "MB/s", True, f">= {target} MB/s")
+            groups = [ds.shards[r::readers] for r in range(readers)]
+            for system in SYSTEMS:
+                self.cold(system)
+                if system == "direct":
+                    client = self.backend.direct(readers * PARALLEL_PARTS)
+                    executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in groups]
+
+                    def fn(v, client=client, executors=executors):
+                        def reader(group, ex):
+                            for rel in group:
+                                v.check(rel, *read_object_direct(client, ds.bucket, rel, ds.size(rel), ex))
+                        wall = run_threads(reader, list(zip(groups, executors)), v)
+                        return {"MB/s": round(total / wall / MB, 1)}
+                else:
+                    root = self.root(system)
+
+                    def fn(v, root=root):
+                        def reader(group):
+                            buf = bytearray(READ_BYTES)
+                            for rel in group:
+                                v.check(rel, *read_file_streaming(os.path.join(root, rel), buf))
+                        wall = run_threads(reader, [(g,) for g in groups], v)
+                        return {"MB/s": round(total / wall / MB, 1)}
+                run = self.measure(f"W1 {readers} reader(s)", system, fn)
+                if system == "direct":
+                    for ex in executors:
+                        ex.shutdown()
+                    client.close()
+                self.record(key, system, run.get("MB/s"))
+        self.w1_webdataset()
+
+    def w1_webdataset(self) -> None:
+        ds = self.ds
+        row = self.row("W1.wds", "W1 webdataset DataLoader(2)", "samples/s", True, ">= 0.9x local")
+        probe = subprocess.run([sys.executable, "-c", "import webdataset, torch"], capture_output=True)
+        if probe.returncode != 0:
+            row.target += " (skipped: pip install webdataset torch)"
+            log("  W1 webdataset: skipped: pip install webdataset torch")
+            return
+        brace = f"shards/shard-{{000000..{ds.spec.shard_count - 1:06d}}}.tar"
+        for system in SYSTEMS:
+            self.cold(system)
+            if system == "direct":
+                spec = {"urls": f"benchs3://{ds.bucket}/{brace}", "mode": "direct",
+                        "sizes": {r: ds.size(r) for r in ds.shards}}
+                env = dict(os.environ, **self.backend.env())
+            else:
+                spec = {"urls": os.path.join(self.root(system), brace), "mode": "fs"}
+                env = dict(os.environ)
+            spec["manifest"] = str(self.args.data_dir / f"{ds.bucket}.manifest.json")
+
+            def fn(v, spec=spec, env=env):
+                proc = subprocess.run([sys.executable, __file__, "--wds-child", json.dumps(spec)], env=env,
+                                      capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                lines = proc.stdout.strip().splitlines()
+                if proc.returncode != 0 or not lines:
+                    v.fail(f"webdataset child failed ({proc.returncode}): {proc.stderr[-1500:]}")
+                    return {}
+                out = json.loads(lines[-1])
+                for e in out["errors"]:
+                    v.fail(e)
+                return {"samples/s": round(out["samples"] / out["seconds"], 1), "samples": out["samples"]}
+            run = self.measure("W1 webdataset", system, fn)
+            self.record("W1.wds", system, run.get("samples/s"))
+
+    # -- W2 ImageFolder -----------------------------------------------------------
+    def w2(self) -> None:
+        ds = self.ds
+        self.row("W2.list", "W2 ImageFolder listing, cold", "s", False, "<= 0.5 s")
+        for threads in (8, 32):
+            self.row(f"W2.cold{threads}", f"W2 epoch cold, {threads} threads", "files/s", True, ">= 1.0x direct")
+        for threads in (8, 32):
+            self.row(f"W2.warm{threads}", f"W2 epoch warm, {threads} threads", "files/s", True, ">= 6000 files/s")
+        for system in SYSTEMS:
+            for threads in (8, 32):
+                self.cold(system)
+                if system == "direct":
+                    client = self.backend.direct(threads)
+                    run = self.measure("W2 listing", system, lambda v: self._w2_list_direct(v, client))
+                else:
+                    run = self.measure("W2 listing", system, lambda v: self._w2_list_fs(v, self.root(system)))
+                if threads == 8:  # the 32-thread pass lists again only to load the fresh mount
+                    self.record("W2.list", system, run.get("s"))
+                order = list(ds.images)
+                random.Random(threads).shuffle(order)
+                passes = ("cold", "warm") if system != "direct" else ("cold",)
+                for temp in passes:
+                    if system == "direct":
+                        run = self.measure(f"W2 epoch {temp} {threads}t", system,
+                                           lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)))
+                    else:
+                        root = self.root(system)
+
+                        def read(rel, root=root):
+                            with open(os.path.join(root, rel), "rb") as f:
+                                return f.read()
+                        run = self.measure(f"W2 epoch {temp} {threads}t", system, lambda v: self._epoch(v, order, threads, read))
+                    self.record(f"W2.{temp}{threads}", system, run.get("files/s"))
+                if system == "direct":
+                    client.close()
+
+    def _w2_list_fs(self, v: Verifier, root: str) -> dict:
+        t0 = time.perf_counter()
+        top = os.path.join(root, "imagefolder")
+        classes = sorted(e.name for e in os.scandir(top) if e.is_dir())
+        found = []
+        for cls in classes:
+            for dirpath, _dirs, names in sorted(os.walk(os.path.join(top, cls), followlinks=True)):
+                for name in sorted(names):
+                    found.append(os.path.join(dirpath, name))
+        seconds = time.perf_counter() - t0
+        rels = sorted(os.path.relpath(p, root) for p in found)
+        if rels != self.ds.images:
+            v.fail(f"ImageFolder listing found {len(rels)} files, expected {len(self.ds.images)}")
+        return {"s": round(seconds, 4), "files": len(found), "classes": len(classes)}
+
+    def _w2_list_direct(self, v: Verifier, client: S3Direct) -> dict:
+        t0 = time.perf_counter()
+        _objs, class_prefixes = client.list_all(self.ds.bucket, "imagefolder/")
+        found = []
+        for prefix in sorted(class_prefixes):
+            objs, _ = client.list_all(self.ds.bucket, prefix)
+            found += [k for k, _size in objs]
+        seconds = time.perf_counter() - t0
+        if sorted(found) != self.ds.images:
+            v.fail(f"listing found {len(found)} objects, expected {len(self.ds.images)}")
+        return {"s": round(seconds, 4), "files": len(found), "classes": len(class_prefixes)}
+
+    def _epoch(self, v: Verifier, order: list, threads: int, read: Callable[[str], bytes]) -> dict:
+        def one(_i, rel):
+            data = read(rel)
+            v.check(rel, len(data), digest(data))
+        wall = run_threads(pull_loop(order, one), [()] * threads, v)
+        return {"files/s": round(len(order) / wall, 1), "MB/s": round(self.ds.bytes_of(order) / wall / MB, 1)}
+
+    # -- W3 metadata ----------------------------------------------------------------
+    def w3(self) -> None:
+        ds = self.ds
+        self.row("W3.flat.cold", f"W3 listdir {len(ds.flat)}, cold", "s", False, "<= direct LISTs, 0 HEAD")
+        self.row("W3.flat.cached", f"W3 listdir {len(ds.flat)}, cached", "s", False, "<= 0.1 s")
+        self.row("W3.tree.cold", f"W3 walk+stat {len(ds.tree)}, cold", "s", False, "<= direct LISTs, 0 HEAD")
+        self.row("W3.tree.cached", f"W3 walk+stat {len(ds.tree)}, cached", "s", False, "<= 0.1 s")
+        self.w3_heads = {}
+        for what in ("flat", "tree"):
+            for system in SYSTEMS:
+                self.cold(system)
+                temps = ("cold",) if system == "direct" else ("cold", "cached")
+                for temp in temps:
+                    if system == "direct":
+                        client = self.backend.direct(4)
+                        fn = (lambda v: self._w3_direct(v, client, what))
+                    else:
+                        fn = (lambda v: self._w3_fs(v, self.root(system), what))
+                    run = self.measure(f"W3 {what} {temp}", system, fn)
+                    if system == "direct":
+                        client.close()
+                    self.record(f"W3.{what}.{temp}", system, run.get("s"))
+                    if system == "bucketfs" and temp == "cold":
+                        self.w3_heads[what] = run.get("requests", {}).get("HEAD", 0)
+
+    def _w3_fs(self, v: Verifier, root: str, what: str) -> dict:
+        expected = self.ds.flat if what == "flat" else self.ds.tree
+        t0 = time.perf_counter()
+        if what == "flat":
+            names = os.listdir(os.path.join(root, "flat"))
+            seconds = time.perf_counter() - t0
+            if sorted("flat/" + n for n in names) != expected:
+                v.fail(f"listdir found {len(names)} names, expected {len(expected)}")
+            return {"s": round(seconds, 4), "entries": len(names)}
+        sizes = {}
+        for dirpath, _dirs, names in os.walk(os.path.join(root, "tree")):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                sizes[os.path.relpath(path, root)] = os.stat(path).st_size
+        seconds = time.perf_counter() - t0
+        if sizes != {rel: self.ds.size(rel) for rel in expected}:
+            v.fail(f"walk+stat found {len(sizes)} files (or wrong sizes), expected {len(expected)}")
+        return {"s": round(seconds, 4), "entries": len(sizes)}
+
+    def _w3_direct(self, v: Verifier, client: S3Direct, what: str) -> dict:
+        """The LISTs a mount needs, one after another: the bucket root (path lookup), then
+        the directory's pages (flat) or the tree's folders one by one (tree)."""
+        expected = self.ds.flat if what == "flat" else self.ds.tree
+        t0 = time.perf_counter()
+        client.list_all(self.ds.bucket, "")
+        objs, prefixes = client.list_all(self.ds.bucket, f"{what}/")
+        for prefix in prefixes:
+            objs += client.list_all(self.ds.bucket, prefix)[0]
+        seconds = time.perf_counter() - t0
+        if dict(objs) != {rel: self.ds.size(rel) for rel in expected}:
+            v.fail(f"listing found {len(objs)} objects (or wrong sizes), expected {len(expected)}")
+        return {"s": round(seconds, 4), "entries": len(objs)}
+
+    # -- W4 random preads -------------------------------------------------------------
+    def w4(self) -> None:
+        ds = self.ds
+        self.row("W4.ops", "W4 random 4-64K preads, 4 thr", "ops/s", True, ">= 2000 ops/s")
+        self.row("W4.amp", "W4 bytes fetched / bytes read", "x", False, "<= 4x")
+        count = max(200, round(2000 * ds.spec.scale))
+        rnd = random.Random(4)
+        ops = []
+        for _ in range(count):
+            s = rnd.randrange(len(ds.shards))
+            length = rnd.randint(4 * 1024, 64 * 1024)
+            ops.append((s, rnd.randrange(0, ds.size(ds.shards[s]) - length), length))
+        read_bytes = sum(op[2] for op in ops)
+        # Expected digests from the local files (read outside any timing).
+        expected = []
+        local_fds = [os.open(os.path.join(self.local_root, rel), os.O_RDONLY) for rel in ds.shards]
+        try:
+            for s, off, length in ops:
+                expected.append(digest(os.pread(local_fds[s], length, off)))
+        finally:
+            for fd in local_fds:
+                os.close(fd)
+        for system in SYSTEMS:
+            self.cold(system)
+            got = [None] * len(ops)
+            if system == "direct":
+                client = self.backend.direct(4)
+
+                def read_op(i, op, client=client):
+                    s, off, length = op
+                    got[i] = digest(client.get(ds.bucket, ds.shards[s], off, off + length))
+                fds = []
+            else:
+                fds = [os.open(os.path.join(self.root(system), rel), os.O_RDONLY) for rel in ds.shards]
+
+                def read_op(i, op, fds=fds):
+                    s, off, length = op
+                    got[i] = digest(os.pread(fds[s], length, off))
+
+            def fn(v):
+                wall = run_threads(pull_loop(ops, read_op), [()] * 4, v)
+                bad = [i for i in range(len(ops)) if got[i] != expected[i]]
+                if bad:
+                    s, off, length = ops[bad[0]]
+                    v.fail(f"{len(bad)} preads returned wrong bytes, first {ds.shards[s]} [{off}, {off + length})")
+                return {"ops/s": round(len(ops) / wall, 1), "ops": len(ops), "read_MB": round(read_bytes / MB, 2)}
+            run = self.measure("W4 random preads", system, fn)
+            for fd in fds:
+                os.close(fd)
+            if system == "direct":
+                client.close()
+            self.record("W4.ops", system, run.get("ops/s"))
+            if system != "local":
+                amp = run["fetched_bytes"] / read_bytes
+                run["fetched_over_read"] = round(amp, 3)
+                self.record("W4.amp", system, round(amp, 3))
+                log(f"  W4 {system}: fetched {run['fetched_bytes'] / MB:.1f} MB through the proxy for {read_bytes / MB:.1f} MB read = {amp:.2f}x"
+                    + (" (daemon counters are not exposed by bucketfs: proxy count only)" if system == "bucketfs" else ""))
+
+    # -- W5 mixed -------------------------------------------------------------------
+    def w5(self) -> None:
+        ds = self.ds
+        self.row("W5.mbps", "W5 32 small + 4 shard readers", "MB/s", True, ">= direct")
+        limit_mb = self.max_memory_bytes() / MB + 150
+        self.row("W5.rss", "W5 daemon peak RSS (sampled)", "MB", False, f"<= {limit_mb:.0f} MB")
+        self.row("W5.hwm", "W5 daemon VmHWM", "MB", False, f"<= {limit_mb:.0f} MB")
+        total = ds.bytes_of(ds.images) + ds.bytes_of(ds.shards)
+        order = list(ds.images)
+        random.Random(5).shuffle(order)
+        groups = [ds.shards[r::4] for r in range(4)]
+        for system in SYSTEMS:
+            self.cold(system)
+            if system == "direct":
+                client = self.backend.direct(32 + 4 * PARALLEL_PARTS)
+                executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in groups]
+
+                def small(_i, rel, client=client):
+                    data = client.get(ds.bucket, rel)
+                    return rel, len(data), digest(data)
+
+                def stream(group, ex, client=client):
+                    return [(rel, *read_object_direct(client, ds.bucket, rel, ds.size(rel), ex)) for rel in group]
+            else:
+                root = self.root(system)
+
+                def small(_i, rel, root=root):
+                    with open(os.path.join(root, rel), "rb") as f:
+                        data = f.read()
+                    return rel, len(data), digest(data)
+
+                def stream(group, _ex, root=root):
+                    buf = bytearray(READ_BYTES)
+                    return [(rel, *read_file_streaming(os.path.join(root, rel), buf)) for rel in group]
+                executors = [None] * 4
+
+            def fn(v):
+                sampler = RssSampler(self.mount.pid) if system == "bucketfs" else contextlib.nullcontext()
+                with sampler:
+                    body_small = pull_loop(order, lambda i, rel: v.check(*small(i, rel)))
+
+                    def body_stream(group, ex):
+                        for rel, n, h in stream(group, ex):
+                            v.check(rel, n, h)
+                    args = [(body_small, None)] * 32 + [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
+                    wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
+                out = {"MB/s": round(total / wall / MB, 1)}
+                if system == "bucketfs":
+                    out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
+                    out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
+                return out
+            run = self.measure("W5 mixed", system, fn)
+            if system == "direct":
+                for ex in executors:
+                    ex.shutdown()
+                client.close()
+            self.record("W5.mbps", system, run.get("MB/s"))
+            if system == "bucketfs":
+                self.record("W5.rss", system, run.get("peak_rss_MB"))
+                self.record("W5.hwm", system, run.get("vm_hwm_MB"))
+
+    def max_memory_bytes(self) -> int:
+        from bucketfs.cli import parse_size
+
+        return parse_size(self.args.max_memory)
+
+    # -- report ---------------------------------------------------------------------
+    def evaluate(self) -> None:
+        def val(key, system="bucketfs"):
+            row = self.rows.get(key)
+            return None if row is None else row.values.get(system)
+
+        def ge(a, b):
+            return None if a is None or b is None else a >= b
+
+        def le(a, b):
+            return None if a is None or b is None else a <= b
+
+        checks = {
+            "W1.1": lambda: ge(val("W1.1"), 570),
+            "W1.4": lambda: ge(val("W1.4"), 800),
+            "W1.wds": lambda: ge(val("W1.wds"), 0.9 * val("W1.wds", "local")) if val("W1.wds", "local") else None,
+            "W2.list": lambda: le(val("W2.list"), 0.5),
+            "W2.cold8": lambda: ge(val("W2.cold8"), val("W2.cold8", "direct")),
+            "W2.cold32": lambda: ge(val("W2.cold32"), val("W2.cold32", "direct")),
+            "W2.warm8": lambda: ge(val("W2.warm8"), 6000),
+            "W2.warm32": lambda: ge(val("W2.warm32"), 6000),
+            "W3.flat.cold": lambda: None if val("W3.flat.cold") is None else bool(le(val("W3.flat.cold"), val("W3.flat.cold", "direct")) and not self.w3_heads.get("flat")),
+            "W3.flat.cached": lambda: le(val("W3.flat.cached"), 0.1),
+            "W3.tree.cold": lambda: None if val("W3.tree.cold") is None else bool(le(val("W3.tree.cold"), val("W3.tree.cold", "direct")) and not self.w3_heads.get("tree")),
+            "W3.tree.cached": lambda: le(val("W3.tree.cached"), 0.1),
+            "W4.ops": lambda: ge(val("W4.ops"), 2000),
+            "W4.amp": lambda: le(val("W4.amp"), 4),
+            "W5.mbps": lambda: ge(val("W5.mbps"), val("W5.mbps", "direct")),
+            "W5.rss": lambda: le(val("W5.rss"), self.max_memory_bytes() / MB + 150),
+            "W5.hwm": lambda: le(val("W5.hwm"), self.max_memory_bytes() / MB + 150),
+        }
+        for key, row in self.rows.items():
+            with contextlib.suppress(TypeError, ZeroDivisionError):
+                row.met = checks[key]() if key in checks else None
+
+    def table(self) -> str:
+        def fmt(x):
+            if x is None:
+                return "-"
+            if isinstance(x, float) and abs(x) < 10:
+                return f"{x:.3f}"
+            return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+        def ratio(a, b):
+            if a is None or b is None or b == 0:
+                return "-"
+            return f"{a / b:.2f}x"
+
+        header = ("workload", "unit", "bucketfs", "direct boto3", "local", "bucketfs/direct", "bucketfs/local", "target", "met")
+        lines = []
+        for row in self.rows.values():
+            b, d, l = (row.values.get(s) for s in SYSTEMS)
+            met = {True: "yes", False: "NO", None: "-"}[row.met]
+            lines.append((row.label, row.unit + ("" if row.higher_is_better else " (lower better)"), fmt(b), fmt(d), fmt(l),
+                          ratio(b, d), ratio(b, l), row.target, met))
+        widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
+        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)),
+               "-+-".join("-" * w for w in widths)]
+        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+        return "\n".join(out)
+
+    def cost_table(self) -> str:
+        header = ("run", "system", "wall s", "LIST", "GET", "HEAD", "other req", "fetched MB", "daemon CPU s", "client CPU s",
+                  "proxy CPU s", "server CPU s", "others' CPU s")
+        lines = []
+        for run in self.runs:
+            req = dict(run.get("requests", {}))
+            other = sum(v for k, v in req.items() if k not in ("LIST", "GET", "HEAD"))
+            lines.append((run["run"], run["system"], f"{run['wall_s']:.2f}", req.get("LIST", 0), req.get("GET", 0), req.get("HEAD", 0),
+                          other, f"{run.get('fetched_bytes', 0) / MB:.1f}",
+                          "-" if run.get("daemon_cpu_s") is None else f"{run['daemon_cpu_s']:.2f}",
+                          f"{run['client_cpu_s']:.2f}", f"{run.get('proxy_cpu_s', 0):.2f}", f"{run['server_cpu_s']:.2f}",
+                          f"{run['foreign_cpu_s']:.1f}"))
+        widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
+        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
+        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+        return "\n".join(out)
+
+
+TARGETS = """Targets (from the issue):
+  W1: 1 reader >= 570 MB/s; 4 readers >= 800 MB/s; webdataset >= 0.9x local disk.
+  W2: listing <= 0.5 s cold; cold epoch >= 1.0x direct boto3 at the same thread count; warm epoch >= 6,000 files/s.
+  W3: cold no slower than the LIST requests it needs (no HEADs); cached <= 0.1 s.
+  W4: >= 2,000 ops/s with bytes fetched <= 4x bytes read.
+  W5: total >= direct; peak RSS <= --max-memory + 150 MB."""
+
+
+# =============================================================================
+# webdataset child (its own process: torch stays out of the benchmark process, and
+# the DataLoader forks a process that has no other threads)
+# =============================================================================
+_direct_state: dict = {}
+
+
+def _wds_open_direct(url, mode="rb", bufsize=8192, **_kw):
+    """gopen handler for benchs3://bucket/key: 16 parallel 8 MiB ranged GETs, in order."""
+    from urllib.parse import urlsplit
+
+    pid = os.getpid()
+    if _direct_state.get("pid") != pid:  # a DataLoader worker: its own client and threads
+        _direct_state.update(pid=pid, client=S3Direct.from_env(PARALLEL_PARTS), executor=ThreadPoolExecutor(PARALLEL_PARTS))
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
+    size = _direct_state["sizes"][key]
+    chunks = iter_object_parallel(_direct_state["client"], parts.netloc, key, size, _direct_state["executor"])
+    return io.BufferedReader(IterReader(chunks), buffer_size=READ_BYTES)
+
+
+def _wds_sample_digest(sample: dict) -> tuple:
+    return sample["__key__"], os.path.basename(sample["__url__"]), digest(sample["jpg"]), sample["cls"].decode()
+
+
+def wds_child(spec: dict) -> int:
+    import warnings
+
+    import torch.utils.data
+    import webdataset as wds
+
+    warnings.filterwarnings("ignore")
+    manifest = json.loads(Path(spec["manifest"]).read_text())
+    if spec["mode"] == "direct":
+        _direct_state["sizes"] = spec["sizes"]
+        # `webdataset.gopen` is also the name of a function in the package namespace.
+        importlib.import_module("webdataset.gopen").gopen_schemes["benchs3"] = _wds_open_direct
+    dataset = wds.WebDataset(spec["urls"], shardshuffle=False, empty_check=False).map(_wds_sample_digest)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    t0 = time.perf_counter()
+    seen = list(loader)
+    seconds = time.perf_counter() - t0
+    expected = {(f"shards/{shard.split('/')[-1]}", key): tuple(v) for shard, entries in manifest["samples"].items() for key, v in entries.items()}
+    got = {(f"shards/{name}", key): (h, cls) for key, name, h, cls in seen}
+    errors = []
+    if len(got) != len(seen):
+        errors.append(f"{len(seen) - len(got)} samples delivered twice")
+    missing = expected.keys() - got.keys()
+    if missing:
+        errors.append(f"{len(missing)} samples missing, e.g. {sorted(missing)[0]}")
+    wrong = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]
+    if wrong:
+        errors.append(f"{len(wrong)} samples with wrong bytes, e.g. {sorted(wrong)[0]}")
+    print(json.dumps({"samples": len(seen), "seconds": seconds, "errors": errors}), flush=True)
+    return 0
+
+
+# =============================================================================
+# main
+# =============================================================================
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="bucketfs vs direct boto3 vs local disk, on emulated-remote S3.")
+    p.add_argument("--latency-ms", type=float, default=20.0, help="added time to first byte of every response (default 20)")
+    p.add_argument("--conn-mbps", type=float, default=100.0, help="per-connection cap, MB/s (10^6 B/s); 0 = none (default 100)")
+    p.add_argument("--data-dir", type=Path, default=REPO / ".bench-data", help="generated data set, reused (default .bench-data/)")
+    p.add_argument("--only", default="W1,W2,W3,W4,W5", help="comma-separated workloads (default all)")
+    p.add_argument("--max-memory", default="1G", help="passed to the mount (default 1G)")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink the data set, e.g. 0.25 for a quick run")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="s3")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--py-spy", type=Path, metavar="DIR", help="profile the daemon in every bucketfs run with py-spy (collapsed stacks in DIR)")
+    p.add_argument("--proxy-log", type=Path, metavar="FILE", help="the proxy appends one line per request here (time, connection, kind, key, range)")
+    p.add_argument("--wds-child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.wds_child:
+        return wds_child(json.loads(args.wds_child))
+    only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
+    unknown = set(only) - {"W1", "W2", "W3", "W4", "W5"}
+    if unknown:
+        print(f"bench: unknown workload(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if not 0 < args.scale <= 1:
+        print("bench: --scale must be in (0, 1]", file=sys.stderr)
+        return 2
+    args.data_dir = args.data_dir.resolve()
+    spec = Spec.for_scale(args.scale)
+    bucket_dir, manifest = ensure_dataset(spec, args.data_dir)
+    ds = Dataset(spec, bucket_dir, manifest)
+    log(f"data: {len(ds.shards)} shards ({ds.bytes_of(ds.shards) / MB:.0f} MB, {ds.sample_count} samples), "
+        f"{len(ds.images)} ImageFolder files ({ds.bytes_of(ds.images) / MB:.0f} MB), {len(ds.flat)} flat, {len(ds.tree)} tree objects; "
+        f"digests {HASH_NAME}")
+    log(f"load average {os.getloadavg()[0]:.2f}")
+    log(f"emulation: +{args.latency_ms:g} ms to first byte, {args.conn_mbps:g} MB/s per connection; "
+        f"--max-memory {args.max_memory}; {os.cpu_count()} CPUs")
+    if not drop_caches():
+        log("WARNING: cannot drop the page cache (not root?): 'cold' local runs are warm")
+    backend_cls = BACKENDS[args.backend]
+    started = time.perf_counter()
+    work_dir = tempfile.mkdtemp(prefix="bucketfs-bench-")
+    bench = None
+    try:
+        with backend_cls(args.data_dir / "srv", args.latency_ms, args.conn_mbps, args.proxy_log).serve() as backend:
+            log(f"server: rclone serve s3 (pid {backend.server.pid}) behind the proxy {backend.proxy.url} (pid {backend.proxy.pid})")
+            bench = Bench(args, ds, backend, work_dir)
+            try:
+                for name in only:
+                    log(f"{name}")
+                    getattr(bench, name.lower())()
+            finally:
+                bench.mount.stop()
+    finally:
+        if bench is not None and is_mounted(bench.mountpoint):
+            subprocess.run(["fusermount3", "-uz", bench.mountpoint], capture_output=True)
+        shutil.rmtree(work_dir, ignore_errors=True)
+    bench.evaluate()
+    print()
+    print(f"bucketfs benchmark: scale {args.scale:g}, +{args.latency_ms:g} ms first byte, {args.conn_mbps:g} MB/s per connection, "
+          f"--max-memory {args.max_memory}, {time.perf_counter() - started:.0f} s")
+    print(bench.table())
+    print()
+    print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
+    print(bench.cost_table())
+    print("(client CPU = this script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
+          " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time)")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    print()
+    print(TARGETS)
+    if bench.mount.notes:
+        print("\nbucketfs daemon log notes:")
+        for note in bench.mount.notes:
+            print(f"  {note}")
+    if not bench.dropped_ok:
+        print("\nNOTE: the page cache could not be dropped: cold local runs were warm.")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "config": {k: str(v) for k, v in vars(args).items() if k != "wds_child"},
+            "rows": [dataclasses.asdict(r) for r in bench.rows.values()],
+            "runs": bench.runs, "failures": bench.failures,
+        }, indent=1))
+    if bench.failures:
+        print("\n" + "!" * 78)
+        print(f"FAIL: {len(bench.failures)} run(s) returned wrong bytes, errors or hung:")
+        for f in bench.failures:
+            print(f"  FAIL {f}")
+        print("!" * 78)
+        return 1
+    print("\nAll reads verified.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
