@@ -26,7 +26,16 @@ bucketfs, a fresh mount. Before remote runs the server's metadata is primed by
 listing directly (not through the proxy): rclone computes MD5 ETags by reading whole
 files the first time it lists or serves them, which a real store does not do.
 Every byte read is verified against the data set (xxh3 or crc32 digests): a wrong
-answer prints FAIL and the script exits 1.
+answer, a reader error or a hang (a run over 300 s) prints FAIL and the script exits 1.
+Targets missed are reported, not failures.
+
+Per run it reports the requests (LIST/GET/HEAD) and response bytes the proxy saw, the
+CPU seconds of the daemon, of this script, of the proxy and of the server, and those
+of processes that are not part of the benchmark (the machine may be shared: numbers
+taken while others' CPU is high are noise). Diagnostics: --py-spy DIR profiles the
+daemon in each bucketfs run (collapsed stacks, GIL holders only); --proxy-log FILE
+records every request with its byte range, with a `# start RUN` line per run.
+Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset torch py-spy.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -503,6 +513,7 @@ class Mount:
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = None
         self.count = 0
+        self.label = ""  # the runs this daemon served, for its notes
         self.notes: list = []  # warnings/errors the daemons logged
 
     @property
@@ -511,6 +522,7 @@ class Mount:
 
     def start(self) -> None:
         self.count += 1
+        self.label = ""
         self.log_path = os.path.join(self.work_dir, f"bucketfs-{self.count}.log")
         argv = [sys.executable, "-m", "bucketfs.cli", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
                 "-f", "--max-memory", self.max_memory, *self.extra_args]
@@ -546,6 +558,8 @@ class Mount:
                 self.proc.wait()
         if is_mounted(self.mountpoint):
             subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
+        if self.proc.returncode != 0:
+            self.notes.append(f"mount {self.count} ({self.label}): the daemon exited with {self.proc.returncode} after unmount")
         self._collect_log_notes()
         self.proc = None
 
@@ -568,13 +582,19 @@ class Mount:
             return "(no log)"
 
     def _collect_log_notes(self) -> None:
+        """Keep the log of a daemon that logged warnings or errors (the work dir is removed)."""
         try:
             with open(self.log_path, errors="replace") as f:
-                lines = [ln.rstrip() for ln in f if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
+                lines = [ln.rstrip() for ln in f if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln
+                         or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", ln)]
         except OSError:
             return
         if lines:
-            self.notes.append(f"mount {self.count}: {len(lines)} warning/error lines, first: {lines[0][:300]}")
+            kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-mount{self.count}.log")
+            shutil.copy(self.log_path, kept)
+            distinct = list(dict.fromkeys(ln.strip(" |+")[:240] for ln in lines if "Traceback" not in ln))
+            self.notes.append(f"mount {self.count} ({self.label}): {len(lines)} warning/error line(s), log kept in {kept}; "
+                              + " | ".join(distinct[:3]))
 
 
 class RssSampler:
@@ -752,6 +772,8 @@ class Bench:
         self.census.others_s()
         server_before = self.backend.server_cpu_s()
         proxy_before = self.backend.proxy_cpu_s()
+        if system == "bucketfs":
+            self.mount.label += ("; " if self.mount.label else "") + label
         profiler = self._start_profiler(label) if system == "bucketfs" and self.args.py_spy else None
         watchdog = threading.Timer(RUN_TIMEOUT_S, self._hung, args=(label, system, verifier))
         watchdog.daemon = True
