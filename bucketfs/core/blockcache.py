@@ -61,16 +61,16 @@ class BlockCache:
         n_blocks = -(-size_bytes // self.block_size_bytes)
         return all((key, version, i) in self._blocks for i in range(n_blocks))
 
-    async def read(self, key: str, version: str, size_bytes: int, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the object (end clipped to its size)."""
+    async def read(self, key: str, version: str, size_bytes: int, start: int, end: int):
+        """Bytes [start, end) of the object (end clipped to its size), as a bytes-like object."""
         end = min(end, size_bytes)
         if start >= end:
             return b""
         bs = self.block_size_bytes
         first, last = start // bs, (end - 1) // bs
         pieces = await self._blocks_for(key, version, size_bytes, first, last)
-        if first == last:
-            return pieces[0][start - first * bs : end - first * bs]
+        if first == last:  # a memoryview slice: pyfuse3 replies from any buffer, no copy
+            return memoryview(pieces[0])[start - first * bs : end - first * bs]
         out = bytearray()
         for i, data in zip(range(first, last + 1), pieces):
             lo = max(start - i * bs, 0)

@@ -191,7 +191,7 @@ class Filesystem:
             key = self.key_prefix + nxt.path
             if key in self._open_keys or nxt.is_dir:
                 continue
-            self.prefetcher.warm_head(key, nxt.version, min(self.config.shard_head_bytes, nxt.size_bytes))
+            self.prefetcher.warm_head(key, nxt.version, min(self.config.shard_head_bytes, nxt.size_bytes), self.config.part_size_bytes)
             return
 
     # -- misc ---------------------------------------------------------------------

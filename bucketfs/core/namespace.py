@@ -57,13 +57,14 @@ class Node:
 class Listing:
     """The cached children of one directory."""
 
-    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled")
+    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked")
 
     def __init__(self, children: dict, loaded_at_s: float):
         self.children = children  # name -> ino
         self.names_sorted = sorted(children)  # code point order == UTF-8 byte order == S3 order
         self.loaded_at_s = loaded_at_s
         self.ahead_scheduled = False
+        self.children_walked = 0  # subdirectories a reader has listed (see _note_walk)
 
 
 def valid_component(name: str) -> bool:
@@ -132,7 +133,7 @@ class Namespace:
             listing = node.listing
             if listing is not None and not self._expired(listing):
                 self.stats["namespace.listing_hits"] += 1
-                self._schedule_ahead(node, listing)
+                self._note_walk(node, listing)
                 return listing
             event = self._loading.get(ino)
             if event is None:
@@ -147,6 +148,7 @@ class Namespace:
 
     # -- loading -------------------------------------------------------------
     async def _load(self, node: Node, demanded: bool = True) -> Listing:
+        """List `node` (all pages) and publish the result; `demanded` if a reader waits."""
         event = self._loading[node.ino] = trio.Event()
         self._load_errors.pop(node.ino, None)
         try:
@@ -154,7 +156,7 @@ class Namespace:
             listing = self._build(node, objects, prefixes)
             node.listing = listing
             if demanded:
-                self._schedule_ahead(node, listing)
+                self._note_walk(node, listing)
             return listing
         except BaseException as exc:
             self._load_errors[node.ino] = exc if isinstance(exc, errors.BucketfsError) else errors.BackendError(str(exc))
@@ -218,14 +220,26 @@ class Namespace:
         return child
 
     # -- listing ahead of a walk ---------------------------------------------
-    def _schedule_ahead(self, node: Node, listing: Listing) -> None:
-        """List subdirectories concurrently, one level ahead of the walker.
+    def _note_walk(self, node: Node, listing: Listing) -> None:
+        """A reader listed `node`: once it has listed two subdirectories of one parent,
+        it is walking them (ImageFolder lists every class right after the root), so
+        list the rest of that parent's subdirectories ahead of it.
 
-        ImageFolder and os.walk list every class directory right after the root;
-        their LISTs are independent, so start them now instead of one at a time.
-        Only a directory the walker itself reached schedules its children, so the
-        pre-listing stays one level ahead instead of crawling the whole bucket.
+        Waiting for the second sibling keeps a reader that only opens `shards/` from
+        pre-listing its neighbours (a 20,000-entry directory costs 20 LIST pages).
         """
+        if node.ino == ROOT_INO or listing.children_walked < 0:
+            return
+        listing.children_walked = -1  # count each directory once
+        parent = self._nodes[node.parent_ino].listing
+        if parent is None:
+            return
+        parent.children_walked += 1
+        if parent.children_walked >= 2:
+            self._schedule_ahead(self._nodes[node.parent_ino], parent)
+
+    def _schedule_ahead(self, node: Node, listing: Listing) -> None:
+        """List the subdirectories of `node` concurrently, one level ahead of the walker."""
         if listing.ahead_scheduled or self._nursery is None or self.list_ahead_count <= 0:
             return
         listing.ahead_scheduled = True

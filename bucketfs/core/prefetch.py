@@ -30,12 +30,17 @@ from bucketfs import errors
 
 log = logging.getLogger(__name__)
 
-# The kernel reorders concurrent READs of one file by up to its readahead batch;
-# 2 MiB covers a raised read_ahead_kb with room to spare.
-REORDER_TOLERANCE_BYTES = 2 * 1024 * 1024
-# Contiguous reads needed before a non-shard stream starts: rules out random
-# readers whose next offset lands just after the last one by chance.
-SEQUENTIAL_READS_TO_START = 3
+MiB = 1024 * 1024
+# The kernel keeps up to its read-ahead batch (4 MiB, mount.KERNEL_READ_AHEAD_KB) of
+# READs in flight for one file and they arrive out of order; twice that is "near".
+REORDER_TOLERANCE_BYTES = 8 * MiB
+# A stream starts after this many contiguous bytes in at least 2 reads: a random
+# reader rarely chains 1 MiB, while the kernel's own read-ahead of a sequential
+# reader sends 1 MiB READs, so the second READ already starts a stream.
+SEQUENTIAL_BYTES_TO_START = 1 * MiB
+SEQUENTIAL_READS_TO_START = 2
+# A part a reader is already waiting for is kept small: its first byte comes sooner.
+DEMAND_PART_BYTES = 2 * MiB
 
 
 class PartCancelled(Exception):
@@ -132,23 +137,30 @@ class Prefetcher:
             part.cancel_scope.cancel()
 
     # -- warm heads of the next shard ------------------------------------------
-    def warm_head(self, key: str, version: str, head_end: int) -> None:
+    def warm_head(self, key: str, version: str, head_end: int, part_size_bytes: int) -> None:
+        """Fetch [0, head_end) of a shard before it is opened, as parallel parts."""
         if (key, version) in self._heads or head_end <= 0:
             return
-        part = self.fetch(key, version, 0, head_end, demanded=False)
-        if part is None:
+        parts = []
+        for start in range(0, head_end, part_size_bytes):
+            part = self.fetch(key, version, start, min(start + part_size_bytes, head_end), demanded=False)
+            if part is None:
+                break
+            parts.append(part)
+        if not parts:
             return
-        self._heads[(key, version)] = part
+        self._heads[(key, version)] = parts
         self.stats["prefetch.heads_warmed"] += 1
         while len(self._heads) > self.MAX_WARM_HEADS:
             _, old = self._heads.popitem(last=False)
-            self._waste(old)
+            for part in old:
+                self._waste(part)
 
-    def take_head(self, key: str, version: str) -> Optional[Part]:
-        part = self._heads.pop((key, version), None)
-        if part is not None:
+    def take_head(self, key: str, version: str) -> list:
+        parts = self._heads.pop((key, version), [])
+        if parts:
             self.stats["prefetch.heads_used"] += 1
-        return part
+        return parts
 
     def _waste(self, part: Part) -> None:
         self.stats["prefetch.bytes_wasted"] += part.end - part.start
@@ -157,9 +169,10 @@ class Prefetcher:
     def _shed_heads(self, wanted_bytes: int) -> int:
         freed_bytes = 0
         while self._heads and freed_bytes < wanted_bytes:
-            _, part = self._heads.popitem(last=False)
-            freed_bytes += part.reserved_bytes if part.done.is_set() else 0
-            self._waste(part)
+            _, parts = self._heads.popitem(last=False)
+            for part in parts:
+                freed_bytes += part.reserved_bytes if part.done.is_set() else 0
+                self._waste(part)
         return freed_bytes
 
     def _shed_parts(self, wanted_bytes: int) -> int:
@@ -183,30 +196,36 @@ class SequentialStream:
         self.parts: collections.deque = collections.deque()
         self.fetch_end = start
         self.read_end = start
-        head = prefetcher.take_head(key, version)
-        if head is not None:
-            if head.start <= start < head.end and not head.error:
-                self.parts.append(head)
-                self.fetch_end = head.end
+        for part in prefetcher.take_head(key, version):
+            if part.start <= self.fetch_end < part.end and part.error is None:
+                self.parts.append(part)  # a warmed head: the reader starts on ready bytes
+                self.fetch_end = part.end
             else:
-                prefetcher._waste(head)
+                prefetcher._waste(part)
         prefetcher.streams.add(self)
 
-    def accepts(self, off: int) -> bool:
+    def covers(self, off: int) -> bool:
+        """The stream can serve a read at `off` (what it holds, or just ahead of it)."""
         first = self.parts[0].start if self.parts else self.fetch_end
         return first <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES
 
-    async def read(self, off: int, end: int) -> bytes:
+    def near(self, off: int) -> bool:
+        """A read just behind the stream: the kernel reordered it; not a seek."""
+        first = self.parts[0].start if self.parts else self.fetch_end
+        return first - REORDER_TOLERANCE_BYTES <= off < first
+
+    async def read(self, off: int, end: int):
         if end > self.fetch_end:
-            # The reader caught up: fetch what it needs now, as demand.
-            self._issue(self.fetch_end, max(end, min(self.fetch_end + min(self.window_bytes, self.part_size_bytes), self.size_bytes)), demanded=True)
+            # The reader caught up: fetch what it needs now, as demand, in a small part.
+            self._issue(self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demanded=True)
         self.read_end = max(self.read_end, end)
         self._top_up()
         wanted = [p for p in self.parts if p.end > off and p.start < end]
         pieces = []
         for part in wanted:
             data = await part.wait()  # state re-check after: the stream may have moved on
-            pieces.append(data[max(off - part.start, 0) : min(end, part.end) - part.start])
+            # A memoryview slice: pyfuse3 replies from any buffer, so no copy is made.
+            pieces.append(memoryview(data)[max(off - part.start, 0) : min(end, part.end) - part.start])
             if not part.consumed and self.read_end >= part.end:
                 part.consumed = True
                 self.window_bytes = min(self.window_bytes * 2, self.max_window_bytes)
@@ -282,13 +301,23 @@ class HandleReader:
         self.stream: Optional[SequentialStream] = None
         self.last_end: Optional[int] = None
         self.contiguous_count = 0
+        self.contiguous_bytes = 0
 
-    async def read(self, off: int, end: int) -> bytes:
-        contiguous = self.last_end is not None and abs(off - self.last_end) <= REORDER_TOLERANCE_BYTES // 16
-        self.contiguous_count = self.contiguous_count + 1 if contiguous else 1
+    async def read(self, off: int, end: int):
+        # Contiguous within a small reordering of the kernel's concurrent READs.
+        contiguous = self.last_end is not None and abs(off - self.last_end) <= 128 * 1024
+        if contiguous:
+            self.contiguous_count += 1
+            self.contiguous_bytes += end - off
+        else:
+            self.contiguous_count, self.contiguous_bytes = 1, 0
         self.last_end = end
         stream = self.stream
-        if stream is not None and not stream.accepts(off):
+        if stream is not None and not stream.covers(off):
+            if stream.near(off):
+                # Reordered READ of bytes the stream already passed: serve it alone.
+                self.pf.stats["prefetch.reordered_reads"] += 1
+                return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
             self.pf.stats["prefetch.seeks"] += 1
             stream.close()
             stream = self.stream = None
@@ -317,7 +346,7 @@ class HandleReader:
     def _starts_stream(self, off: int) -> bool:
         if self.is_shard and off == 0:
             return True
-        return self.contiguous_count >= SEQUENTIAL_READS_TO_START
+        return self.contiguous_count >= SEQUENTIAL_READS_TO_START and self.contiguous_bytes >= SEQUENTIAL_BYTES_TO_START
 
     def close(self) -> None:
         if self.stream is not None:

@@ -2,6 +2,7 @@
 
 import pytest
 import trio
+import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
@@ -135,9 +136,13 @@ def test_subdirectories_listed_ahead_of_the_walk():
 
     async def body(fs):
         classes = await fs.ns.list_dir(1)
-        # Let the background listings run, then walk: every class is already listed.
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.requests["list"] == 1  # listing the root alone lists nothing more
+        for c in classes[:2]:  # the walker descends into two classes: it is walking
+            await fs.ns.list_dir(c.ino)
+        # Let the background listings run, then walk on: every class is already listed.
         with trio.fail_after(10):
-            while fs.stats["namespace.listed_ahead"] < 20:
+            while fs.stats["namespace.listed_ahead"] < 18:
                 await trio.sleep(0.01)
         lists = backend.requests["list"]
         for c in classes:

@@ -195,19 +195,22 @@ def test_next_shard_head_is_warmed_and_used():
         assert await read_all(fs, "w/shard-000000.tar") == shards["w/shard-000000.tar"]
         gets_before = backend.requests["get"]
         # The head of shard 1 is in flight or ready: wait for it without sleeping blindly.
-        part = fs.prefetcher._heads.get(("w/shard-000001.tar", (await resolve(fs, "w/shard-000001.tar")).version))
-        assert part is not None
-        await part.done.wait()
+        parts = fs.prefetcher._heads.get(("w/shard-000001.tar", (await resolve(fs, "w/shard-000001.tar")).version))
+        assert parts
+        for part in parts:
+            await part.done.wait()
         gets_with_head = backend.requests["get"]
         node = await resolve(fs, "w/shard-000001.tar")
         fh = await fs.open(node.ino, 0)
-        first = await fs.read(fh, 0, 128 * 1024)
-        return gets_before, gets_with_head, first, fs.stats["prefetch.heads_used"]
+        gets_at_open = backend.requests["get"]
+        first = bytes(await fs.read(fh, 0, 128 * 1024))
+        return gets_with_head, gets_at_open, first, fs.stats["prefetch.heads_used"], len(parts)
 
-    gets_before, gets_with_head, first, used = run_fs(backend, body)
+    gets_with_head, gets_at_open, first, used, head_parts = run_fs(backend, body)
     assert first == shards["w/shard-000001.tar"][: 128 * 1024]
     assert used == 1
-    assert gets_with_head >= gets_before
+    assert head_parts == 2  # 16 MiB head as two parallel 8 MiB GETs
+    assert gets_at_open == gets_with_head  # the open itself waited for nothing new
 
 
 def test_forward_seek_resets_the_stream():
@@ -218,14 +221,14 @@ def test_forward_seek_resets_the_stream():
         node = await resolve(fs, "big.bin")
         fh = await fs.open(node.ino, 0)
         off = 0
-        for _ in range(8):
+        for _ in range(16):  # 2 MiB read sequentially: a stream is running
             assert await fs.read(fh, off, 128 * 1024) == data[off : off + 128 * 1024]
             off += 128 * 1024
         far = 40 * MiB
         assert await fs.read(fh, far, 4096) == data[far : far + 4096]
-        return fs.stats["prefetch.seeks"]
+        return fs.stats["prefetch.streams"], fs.stats["prefetch.seeks"]
 
-    assert run_fs(backend, body, small_file_bytes=1 * MiB) == 1
+    assert run_fs(backend, body, small_file_bytes=1 * MiB) == (1, 1)
 
 
 def test_reopen_after_the_kernel_got_the_whole_file_costs_no_get():
@@ -251,3 +254,40 @@ def test_reopen_after_the_kernel_got_the_whole_file_costs_no_get():
         return epoch2_gets, backend.requests["get"] - gets
 
     assert run_fs(backend, body) == (0, 1)
+
+
+def test_reordered_reads_behind_the_stream_do_not_reset_it():
+    data = blob(48 * MiB, 10)
+    backend = MemoryBackend({"big.bin": data})
+
+    async def body(fs):
+        node = await resolve(fs, "big.bin")
+        fh = await fs.open(node.ino, 0)
+        for off in range(0, 24 * MiB, MiB):
+            assert await fs.read(fh, off, MiB) == data[off : off + MiB]
+        # A READ the kernel sent earlier arrives late, behind what the stream kept.
+        late = 4 * MiB
+        assert await fs.read(fh, late, MiB) == data[late : late + MiB]
+        for off in range(24 * MiB, 48 * MiB, MiB):
+            assert await fs.read(fh, off, MiB) == data[off : off + MiB]
+        return fs.stats["prefetch.streams"], fs.stats["prefetch.seeks"]
+
+    assert run_fs(backend, body, small_file_bytes=1 * MiB) == (1, 0)
+    assert backend.bytes_fetched <= len(data) + 2 * MiB  # nothing fetched twice but the late read
+
+
+def test_random_reads_chaining_by_chance_do_not_start_a_stream():
+    data = blob(64 * MiB, 11)
+    backend = MemoryBackend({"shard-1.tar": data})
+
+    async def body(fs):
+        node = await resolve(fs, "shard-1.tar")
+        fh = await fs.open(node.ino, 0)
+        off = 10 * MiB
+        for _ in range(3):  # three small reads that happen to follow each other
+            assert await fs.read(fh, off, 16 * 1024) == data[off : off + 16 * 1024]
+            off += 16 * 1024
+        return fs.stats["prefetch.streams"]
+
+    assert run_fs(backend, body) == 0
+    assert backend.bytes_fetched <= 256 * 1024
