@@ -56,6 +56,8 @@ import uuid
 from typing import Iterator, Optional
 
 import boto3
+import urllib3
+import urllib3.exceptions
 import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
@@ -264,7 +266,7 @@ class _FakeRaw:
 
 def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle") -> None:
     """Make the next `times_count` requests of `op` ("get" | "list" | "head") on
-    `client` fail without reaching the server:
+    `client` (a boto3 client, or an S3Backend) fail without reaching the server:
     - "throttle": 503 SlowDown;
     - "reset": the connection closes before any answer;
     - "broken-body" (get only): 206 with headers, then the body stream breaks.
@@ -285,7 +287,44 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
         body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(body))
 
+    lean = getattr(client, "lean", None)
+    if lean is not None:  # an S3Backend: GETs go through its lean path, not the client
+        if op == "get":
+            _inject_lean_failures(lean, remaining, kind)
+            return
+        client = client.client
     client.meta.events.register(f"before-send.s3.{_S3_OPERATIONS[op]}", before_send)
+
+
+class _FakeLeanResponse:
+    def __init__(self, status: int, headers: dict, body: bytes, broken: bool = False):
+        self.status, self.headers, self._body, self._broken = status, headers, body, broken
+
+    def read(self):
+        if self._broken:
+            raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(0 bytes read, 10 more expected)")
+        return self._body
+
+    def release_conn(self):
+        pass
+
+
+def _inject_lean_failures(lean, remaining: list, kind: str) -> None:
+    """The same faults for S3Backend's lean GET path (urllib3, no botocore events)."""
+    real_request = lean.pool.request
+
+    def request(method, url, **kwargs):
+        if remaining[0] <= 0:
+            return real_request(method, url, **kwargs)
+        remaining[0] -= 1
+        if kind == "reset":
+            raise urllib3.exceptions.ProtocolError("Connection aborted.", ConnectionResetError(104, "reset"))
+        if kind == "broken-body":
+            return _FakeLeanResponse(206, {"Content-Range": "bytes 0-9/10", "ETag": '"0"'}, b"", broken=True)
+        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+        return _FakeLeanResponse(503, {"Content-Type": "application/xml"}, body)
+
+    lean.pool.request = request
 
 
 def _answers_http(port: int) -> bool:

@@ -34,6 +34,7 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
+from bucketfs.backends.s3_get import LeanGetter
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class S3Backend(Backend):
         self._config = config
         self._session = session or boto3.session.Session(profile_name=config.profile)
         self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
+        self.lean = LeanGetter(self.client, self._session, self.bucket, config.max_connections_count,
+                               config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
         self.caller = BlockingCaller(
             config.max_connections_count,
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
@@ -150,6 +153,13 @@ class S3Backend(Backend):
 
     def _get_blocking(self, key: str, start: int, end: int, version: str):
         """Returns (etag, bytes) or None when the range starts past the end (416)."""
+        if self.lean.usable:
+            answer = self.lean.get(key, start, end, version)
+            if answer is not None:
+                status, etag, has_range, data = answer
+                if status == 416:
+                    return None
+                return normalise_etag(etag), data if has_range else data[start:end]
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                               IfMatch=f'"{version}"')
@@ -198,8 +208,9 @@ class S3Backend(Backend):
         if end <= start:
             return b""
         self.requests["get"] += 1
-        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version,
-                                        abandon_on_cancel=True)
+        # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
+        # the memory budget until it returns (a dropped read-ahead part waits for them).
+        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version)
         if result is None:
             # 416 carries no ETag, so a replacement shorter than `start` would read as
             # EOF. Rare (the core knows sizes from the listing): confirm with one HEAD.
@@ -234,4 +245,5 @@ class S3Backend(Backend):
             self.caller.retries_count += probe.retries_count
 
     async def aclose(self) -> None:
+        self.lean.close()
         self.client.close()

@@ -91,7 +91,7 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
         denied_backend=(lambda: make(secret_key=wrong_secret)) if authenticates else None,
         missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
         unreachable_backend=lambda: make(endpoint_url=closed_port_url()),
-        inject_transient=lambda op, times_count, kind: inject_s3_failures(backend.client, op, times_count, kind),
+        inject_transient=lambda op, times_count, kind: inject_s3_failures(backend, op, times_count, kind),
         retries_count=lambda: backend.caller.retries_count,
         secrets=(server.secret_key, wrong_secret),
     )

@@ -110,7 +110,7 @@ def test_a_body_that_breaks_mid_stream_is_fetched_again(rclone_server, s3_bucket
 
     async def body():
         info = await backend.stat("k")
-        inject_s3_failures(backend.client, "get", 1, "broken-body")
+        inject_s3_failures(backend, "get", 1, "broken-body")
         assert await backend.read_range("k", 0, 10, info.version) == b"0123456789"
         assert backend.caller.retries_count == 1
         assert backend.bytes_fetched == 10
@@ -143,6 +143,13 @@ def test_no_sign_request_sends_anonymous_requests(moto_server):
     backend = S3Backend(moto_server.config(bucket, no_sign_request=True), session=moto_server.session())
     sent_headers = []
     backend.client.meta.events.register("before-send.s3", lambda request, **_: sent_headers.append(request.headers))
+    lean_request = backend.lean.pool.request  # GETs take the lean path (urllib3, no botocore events)
+
+    def recording_request(method, url, **kwargs):
+        sent_headers.append(kwargs["headers"])
+        return lean_request(method, url, **kwargs)
+
+    backend.lean.pool.request = recording_request
 
     async def body():
         info = (await backend.list_page("")).objects[0]
