@@ -288,9 +288,9 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
         return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(body))
 
     lean = getattr(client, "lean", None)
-    if lean is not None:  # an S3Backend: GETs go through its lean path, not the client
-        if op == "get":
-            _inject_lean_failures(lean, remaining, kind)
+    if lean is not None:  # an S3Backend: GETs and LISTs go through its lean path, not the client
+        if op in ("get", "list"):
+            _inject_lean_failures(lean, op, remaining, kind)
             return
         client = client.client
     client.meta.events.register(f"before-send.s3.{_S3_OPERATIONS[op]}", before_send)
@@ -309,12 +309,13 @@ class _FakeLeanResponse:
         pass
 
 
-def _inject_lean_failures(lean, remaining: list, kind: str) -> None:
-    """The same faults for S3Backend's lean GET path (urllib3, no botocore events)."""
+def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
+    """The same faults for S3Backend's lean path (urllib3, no botocore events)."""
     real_request = lean.pool.request
 
     def request(method, url, **kwargs):
-        if remaining[0] <= 0:
+        is_list = "list-type=2" in url
+        if remaining[0] <= 0 or is_list != (op == "list"):
             return real_request(method, url, **kwargs)
         remaining[0] -= 1
         if kind == "reset":

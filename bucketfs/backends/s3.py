@@ -34,7 +34,7 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
-from bucketfs.backends.s3_get import LeanGetter
+from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class S3Backend(Backend):
         self._config = config
         self._session = session or boto3.session.Session(profile_name=config.profile)
         self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
-        self.lean = LeanGetter(self.client, self._session, self.bucket, config.max_connections_count,
+        self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
                                config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
         self.caller = BlockingCaller(
             config.max_connections_count,
@@ -180,19 +180,30 @@ class S3Backend(Backend):
         return normalise_etag(response.get("ETag", "")), data
 
     # -- contract ---------------------------------------------------------------
+    def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
+        """(objects [(key, size, mtime_ns, etag)], prefixes, next_token, truncated)."""
+        if self.lean.usable:
+            answer = self.lean.list(prefix, token, LIST_PAGE_KEYS_COUNT)
+            if answer is not None:
+                return answer
+        response = self._list_blocking(self.client, prefix, token, LIST_PAGE_KEYS_COUNT)
+        objects = [(item["Key"], item["Size"], _mtime_ns(item["LastModified"]), item.get("ETag", ""))
+                   for item in response.get("Contents", ())]
+        prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
+        truncated = bool(response.get("IsTruncated"))
+        return objects, prefixes, response.get("NextContinuationToken") if truncated else None, truncated
+
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         self.requests["list"] += 1
-        response = await self.caller.call(f"LIST {prefix!r}", self._list_blocking, self.client, prefix, token,
-                                          LIST_PAGE_KEYS_COUNT, abandon_on_cancel=True)
+        raw_objects, prefixes, next_token, truncated = await self.caller.call(
+            f"LIST {prefix!r}", self._list_page_blocking, prefix, token, abandon_on_cancel=True)
         objects = [
-            ObjectInfo(item["Key"], item["Size"], _mtime_ns(item["LastModified"]), normalise_etag(item.get("ETag", "")))
-            for item in response.get("Contents", ())
+            ObjectInfo(key, size, mtime_ns, normalise_etag(etag))
+            for key, size, mtime_ns, etag in raw_objects
             # A directory marker object (key == prefix) is the directory itself, not a child.
-            if item["Key"] != prefix
+            if key != prefix
         ]
-        prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
-        next_token = response.get("NextContinuationToken") if response.get("IsTruncated") else None
-        if response.get("IsTruncated") and not next_token:
+        if truncated and not next_token:
             # A silently short directory would be worse than an error.
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
         return ListPage(objects, prefixes, next_token)

@@ -1,0 +1,141 @@
+"""Lean GetObject and ListObjectsV2: botocore's SigV4 signer and a urllib3 pool,
+without the client.
+
+Why: the benchmark showed botocore's per-request machinery (event hooks, parameter
+validation, user-agent building, response parsing) taking ~68% of the daemon's CPU
+on small files: 2.5 ms of CPU per GET, against 1.1 ms for the same signed request
+sent here. One GET per ImageFolder sample makes that the ceiling of files/s. A LIST
+page of 1,000 keys cost ~40 ms of CPU in botocore's XML and date parsing; here
+ElementTree (C) and datetime.fromisoformat do it in a few ms.
+
+Invariants:
+- The URL prefix comes from the boto3 client itself (a presigned URL for a dummy
+  key), so endpoint, addressing style and region resolution stay botocore's.
+- Credentials come from the session on every call (refreshable credentials renew
+  themselves); signing is botocore's S3SigV4Auth.
+- Any answer other than 200/206/416 (412 included) becomes a botocore ClientError, so
+  S3Backend classifies errors in one place. A redirect or a region error switches
+  this path off for good (`usable = False`) and the client, whose region redirector
+  handles it, serves the rest.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import xml.etree.ElementTree as ElementTree
+from typing import Optional
+from urllib.parse import quote, urlencode
+
+import botocore.auth
+import botocore.awsrequest
+import botocore.exceptions
+import urllib3
+from botocore.compat import unquote_str
+
+log = logging.getLogger(__name__)
+
+_DUMMY_KEY = "bucketfs-probe-key"
+_XML_FIELD_RE = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in ("Code", "Message")}
+
+
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def _mtime_ns(text: str) -> int:
+    when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+
+
+class LeanS3:
+    def __init__(self, client, session, bucket: str, max_connections_count: int,
+                 connect_timeout_s: float, read_timeout_s: float, unsigned: bool):
+        self.client, self.bucket = client, bucket
+        self.base_url: Optional[str] = None  # ".../<bucket>/" or "https://<bucket>.host/"; first use
+        self.region = client.meta.region_name
+        self.session = session
+        self.unsigned = unsigned
+        self.usable = True
+        self.pool = urllib3.PoolManager(
+            num_pools=4, maxsize=max_connections_count, block=False, retries=False,
+            timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+        )
+
+    def _headers(self, url: str, headers: dict) -> dict:
+        if self.unsigned:
+            return headers
+        credentials = self.session.get_credentials()
+        if credentials is None:
+            raise botocore.exceptions.NoCredentialsError()
+        request = botocore.awsrequest.AWSRequest(method="GET", url=url, headers=headers)
+        botocore.auth.S3SigV4Auth(credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
+        return dict(request.headers.items())
+
+    def _resolve(self) -> bool:
+        if self.base_url is None:
+            url = self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60)
+            self.base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
+            if not self.base_url.endswith("/"):
+                self.usable = False
+        return self.usable
+
+    def _send(self, url: str, headers: dict, ok_statuses) -> Optional[tuple]:
+        """(status, headers, body) for an answer in `ok_statuses`; None if this path
+        cannot serve the bucket; a botocore ClientError for any other answer."""
+        response = self.pool.request("GET", url, headers=self._headers(url, headers), preload_content=False, redirect=False)
+        try:
+            body = response.read()
+        finally:
+            response.release_conn()
+        status = response.status
+        if status in ok_statuses:
+            return status, response.headers, body
+        text = body.decode("utf-8", "replace")
+        code = (_XML_FIELD_RE["Code"].search(text) or [None, str(status)])[1]
+        if 300 <= status < 400 or code in ("AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"):
+            log.info("lean request path off for this bucket (%s %s); using the SDK client", status, code)
+            self.usable = False
+            return None
+        message = (_XML_FIELD_RE["Message"].search(text) or [None, ""])[1]
+        raise botocore.exceptions.ClientError(
+            {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
+
+    def get(self, key: str, start: int, end: int, version: str) -> Optional[tuple]:
+        """(status, etag, has_content_range, body) of a ranged GET pinned to `version`."""
+        if not self._resolve():
+            return None
+        url = self.base_url + quote(key, safe="/~")
+        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416))
+        if answer is None:
+            return None
+        status, headers, body = answer
+        return status, headers.get("ETag", ""), "Content-Range" in headers, body
+
+    def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
+        """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""
+        if not self._resolve():
+            return None
+        params = {"list-type": "2", "delimiter": "/", "encoding-type": "url", "max-keys": str(max_keys), "prefix": prefix}
+        if token:
+            params["continuation-token"] = token
+        # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".
+        url = self.base_url + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
+        answer = self._send(url, {}, (200,))
+        if answer is None:
+            return None
+        root = ElementTree.fromstring(answer[2])
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        encoded = root.findtext(f"{ns}EncodingType") == "url"
+        decode = unquote_str if encoded else (lambda text: text)
+        objects = [
+            (decode(item.findtext(f"{ns}Key")), int(item.findtext(f"{ns}Size")),
+             _mtime_ns(item.findtext(f"{ns}LastModified")), item.findtext(f"{ns}ETag") or "")
+            for item in root.iterfind(f"{ns}Contents")
+        ]
+        prefixes = [decode(item.findtext(f"{ns}Prefix")) for item in root.iterfind(f"{ns}CommonPrefixes")]
+        truncated = root.findtext(f"{ns}IsTruncated") == "true"
+        return objects, prefixes, root.findtext(f"{ns}NextContinuationToken") if truncated else None, truncated
+
+    def close(self) -> None:
+        self.pool.clear()
