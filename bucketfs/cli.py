@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--part-size", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead (default 8M)")
     g.add_argument("--readahead-max", type=parse_size, default=parse_size("64M"), metavar="SIZE", help="largest read-ahead window of one sequential reader (default 64M)")
     g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
-    g.add_argument("--list-ahead", type=int, default=8, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 8; 0 disables)")
+    g.add_argument("--list-ahead", type=int, default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
     g = m.add_argument_group("process")
     g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
     g.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level (default INFO)")

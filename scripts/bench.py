@@ -41,6 +41,7 @@ Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset tor
 from __future__ import annotations
 
 import argparse
+import shlex
 import collections
 import contextlib
 import dataclasses
@@ -734,7 +735,7 @@ class Bench:
         self.failures: list = []
         self.mountpoint = os.path.join(work_dir, "mnt")
         os.makedirs(self.mountpoint)
-        self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir)
+        self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir, shlex.split(args.mount_args))
         self.local_root = str(dataset.bucket_dir)
         self.dropped_ok = True
         self.census = CpuCensus()
@@ -1334,6 +1335,7 @@ def parse_args(argv):
     p.add_argument("--data-dir", type=Path, default=REPO / ".bench-data", help="generated data set, reused (default .bench-data/)")
     p.add_argument("--only", default="W1,W2,W3,W4,W5", help="comma-separated workloads (default all)")
     p.add_argument("--max-memory", default="1G", help="passed to the mount (default 1G)")
+    p.add_argument("--mount-args", default="", help="extra bucketfs mount options, e.g. '--part-size 4M' (tuning runs)")
     p.add_argument("--scale", type=float, default=1.0, help="shrink the data set, e.g. 0.25 for a quick run")
     p.add_argument("--backend", choices=sorted(BACKENDS), default="s3")
     p.add_argument("--json", type=Path, help="also write the results here")
