@@ -10,6 +10,7 @@ daemon logs to a file, so a chatty mount never blocks on a full pipe.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -141,3 +142,34 @@ def bucketfs_mount(url: str, mountpoint: str, log_path: str, *, endpoint_url=Non
         yield mount
     finally:
         mount.close()
+
+
+def assert_every_write_is_erofs(mount: Mount, dirname: str, filename: str, subdir: str) -> None:
+    """Every write operation on `dirname/filename` (and `dirname/subdir`) fails with EROFS."""
+    f, d, w = mount.path(dirname, filename), mount.path(dirname, subdir), lambda name: mount.path(dirname, name)
+    ops = {
+        "create": lambda: open(w("new.txt"), "x"),
+        "open-write": lambda: open(f, "w"),
+        "open-append": lambda: open(f, "a"),
+        "open-rw": lambda: open(f, "r+"),
+        "truncate": lambda: os.truncate(f, 0),
+        "mkdir": lambda: os.mkdir(w("nd")),
+        "unlink": lambda: os.unlink(f),
+        "rmdir": lambda: os.rmdir(d),
+        "rename": lambda: os.rename(f, w("h.txt")),
+        "chmod": lambda: os.chmod(f, 0o777),
+        "chown": lambda: os.chown(f, 1234, 1234),
+        "utime": lambda: os.utime(f, (0, 0)),
+        "symlink": lambda: os.symlink(filename, w("ln")),
+        "link": lambda: os.link(f, w("hard")),
+        "setxattr": lambda: os.setxattr(f, "user.k", b"v"),
+        "removexattr": lambda: os.removexattr(f, "user.k"),
+        "mknod": lambda: os.mkfifo(w("fifo")),
+    }
+    for name, op in ops.items():
+        try:
+            op()
+        except OSError as exc:
+            assert exc.errno == errno.EROFS, f"{name}: {exc}"
+        else:
+            raise AssertionError(f"{name} succeeded on a read-only mount")
