@@ -7,7 +7,9 @@ Invariants:
 - Prefetch only takes memory with `try_reserve`, which fails rather than wait and
   always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
 - Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
-  warm shard heads, then prefetch parts nobody waits on), then waits for releases.
+  warm shard heads, then prefetch parts nobody waits on), then waits for releases,
+  but never longer than `DEMAND_WAIT_MAX_S`: after that it takes the memory anyway
+  (a bounded overshoot, logged) rather than leave a reader hanging.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from typing import Callable
 import trio
 
 log = logging.getLogger(__name__)
+
+# Longer than any healthy GET (the read timeout is 30 s by default); a reader is
+# never made to wait on memory past this.
+DEMAND_WAIT_MAX_S = 60.0
 
 
 class MemoryBudget:
@@ -62,6 +68,7 @@ class MemoryBudget:
 
     async def reserve(self, n_bytes: int) -> None:
         """Demand: reserve, reclaiming everything reclaimable, waiting if still short."""
+        deadline_s = trio.current_time() + DEMAND_WAIT_MAX_S
         while True:
             over_bytes = self.used_bytes + n_bytes - self.capacity_bytes
             if over_bytes > 0:
@@ -75,7 +82,13 @@ class MemoryBudget:
             if not self._pressure_logged:
                 self._pressure_logged = True
                 log.warning("memory budget of %d MiB is full; reads wait for buffers to drain", self.capacity_bytes >> 20)
-            await self._freed.wait()  # state re-check after: others may have taken the freed bytes
+            with trio.move_on_at(deadline_s) as scope:
+                await self._freed.wait()  # state re-check after: others may have taken the freed bytes
+            if scope.cancelled_caught:
+                self.stats["memory.overcommits"] += 1
+                log.warning("a read waited %.0f s for memory; taking %d bytes over the budget", DEMAND_WAIT_MAX_S, n_bytes)
+                self._take(n_bytes)
+                return
 
     def release(self, n_bytes: int) -> None:
         self.used_bytes -= n_bytes

@@ -291,3 +291,20 @@ def test_random_reads_chaining_by_chance_do_not_start_a_stream():
 
     assert run_fs(backend, body) == 0
     assert backend.bytes_fetched <= 256 * 1024
+
+
+def test_a_read_never_waits_on_memory_forever(monkeypatch):
+    import bucketfs.core.memory as memory
+
+    monkeypatch.setattr(memory, "DEMAND_WAIT_MAX_S", 0.2)
+    backend = MemoryBackend({"f": blob(2 * MiB, 12)})
+
+    async def body(fs):
+        fs.budget._take(fs.budget.capacity_bytes)  # someone holds the whole budget and never lets go
+        node = await resolve(fs, "f")
+        fh = await fs.open(node.ino, 0)
+        data = await fs.read(fh, 0, 2 * MiB)
+        return bytes(data), fs.stats["memory.overcommits"]
+
+    data, overcommits = run_fs(backend, body, max_memory_bytes=4 * MiB)
+    assert data == blob(2 * MiB, 12) and overcommits == 1
