@@ -224,12 +224,14 @@ async def _watch_signals(mountpoint: str, detached: list) -> None:
                 break
             log.info("received %s; detaching %s (open files may finish for %.0f s)", signal.Signals(signum).name, mountpoint, SHUTDOWN_GRACE_S)
             sd_notify("STOPPING=1")
-            try:
-                await trio.to_thread.run_sync(unmount, mountpoint, True)
-                detached.append(True)
-            except errors.UserError as exc:
-                log.error("%s; stopping now", exc)
-                break
+            # Under systemd, ExecStop (bucketfs unmount --lazy) has usually detached it already.
+            if await trio.to_thread.run_sync(os.path.ismount, mountpoint):
+                try:
+                    await trio.to_thread.run_sync(unmount, mountpoint, True)
+                except errors.UserError as exc:
+                    log.warning("%s; stopping now", exc)
+                    break
+            detached.append(True)
             with trio.move_on_after(SHUTDOWN_GRACE_S):
                 async for signum in signals:
                     log.info("received %s again; stopping now", signal.Signals(signum).name)

@@ -152,3 +152,21 @@ def test_install_script_writes_unit_config_and_helper(tmp_path):
     conf = (dest / "etc/bucketfs/imagenet.conf").read_text().splitlines()
     assert conf == ["BUCKETFS_URL=s3://b/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS=--allow-other --max-memory 2G"]
     assert os.path.islink(dest / "sbin/mount.fuse.bucketfs")
+
+
+def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, mp):
+    """ExecStop (bucketfs unmount --lazy) runs first, then systemd sends SIGTERM: an open
+    reader still finishes, the daemon exits 0 and logs no error."""
+    data = os.urandom(2 * 1024 * 1024)
+    rclone_server.write_files(s3_bucket, {"f.bin": data})
+    m = Mount(f"s3://{s3_bucket}/", mp, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        with open(m.path("f.bin"), "rb", buffering=0) as f:
+            head = f.read(1000)
+            assert subprocess.run(bucketfs_cmd("unmount", "--lazy", mp), timeout=30).returncode == 0
+            m.proc.send_signal(signal.SIGTERM)
+            assert head + f.read() == data
+        assert m.proc.wait(timeout=30) == 0
+        assert " ERROR " not in m.stderr_text
+    finally:
+        m.close()
