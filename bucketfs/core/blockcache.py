@@ -57,10 +57,6 @@ class BlockCache:
         self.budget.release(freed_bytes)
         return freed_bytes
 
-    def contains_all(self, key: str, version: str, size_bytes: int) -> bool:
-        n_blocks = -(-size_bytes // self.block_size_bytes)
-        return all((key, version, i) in self._blocks for i in range(n_blocks))
-
     async def read(self, key: str, version: str, size_bytes: int, start: int, end: int):
         """Bytes [start, end) of the object (end clipped to its size), as a bytes-like object."""
         end = min(end, size_bytes)

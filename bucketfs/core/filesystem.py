@@ -195,10 +195,6 @@ class Filesystem:
             return
 
     # -- misc ---------------------------------------------------------------------
-    @property
-    def open_handles_count(self) -> int:
-        return len(self._handles)
-
     def snapshot(self) -> dict:
         stats = self.stats.snapshot()
         stats.update({

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import stat as stat_mod
 from typing import Optional
 
 import trio
@@ -257,7 +256,3 @@ class Namespace:
                 self.stats["namespace.listed_ahead"] += 1
             except errors.BucketfsError as exc:
                 log.debug("listing ahead of %r failed: %s", node.path, exc)
-
-    # -- attributes ----------------------------------------------------------
-    def mode(self, node: Node, file_mode: int, dir_mode: int) -> int:
-        return (stat_mod.S_IFDIR | dir_mode) if node.is_dir else (stat_mod.S_IFREG | file_mode)
