@@ -56,7 +56,7 @@ class Node:
 class Listing:
     """The cached children of one directory."""
 
-    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked")
+    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked", "walk_counted")
 
     def __init__(self, children: dict, loaded_at_s: float):
         self.children = children  # name -> ino
@@ -64,6 +64,7 @@ class Listing:
         self.loaded_at_s = loaded_at_s
         self.ahead_scheduled = False
         self.children_walked = 0  # subdirectories a reader has listed (see _note_walk)
+        self.walk_counted = False  # this directory was counted in its parent's children_walked
 
 
 def valid_component(name: str) -> bool:
@@ -227,9 +228,9 @@ class Namespace:
         Waiting for the second sibling keeps a reader that only opens `shards/` from
         pre-listing its neighbours (a 20,000-entry directory costs 20 LIST pages).
         """
-        if node.ino == ROOT_INO or listing.children_walked < 0:
+        if node.ino == ROOT_INO or listing.walk_counted:
             return
-        listing.children_walked = -1  # count each directory once
+        listing.walk_counted = True  # count each directory once, however often it is walked
         parent = self._nodes[node.parent_ino].listing
         if parent is None:
             return

@@ -210,3 +210,18 @@ def test_listing_error_reaches_every_waiter_then_recovers():
 
     results, listed = run_fs(backend, body)
     assert results == ["denied"] * 3 and listed == ["d"]
+
+
+def test_walking_one_directory_twice_does_not_list_its_neighbours():
+    backend = MemoryBackend({"walked/d1/f": b"1", "walked/d2/f": b"2", "other1/f": b"x", "other2/f": b"x", "other3/f": b"x"})
+
+    async def body(fs):
+        await fs.ns.list_dir(1)
+        for _ in range(2):  # os.walk(MP/walked), twice
+            walked = await fs.lookup(1, "walked")
+            for child in await fs.ns.list_dir(walked.ino):
+                await fs.ns.list_dir(child.ino)
+        await trio.testing.wait_all_tasks_blocked()
+        return backend.requests["list"]
+
+    assert run_fs(backend, body) == 4  # root, walked, d1, d2: never other1..3
