@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import os
 import socket
@@ -174,6 +175,7 @@ def fake_response(request: requests.PreparedRequest, status: int, body: Optional
     response.status_code = status
     response.reason = "injected"
     response._content = json.dumps(body or {"error": {"code": status, "message": "injected"}}).encode()
+    response.raw = io.BytesIO(response._content)  # as a transport's response, it has a raw stream
     response.headers["Content-Type"] = "application/json"
     response.url = request.url
     response.request = request
