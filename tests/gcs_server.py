@@ -39,6 +39,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs.config import BucketURL, Config
+from tests.servers import _die_with_parent, _stop
 
 # `gcp-storage-emulator ARGS`, minus one cost: on every write the emulator
 # re-serialises ALL its metadata as indented JSON (O(n^2): 2,500 uploads take ~80 s).
@@ -50,7 +51,6 @@ storage.Storage._write_config_to_file = lambda self: None
 __main__.main(sys.argv[1:])
 """
 _READY_DEADLINE_S = 20.0  # the emulator imports in ~1 s; allow for a loaded CI box
-_STOP_DEADLINE_S = 5.0
 
 
 def free_port() -> int:
@@ -137,6 +137,7 @@ def start_gcs_emulator() -> Iterator[GCSEmulator]:
                  "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--quiet"],
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"},
+                preexec_fn=_die_with_parent,  # no orphaned emulator if the test run is killed
             )
             try:
                 deadline = time.monotonic() + _READY_DEADLINE_S
@@ -157,16 +158,6 @@ def start_gcs_emulator() -> Iterator[GCSEmulator]:
                 _stop(proc)
         log_file.seek(0)
         raise RuntimeError(f"GCS emulator failed to start: {log_file.read()[-2000:]!r}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(_STOP_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(_STOP_DEADLINE_S)
 
 
 def fake_response(request: requests.PreparedRequest, status: int, body: Optional[dict] = None) -> requests.Response:
