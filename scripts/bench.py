@@ -38,6 +38,13 @@ daemon in each bucketfs run (collapsed stacks, GIL holders only); --proxy-log FI
 records every request with its byte range, with a `# start RUN` line per run.
 Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset torch py-spy.
 
+--alternatives (S3 only) adds a fourth system, "rclone mount" (`rclone mount :s3:BUCKET`
+through the same proxy, --vfs-cache-mode off, --dir-cache-time/--attr-timeout 1h,
+--use-server-modtime so that a stat is no HEAD): the
+file-system reader code of every workload over that mount, cold runs on a fresh mount
+with the page cache dropped, as for bucketfs; its column and bucketfs/rclone-mount ratio
+are added to the table. Off by default.
+
 --backend gcs runs the same workloads against gcp-storage-emulator (tests/gcs_server.py)
 behind the same proxy, beside direct google-cloud-storage reads (anonymous client on the
 proxy endpoint: ranged `download_as_bytes(raw_download=True)`, delimited `list_blobs`)
@@ -97,6 +104,7 @@ READ_BYTES = 1 * MiB  # shard readers' read size
 RUN_TIMEOUT_S = 300.0  # a run taking longer is a hang: the mount is aborted and the run FAILs
 MOUNT_DEADLINE_S = 30.0
 SYSTEMS = ("bucketfs", "direct", "local")
+RCLONE_MOUNT = "rclone-mount"  # --alternatives: the fourth system, an existing FUSE mount (`rclone mount`)
 WDS_WORKERS = 2  # DataLoader worker processes of the webdataset runs
 # GCS emulator: requests in flight, for the mount (--max-connections) and the direct client
 # alike. The emulator (http.server) serves one request at a time with a listen backlog of 5:
@@ -842,6 +850,102 @@ class Mount:
                               + " | ".join(distinct[:3]))
 
 
+class RcloneMount:
+    """--alternatives: `rclone mount :s3:BUCKET` as a foreground subprocess, through the proxy."""
+
+    def __init__(self, backend, bucket: str, mountpoint: str, work_dir: str):
+        self.backend, self.bucket, self.mountpoint, self.work_dir = backend, bucket, mountpoint, work_dir
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = None
+        self.count = 0
+        self.label = ""
+        self.notes: list = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> None:
+        from tests.servers import rclone_binary
+
+        self.count += 1
+        self.label = ""
+        self.log_path = os.path.join(self.work_dir, f"rclone-mount-{self.count}.log")
+        config = os.path.join(self.work_dir, "rclone.conf")  # empty: the remote is all on the command line
+        open(config, "a").close()
+        server = self.backend.server
+        argv = [rclone_binary(), "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
+                "--s3-provider", "Other", "--s3-endpoint", self.backend.proxy.url,
+                "--s3-access-key-id", server.access_key, "--s3-secret-access-key", server.secret_key,
+                "--s3-region", server.region, "--s3-force-path-style",
+                "--vfs-cache-mode", "off", "--dir-cache-time", "1h", "--attr-timeout", "1h", "--daemon-wait", "0",
+                # Without it rclone HEADs every file it stats or opens (for the mtime in its metadata):
+                # W3's 20,000 stats one after another would take ~8 min, past RUN_TIMEOUT_S.
+                "--use-server-modtime", "--config", config]
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(argv, cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + MOUNT_DEADLINE_S
+        while not (is_mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
+            if self.proc.poll() is not None:
+                tail = self._tail()
+                self.proc = None
+                raise RuntimeError(f"rclone mount exited before mounting: {tail}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"rclone mount did not mount within {MOUNT_DEADLINE_S}s: {self._tail()}")
+            time.sleep(0.02)  # polling interval, with a deadline
+
+    def stop(self) -> None:
+        """Unmount (fusermount -u, fusermount3 -u, then -uz), stop our rclone process, check nothing is left."""
+        if self.proc is None:
+            return
+        if is_mounted(self.mountpoint):
+            for cmd in (["fusermount", "-u"], ["fusermount3", "-u"], ["fusermount", "-uz"], ["fusermount3", "-uz"]):
+                if subprocess.run([*cmd, self.mountpoint], capture_output=True).returncode == 0:
+                    break
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.notes.append(f"rclone mount {self.count}: still running 15 s after unmount; terminated")
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount", "-uz", self.mountpoint], capture_output=True)
+        if self.proc.returncode not in (0, -signal.SIGTERM):
+            self.notes.append(f"rclone mount {self.count} ({self.label}): exited with {self.proc.returncode} after unmount")
+        self._collect_log_notes()
+        self.proc = None
+
+    def abort(self) -> None:
+        """A hung run: kill our rclone process so blocked readers get errors, then detach."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        subprocess.run(["fusermount", "-uz", self.mountpoint], capture_output=True)
+
+    def _tail(self, chars: int = 1500) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _collect_log_notes(self) -> None:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if "ERROR" in ln or "panic" in ln]
+        except OSError:
+            return
+        if lines:
+            kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-rclone-mount{self.count}.log")
+            shutil.copy(self.log_path, kept)
+            self.notes.append(f"rclone mount {self.count} ({self.label}): {len(lines)} error line(s), log kept in {kept}; "
+                              + " | ".join(dict.fromkeys(ln[:240] for ln in lines[:3])))
+
+
 class RssSampler:
     """Samples a process's VmRSS every 50 ms in a thread; peak in bytes."""
 
@@ -982,6 +1086,12 @@ class Bench:
         self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir,
                            [*backend.mount_extra_args, *shlex.split(args.mount_args)])
         self.local_root = str(dataset.bucket_dir)
+        self.systems = SYSTEMS + ((RCLONE_MOUNT,) if args.alternatives else ())
+        self.rclone_mountpoint = os.path.join(work_dir, "rclone-mnt")
+        self.rclone_mount = None
+        if args.alternatives:
+            os.makedirs(self.rclone_mountpoint)
+            self.rclone_mount = RcloneMount(backend, dataset.bucket, self.rclone_mountpoint, work_dir)
         self.dropped_ok = True
         self.census = CpuCensus()
 
@@ -997,15 +1107,26 @@ class Bench:
     def cold(self, system: str) -> None:
         """Drop the page cache; a fresh mount for bucketfs; server metadata primed for remote runs."""
         self.mount.stop()  # also before other systems: a mount's background work (listing ahead) must not overlap them
+        if self.rclone_mount is not None:
+            self.rclone_mount.stop()
         if system != "local":
             # All of them, not only the run's: bucketfs lists sibling directories ahead.
             self.backend.prime(self.ds.bucket, ["shards/", "imagefolder/", "flat/", "tree/"])
         self.dropped_ok = drop_caches() and self.dropped_ok
         if system == "bucketfs":
             self.mount.start()
+        elif system == RCLONE_MOUNT:
+            self.rclone_mount.start()
 
     def root(self, system: str) -> str:
+        if system == RCLONE_MOUNT:
+            return self.rclone_mountpoint
         return self.mountpoint if system == "bucketfs" else self.local_root
+
+    def stop_mounts(self) -> None:
+        self.mount.stop()
+        if self.rclone_mount is not None:
+            self.rclone_mount.stop()
 
     def measure(self, label: str, system: str, fn: Callable[[Verifier], dict]) -> dict:
         """Run fn(verifier) once, with the proxy's, the daemon's and our own costs around it."""
@@ -1014,6 +1135,9 @@ class Bench:
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
         daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
+        if system == RCLONE_MOUNT:
+            daemon_before = proc_cpu_s(self.rclone_mount.pid)
+            self.rclone_mount.label += ("; " if self.rclone_mount.label else "") + label
         self_before = self_cpu_s()
         self.census.others_s()
         server_before = self.backend.server_cpu_s()
@@ -1048,6 +1172,10 @@ class Bench:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
         elif system == "bucketfs":
             verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
+        elif system == RCLONE_MOUNT and self.rclone_mount.proc is not None and self.rclone_mount.proc.poll() is None:
+            run["daemon_cpu_s"] = round(proc_cpu_s(self.rclone_mount.pid) - daemon_before, 3)
+        elif system == RCLONE_MOUNT:
+            verifier.fail(f"rclone mount died during the run: {self.rclone_mount._tail(800)}")
         # CPU used by processes that are not part of this benchmark (a shared machine): noise.
         run["foreign_cpu_s"] = round(self.census.others_s(), 2)
         if remote:
@@ -1100,6 +1228,8 @@ class Bench:
         log(f"  {label} [{system}]: no result after {RUN_TIMEOUT_S:.0f}s; aborting the run")
         if system == "bucketfs":
             self.mount.abort()
+        elif system == RCLONE_MOUNT:
+            self.rclone_mount.abort()
 
     # -- W1 shards --------------------------------------------------------------
     def w1(self) -> None:
@@ -1109,7 +1239,7 @@ class Bench:
             key = f"W1.{readers}"
             self.row(key, f"W1 shards, {readers} reader{'s' if readers > 1 else ''}", "MB/s", True, f">= {target} MB/s")
             groups = [ds.shards[r::readers] for r in range(readers)]
-            for system in SYSTEMS:
+            for system in self.systems:
                 self.cold(system)
                 if system == "direct":
                     client = self.backend.direct(readers * PARALLEL_PARTS)
@@ -1148,7 +1278,7 @@ class Bench:
             log("  W1 webdataset: skipped: pip install webdataset torch")
             return
         brace = f"shards/shard-{{000000..{ds.spec.shard_count - 1:06d}}}.tar"
-        for system in SYSTEMS:
+        for system in self.systems:
             self.cold(system)
             if system == "direct":
                 spec = {"urls": f"{self.backend.wds_scheme}://{ds.bucket}/{brace}", "mode": "direct",
@@ -1181,7 +1311,7 @@ class Bench:
             self.row(f"W2.cold{threads}", f"W2 epoch cold, {threads} threads", "files/s", True, ">= 1.0x direct")
         for threads in (8, 32):
             self.row(f"W2.warm{threads}", f"W2 epoch warm, {threads} threads", "files/s", True, ">= 6000 files/s")
-        for system in SYSTEMS:
+        for system in self.systems:
             for threads in (8, 32):
                 self.cold(system)
                 if system == "direct":
@@ -1252,7 +1382,7 @@ class Bench:
         self.row("W3.tree.cached", f"W3 walk+stat {len(ds.tree)}, cached", "s", False, "<= 0.1 s")
         self.w3_heads = {}
         for what in ("flat", "tree"):
-            for system in SYSTEMS:
+            for system in self.systems:
                 self.cold(system)
                 temps = ("cold",) if system == "direct" else ("cold", "cached")
                 for temp in temps:
@@ -1323,7 +1453,7 @@ class Bench:
         finally:
             for fd in local_fds:
                 os.close(fd)
-        for system in SYSTEMS:
+        for system in self.systems:
             self.cold(system)
             got = [None] * len(ops)
             if system == "direct":
@@ -1371,7 +1501,7 @@ class Bench:
         order = list(ds.images)
         random.Random(5).shuffle(order)
         groups = [ds.shards[r::4] for r in range(4)]
-        for system in SYSTEMS:
+        for system in self.systems:
             self.cold(system)
             if system == "direct":
                 client = self.backend.direct(32 + 4 * PARALLEL_PARTS)
@@ -1479,13 +1609,16 @@ class Bench:
                 return "-"
             return f"{a / b:.2f}x"
 
-        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", "bucketfs/direct", "bucketfs/local", "target", "met")
+        alt = RCLONE_MOUNT in self.systems
+        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *(("rclone mount",) if alt else ()),
+                  "bucketfs/direct", "bucketfs/local", *(("bucketfs/rclone mount",) if alt else ()), "target", "met")
         lines = []
         for row in self.rows.values():
             b, d, l = (row.values.get(s) for s in SYSTEMS)
+            r = row.values.get(RCLONE_MOUNT)
             met = {True: "yes", False: "NO", None: "-"}[row.met]
             lines.append((row.label, row.unit + ("" if row.higher_is_better else " (lower better)"), fmt(b), fmt(d), fmt(l),
-                          ratio(b, d), ratio(b, l), row.target, met))
+                          *((fmt(r),) if alt else ()), ratio(b, d), ratio(b, l), *((ratio(b, r),) if alt else ()), row.target, met))
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
         out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)),
                "-+-".join("-" * w for w in widths)]
@@ -1601,6 +1734,8 @@ def parse_args(argv):
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--py-spy", type=Path, metavar="DIR", help="profile the daemon in every bucketfs run with py-spy (collapsed stacks in DIR)")
     p.add_argument("--proxy-log", type=Path, metavar="FILE", help="the proxy appends one line per request here (time, connection, kind, key, range)")
+    p.add_argument("--alternatives", action="store_true",
+                   help="also run every workload over `rclone mount` (an existing FUSE mount) for comparison (s3 only)")
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1619,6 +1754,9 @@ def main(argv=None) -> int:
     unknown = set(only) - {"W1", "W2", "W3", "W4", "W5"}
     if unknown:
         print(f"bench: unknown workload(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    if args.alternatives and args.backend != "s3":
+        print("bench: --alternatives needs --backend s3 (rclone mount :s3:)", file=sys.stderr)
         return 2
     if not 0 < args.scale <= 1:
         print("bench: --scale must be in (0, 1]", file=sys.stderr)
@@ -1649,10 +1787,16 @@ def main(argv=None) -> int:
                     log(f"{name}")
                     getattr(bench, name.lower())()
             finally:
-                bench.mount.stop()
+                bench.stop_mounts()
     finally:
         if bench is not None and is_mounted(bench.mountpoint):
             subprocess.run(["fusermount3", "-uz", bench.mountpoint], capture_output=True)
+        if bench is not None and bench.rclone_mount is not None:
+            if bench.rclone_mount.proc is not None:
+                bench.rclone_mount.abort()
+                bench.rclone_mount.proc.wait()
+            if is_mounted(bench.rclone_mountpoint):
+                subprocess.run(["fusermount", "-uz", bench.rclone_mountpoint], capture_output=True)
         shutil.rmtree(work_dir, ignore_errors=True)
     bench.evaluate()
     print()
@@ -1672,6 +1816,10 @@ def main(argv=None) -> int:
     if bench.mount.notes:
         print("\nbucketfs daemon log notes:")
         for note in bench.mount.notes:
+            print(f"  {note}")
+    if bench.rclone_mount is not None and bench.rclone_mount.notes:
+        print("\nrclone mount log notes:")
+        for note in bench.rclone_mount.notes:
             print(f"  {note}")
     if not bench.dropped_ok:
         print("\nNOTE: the page cache could not be dropped: cold local runs were warm.")
