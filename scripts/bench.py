@@ -382,7 +382,25 @@ class S3Direct:
         self.client.close()
 
 
-class S3Backend:
+class _ProxiedServer:
+    """What every backend shares: a server behind the latency proxy (`self.server`,
+    `self.proxy`, `self.proxy_log` set by the subclass)."""
+
+    def stats(self) -> dict:
+        return self.proxy.stats()
+
+    def mark(self, text: str) -> None:
+        if self.proxy_log:
+            self.proxy.mark(text)
+
+    def server_cpu_s(self) -> float:
+        return proc_cpu_s(self.server.pid)
+
+    def proxy_cpu_s(self) -> float:
+        return proc_cpu_s(self.proxy.pid)
+
+
+class S3Backend(_ProxiedServer):
     """rclone serve s3 over the data directory, behind the latency proxy."""
 
     name = "s3"
@@ -458,18 +476,6 @@ class S3Backend:
                 self._unproxied.list_all(bucket, sub)
             self._primed[prefix] = time.monotonic()
 
-    def stats(self) -> dict:
-        return self.proxy.stats()
-
-    def mark(self, text: str) -> None:
-        if self.proxy_log:
-            self.proxy.mark(text)
-
-    def server_cpu_s(self) -> float:
-        return proc_cpu_s(self.server.pid)
-
-    def proxy_cpu_s(self) -> float:
-        return proc_cpu_s(self.proxy.pid)
 
 
 class GCSDirect:
@@ -557,7 +563,7 @@ def _gcs_proxy_process(upstream_url: str, latency_ms: float, conn_mbps: float, l
     return GCSProxyProcess()
 
 
-class GCSBackend:
+class GCSBackend(_ProxiedServer):
     """gcp-storage-emulator (in memory, seeded from the data directory) behind the latency proxy."""
 
     name = "gcs"
@@ -657,18 +663,6 @@ class GCSBackend:
     def prime(self, bucket: str, prefixes) -> None:
         """Nothing to do: the emulator keeps every object's metadata in memory."""
 
-    def stats(self) -> dict:
-        return self.proxy.stats()
-
-    def mark(self, text: str) -> None:
-        if self.proxy_log:
-            self.proxy.mark(text)
-
-    def server_cpu_s(self) -> float:
-        return proc_cpu_s(self.server.pid)
-
-    def proxy_cpu_s(self) -> float:
-        return proc_cpu_s(self.proxy.pid)
 
 
 BACKENDS = {"s3": S3Backend, "gcs": GCSBackend}
