@@ -74,6 +74,15 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Release connections and threads."""
 
+    async def confirm_past_end(self, key: str, version: str) -> bytes:
+        """A 416 (range starts past the end) names no version: a replacement shorter
+        than the range would read as EOF. Rare (the core knows sizes from the listing):
+        confirm with one metadata request that the pinned version is still there."""
+        current = await self.stat(key)
+        if current.version != version:
+            raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
+        return b""
+
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:

@@ -215,13 +215,7 @@ class GCSBackend(Backend):
         except errors.NotFound:
             raise await self._gone_error(key, version) from None
         if result is None:
-            # A 416 names no generation: from a server that ignores `generation=`, a
-            # replacement shorter than `start` would read as EOF. Rare (the core knows
-            # sizes from the listing): confirm with one metadata GET.
-            live = await self.stat(key)
-            if live.version != version:
-                raise errors.ObjectChanged(f"{key}: generation {version} is now {live.version}")
-            return b""
+            return await self.confirm_past_end(key, version)
         data, served_generation = result
         if served_generation is None:
             served_generation = await self._live_generation_after_read(key)

@@ -223,12 +223,7 @@ class S3Backend(Backend):
         # the memory budget until it returns (a dropped read-ahead part waits for them).
         result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version)
         if result is None:
-            # 416 carries no ETag, so a replacement shorter than `start` would read as
-            # EOF. Rare (the core knows sizes from the listing): confirm with one HEAD.
-            current = await self.stat(key)
-            if current.version != version:
-                raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
-            return b""
+            return await self.confirm_past_end(key, version)
         etag, data = result
         if etag and etag != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {etag}")
