@@ -74,6 +74,11 @@ class BlockCache:
             out += data[lo:hi]
         return bytes(out)
 
+    def holds(self, key: str, version: str, offset: int) -> bool:
+        """The block at `offset` is cached or on its way (no fetch needed for it)."""
+        ck = (key, version, offset // self.block_size_bytes)
+        return ck in self._blocks or ck in self._flights
+
     def start_read(self, key: str, version: str, size_bytes: int, start: int, end: int) -> None:
         """Start fetching the missing blocks of [start, end) without waiting (small file at open)."""
         end = min(end, size_bytes)

@@ -130,8 +130,9 @@ class Filesystem:
         started_s = time.monotonic()
         try:
             if handle.reader is None:
-                # Whole object in one GET on a miss (no-op for cached or in-flight blocks).
-                self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
+                if not self.cache.holds(handle.key, handle.version, off):
+                    # A miss (evicted, or the kernel dropped its pages): the whole object in one GET.
+                    self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
             else:
                 data = await handle.reader.read(off, end)

@@ -14,8 +14,9 @@ def make_config(prefix: str = "", **overrides) -> Config:
     return dataclasses.replace(config, **overrides)
 
 
-def run_fs(backend: MemoryBackend, body, prefix: str = "", **overrides):
-    """Run `await body(fs)` against a Filesystem on `backend`; return its result."""
+def run_fs(backend: MemoryBackend, body, prefix: str = "", clock=None, **overrides):
+    """Run `await body(fs)` against a Filesystem on `backend`; return its result.
+    `clock`: e.g. trio.testing.MockClock(autojump_threshold=0) for tests about time."""
     config = make_config(prefix, **overrides)
 
     async def main():
@@ -26,7 +27,7 @@ def run_fs(backend: MemoryBackend, body, prefix: str = "", **overrides):
             nursery.cancel_scope.cancel()
         return result
 
-    return trio.run(main)
+    return trio.run(main, clock=clock)
 
 
 async def resolve(fs, path: str):
