@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import signal
@@ -173,3 +174,23 @@ def assert_every_write_is_erofs(mount: Mount, dirname: str, filename: str, subdi
             assert exc.errno == errno.EROFS, f"{name}: {exc}"
         else:
             raise AssertionError(f"{name} succeeded on a read-only mount")
+
+
+def assert_tree_copies_out(mount: Mount, files: dict, copy_dir) -> None:
+    """Copying the mount out gives exactly `files` ({relative path: bytes}), and every
+    stat size (from the listing) is right."""
+    shutil.copytree(mount.mountpoint, copy_dir)
+    sha = lambda data: hashlib.sha256(data).hexdigest()  # noqa: E731
+    copied = {str(p.relative_to(copy_dir)): sha(p.read_bytes()) for p in copy_dir.rglob("*") if p.is_file()}
+    assert copied == {path: sha(data) for path, data in files.items()}
+    for path, data in files.items():
+        assert os.stat(mount.path(path)).st_size == len(data)
+
+
+def assert_complete_listing(mount: Mount, dirname: str, names: list) -> None:
+    """`dirname` lists exactly `names`, in store order, the same way twice."""
+    first = os.listdir(mount.path(dirname))
+    assert first == names  # store order, every entry exactly once
+    assert os.listdir(mount.path(dirname)) == first
+    with os.scandir(mount.path(dirname)) as it:
+        assert sum(1 for e in it if e.is_file()) == len(names)

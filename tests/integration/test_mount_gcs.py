@@ -14,14 +14,13 @@ import gzip
 import hashlib
 import os
 import random
-import shutil
 import subprocess
 
 import pytest
 
 from bucketfs import errors
 from tests.gcs_server import closed_port_url
-from tests.mounting import bucketfs_cmd, assert_every_write_is_erofs
+from tests.mounting import assert_complete_listing, assert_every_write_is_erofs, assert_tree_copies_out, bucketfs_cmd
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -52,13 +51,9 @@ def test_mixed_tree_copies_out_byte_identical(gcs_server, gcs_bucket, mount_fact
     gcs_server.put_many(gcs_bucket, objects)
     m = mount_factory(gcs_server, gcs_bucket, "ds")
     out = tmp_path / "copy"
-    shutil.copytree(m.mountpoint, out)
-    copied = {str(p.relative_to(out)): sha(p.read_bytes()) for p in out.rglob("*") if p.is_file()}
-    files = {k: v for k, v in objects.items() if not k.endswith("/")}
-    assert copied == {k[len("ds/"):]: sha(v) for k, v in files.items()}
+    files = {k[len("ds/"):]: v for k, v in objects.items() if not k.endswith("/")}
+    assert_tree_copies_out(m, files, out)
     assert (out / "marker-only").is_dir() and os.listdir(out / "marker-only") == []
-    for key, data in files.items():  # stat sizes come from the listing
-        assert os.stat(m.path(key[len("ds/"):])).st_size == len(data)
 
 
 def test_listing_of_3000_entries_is_complete_and_in_order(gcs_server, gcs_bucket, mount_factory):
@@ -68,12 +63,7 @@ def test_listing_of_3000_entries_is_complete_and_in_order(gcs_server, gcs_bucket
     # is in the contract suite, through GCSLikeAdapter).
     names = [f"item-{i:05d}.bin" for i in range(3000)]
     gcs_server.put_many(gcs_bucket, {f"many/{n}": b"" for n in names})
-    m = mount_factory(gcs_server, gcs_bucket)
-    first = os.listdir(m.path("many"))
-    assert first == names  # GCS name order, every entry exactly once
-    assert os.listdir(m.path("many")) == first
-    with os.scandir(m.path("many")) as it:
-        assert sum(1 for e in it if e.is_file()) == 3000
+    assert_complete_listing(mount_factory(gcs_server, gcs_bucket), "many", names)
 
 
 def test_special_names_round_trip(gcs_server, gcs_bucket, mount_factory):

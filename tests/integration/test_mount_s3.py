@@ -5,11 +5,10 @@ import hashlib
 import mmap
 import os
 import random
-import shutil
 
 import pytest
 
-from tests.mounting import assert_every_write_is_erofs
+from tests.mounting import assert_complete_listing, assert_every_write_is_erofs, assert_tree_copies_out
 
 pytestmark = pytest.mark.integration
 
@@ -33,23 +32,13 @@ def test_mixed_tree_copies_out_byte_identical(rclone_server, s3_bucket, mount_fa
     objects["ds/shards/train-000.tar"] = rnd(20 * MiB, 99)
     rclone_server.write_files(s3_bucket, objects)
     m = mount_factory(rclone_server, s3_bucket, "ds")
-    out = tmp_path / "copy"
-    shutil.copytree(m.mountpoint, out)
-    copied = {str(p.relative_to(out)): sha(p.read_bytes()) for p in out.rglob("*") if p.is_file()}
-    assert copied == {k[len("ds/"):]: sha(v) for k, v in objects.items()}
-    for key, data in objects.items():  # stat sizes come from the listing
-        assert os.stat(m.path(key[len("ds/"):])).st_size == len(data)
+    assert_tree_copies_out(m, {k[len("ds/"):]: v for k, v in objects.items()}, tmp_path / "copy")
 
 
 def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucket, mount_factory):
     names = [f"item-{i:05d}.bin" for i in range(20_000)]
     rclone_server.write_files(s3_bucket, {f"many/{n}": b"" for n in names})
-    m = mount_factory(rclone_server, s3_bucket)
-    first = os.listdir(m.path("many"))
-    assert first == names  # S3 key order, every entry exactly once
-    assert os.listdir(m.path("many")) == first
-    with os.scandir(m.path("many")) as it:
-        assert sum(1 for e in it if e.is_file()) == 20_000
+    assert_complete_listing(mount_factory(rclone_server, s3_bucket), "many", names)
 
 
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
