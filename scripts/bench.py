@@ -750,52 +750,67 @@ def is_mounted(path: str) -> bool:
         return any(line.split()[4] == path for line in f)
 
 
-class Mount:
-    """One bucketfs daemon (`mount -f` as a subprocess); remount() gives a fresh one."""
+class _MountProcess:
+    """A FUSE mount served by a foreground subprocess: start, wait for the mount with a
+    deadline, stop (unmount, wait, terminate if needed, check nothing is left), keep
+    the log of a run that logged problems. Subclasses give the command and details."""
 
-    def __init__(self, backend, bucket: str, mountpoint: str, max_memory: str, work_dir: str, extra_args=()):
-        self.backend, self.bucket, self.mountpoint = backend, bucket, mountpoint
-        self.max_memory, self.work_dir, self.extra_args = max_memory, work_dir, list(extra_args)
+    name = "mount"
+    unmount_cmds = (["fusermount3", "-u"], ["fusermount3", "-uz"])
+    lazy_unmount_cmd = ["fusermount3", "-uz"]
+    clean_exit_codes = (0,)
+
+    def __init__(self, backend, bucket: str, mountpoint: str, work_dir: str):
+        self.backend, self.bucket, self.mountpoint, self.work_dir = backend, bucket, mountpoint, work_dir
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = None
         self.count = 0
-        self.label = ""  # the runs this daemon served, for its notes
-        self.notes: list = []  # warnings/errors the daemons logged
+        self.label = ""  # the runs this process served, for its notes
+        self.notes: list = []  # warnings/errors it logged
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def argv(self) -> list:
+        raise NotImplementedError
+
+    def env(self) -> Optional[dict]:
+        return None
+
+    def is_problem_line(self, line: str) -> bool:
+        raise NotImplementedError
+
     def start(self) -> None:
         self.count += 1
         self.label = ""
-        self.log_path = os.path.join(self.work_dir, f"bucketfs-{self.count}.log")
-        argv = [sys.executable, "-m", "bucketfs.cli", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
-                "-f", "--max-memory", self.max_memory, *self.extra_args]
-        env = dict(os.environ, **self.backend.env())
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.log_path = os.path.join(self.work_dir, f"{self.name}-{self.count}.log")
+        argv = self.argv()
         with open(self.log_path, "w") as log_file:
-            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL,
+                                         stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + MOUNT_DEADLINE_S
         while not (is_mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"bucketfs exited ({self.proc.returncode}) before mounting: {self._tail()}")
+                tail, self.proc = self._tail(), None
+                raise RuntimeError(f"{self.name} exited before mounting: {tail}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"bucketfs did not mount within {MOUNT_DEADLINE_S}s: {self._tail()}")
+                raise RuntimeError(f"{self.name} did not mount within {MOUNT_DEADLINE_S}s: {self._tail()}")
             time.sleep(0.02)  # polling interval, with a deadline
 
     def stop(self) -> None:
-        """Unmount (-u, then -uz), wait for the daemon, and make sure nothing is left."""
+        """Unmount, wait for the process, and make sure nothing is left."""
         if self.proc is None:
             return
         if is_mounted(self.mountpoint):
-            if subprocess.run(["fusermount3", "-u", self.mountpoint], capture_output=True).returncode != 0:
-                subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
+            for cmd in self.unmount_cmds:
+                if subprocess.run([*cmd, self.mountpoint], capture_output=True).returncode == 0:
+                    break
         try:
             self.proc.wait(15)
         except subprocess.TimeoutExpired:
-            self.notes.append(f"mount {self.count}: daemon still running 15 s after unmount; terminated")
+            self.notes.append(f"{self.name} {self.count}: still running 15 s after unmount; terminated")
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -803,22 +818,17 @@ class Mount:
                 self.proc.kill()
                 self.proc.wait()
         if is_mounted(self.mountpoint):
-            subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
-        if self.proc.returncode != 0:
-            self.notes.append(f"mount {self.count} ({self.label}): the daemon exited with {self.proc.returncode} after unmount")
+            subprocess.run([*self.lazy_unmount_cmd, self.mountpoint], capture_output=True)
+        if self.proc.returncode not in self.clean_exit_codes:
+            self.notes.append(f"{self.name} {self.count} ({self.label}): exited with {self.proc.returncode} after unmount")
         self._collect_log_notes()
         self.proc = None
 
     def abort(self) -> None:
-        """A hung run: kill our daemon so blocked readers get errors, then detach."""
+        """A hung run: kill our process so blocked readers get errors, then detach."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-        subprocess.run(["fusermount3", "-uz", self.mountpoint], capture_output=True)
-
-    def remount(self) -> None:
-        self.stop()
-        drop_caches()
-        self.start()
+        subprocess.run([*self.lazy_unmount_cmd, self.mountpoint], capture_output=True)
 
     def _tail(self, chars: int = 1500) -> str:
         try:
@@ -828,47 +838,64 @@ class Mount:
             return "(no log)"
 
     def _collect_log_notes(self) -> None:
-        """Keep the log of a daemon that logged warnings or errors (the work dir is removed)."""
+        """Keep the log of a process that logged problems (the work dir is removed)."""
         try:
             with open(self.log_path, errors="replace") as f:
-                lines = [ln.rstrip() for ln in f if (" WARNING " in ln or " ERROR " in ln or "Traceback" in ln
-                         or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", ln))
-                         and not any(known in ln for known in self.backend.expected_log_lines)]
+                lines = [ln.rstrip() for ln in f if self.is_problem_line(ln)]
         except OSError:
             return
         if lines:
-            kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-mount{self.count}.log")
+            kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-{self.name}{self.count}.log")
             shutil.copy(self.log_path, kept)
             distinct = list(dict.fromkeys(ln.strip(" |+")[:240] for ln in lines if "Traceback" not in ln))
-            self.notes.append(f"mount {self.count} ({self.label}): {len(lines)} warning/error line(s), log kept in {kept}; "
+            self.notes.append(f"{self.name} {self.count} ({self.label}): {len(lines)} warning/error line(s), log kept in {kept}; "
                               + " | ".join(distinct[:3]))
 
 
-class RcloneMount:
+class Mount(_MountProcess):
+    """One bucketfs daemon (`mount -f` as a subprocess); remount() gives a fresh one."""
+
+    name = "bucketfs"
+
+    def __init__(self, backend, bucket: str, mountpoint: str, max_memory: str, work_dir: str, extra_args=()):
+        super().__init__(backend, bucket, mountpoint, work_dir)
+        self.max_memory, self.extra_args = max_memory, list(extra_args)
+
+    def argv(self) -> list:
+        return [sys.executable, "-m", "bucketfs.cli", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
+                "-f", "--max-memory", self.max_memory, *self.extra_args]
+
+    def env(self) -> dict:
+        env = dict(os.environ, **self.backend.env())
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def is_problem_line(self, line: str) -> bool:
+        return bool((" WARNING " in line or " ERROR " in line or "Traceback" in line
+                     or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", line))
+                    and not any(known in line for known in self.backend.expected_log_lines))
+
+    def remount(self) -> None:
+        self.stop()
+        drop_caches()
+        self.start()
+
+
+class RcloneMount(_MountProcess):
     """--alternatives: `rclone mount :s3:BUCKET` as a foreground subprocess, through the proxy."""
 
-    def __init__(self, backend, bucket: str, mountpoint: str, work_dir: str):
-        self.backend, self.bucket, self.mountpoint, self.work_dir = backend, bucket, mountpoint, work_dir
-        self.proc: Optional[subprocess.Popen] = None
-        self.log_path = None
-        self.count = 0
-        self.label = ""
-        self.notes: list = []
+    name = "rclone-mount"
+    unmount_cmds = (["fusermount", "-u"], ["fusermount3", "-u"], ["fusermount", "-uz"], ["fusermount3", "-uz"])
+    lazy_unmount_cmd = ["fusermount", "-uz"]
+    clean_exit_codes = (0, -signal.SIGTERM)
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def start(self) -> None:
+    def argv(self) -> list:
         from tests.servers import rclone_binary
 
-        self.count += 1
-        self.label = ""
-        self.log_path = os.path.join(self.work_dir, f"rclone-mount-{self.count}.log")
         config = os.path.join(self.work_dir, "rclone.conf")  # empty: the remote is all on the command line
         open(config, "a").close()
         server = self.backend.server
-        argv = [rclone_binary(), "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
+        return [rclone_binary(), "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
                 "--s3-provider", "Other", "--s3-endpoint", self.backend.proxy.url,
                 "--s3-access-key-id", server.access_key, "--s3-secret-access-key", server.secret_key,
                 "--s3-region", server.region, "--s3-force-path-style",
@@ -876,68 +903,9 @@ class RcloneMount:
                 # Without it rclone HEADs every file it stats or opens (for the mtime in its metadata):
                 # W3's 20,000 stats one after another would take ~8 min, past RUN_TIMEOUT_S.
                 "--use-server-modtime", "--config", config]
-        with open(self.log_path, "w") as log_file:
-            self.proc = subprocess.Popen(argv, cwd=self.work_dir, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + MOUNT_DEADLINE_S
-        while not (is_mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
-            if self.proc.poll() is not None:
-                tail = self._tail()
-                self.proc = None
-                raise RuntimeError(f"rclone mount exited before mounting: {tail}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"rclone mount did not mount within {MOUNT_DEADLINE_S}s: {self._tail()}")
-            time.sleep(0.02)  # polling interval, with a deadline
 
-    def stop(self) -> None:
-        """Unmount (fusermount -u, fusermount3 -u, then -uz), stop our rclone process, check nothing is left."""
-        if self.proc is None:
-            return
-        if is_mounted(self.mountpoint):
-            for cmd in (["fusermount", "-u"], ["fusermount3", "-u"], ["fusermount", "-uz"], ["fusermount3", "-uz"]):
-                if subprocess.run([*cmd, self.mountpoint], capture_output=True).returncode == 0:
-                    break
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.notes.append(f"rclone mount {self.count}: still running 15 s after unmount; terminated")
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if is_mounted(self.mountpoint):
-            subprocess.run(["fusermount", "-uz", self.mountpoint], capture_output=True)
-        if self.proc.returncode not in (0, -signal.SIGTERM):
-            self.notes.append(f"rclone mount {self.count} ({self.label}): exited with {self.proc.returncode} after unmount")
-        self._collect_log_notes()
-        self.proc = None
-
-    def abort(self) -> None:
-        """A hung run: kill our rclone process so blocked readers get errors, then detach."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        subprocess.run(["fusermount", "-uz", self.mountpoint], capture_output=True)
-
-    def _tail(self, chars: int = 1500) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-chars:]
-        except OSError:
-            return "(no log)"
-
-    def _collect_log_notes(self) -> None:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                lines = [ln.rstrip() for ln in f if "ERROR" in ln or "panic" in ln]
-        except OSError:
-            return
-        if lines:
-            kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-rclone-mount{self.count}.log")
-            shutil.copy(self.log_path, kept)
-            self.notes.append(f"rclone mount {self.count} ({self.label}): {len(lines)} error line(s), log kept in {kept}; "
-                              + " | ".join(dict.fromkeys(ln[:240] for ln in lines[:3])))
+    def is_problem_line(self, line: str) -> bool:
+        return "ERROR" in line or "panic" in line
 
 
 class RssSampler:

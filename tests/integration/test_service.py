@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from bucketfs import errors
-from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
