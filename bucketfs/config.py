@@ -92,7 +92,7 @@ class Config:
     # eight 8 MiB GETs in flight at once (one connection gives ~100 MB/s).
     shard_readahead_initial_bytes: int = 64 * MiB
     shard_globs: tuple = DEFAULT_SHARD_GLOBS
-    shard_head_bytes: int = 16 * MiB  # warmed head of the next shard, as parallel parts
+    shard_head_bytes: int = 64 * MiB  # most of the next shard warmed ahead of its open (one window)
 
     # Process.
     foreground: bool = False

@@ -10,8 +10,11 @@ Invariants:
   splits its READs. Not when the kernel was already given the whole file in the
   immutable mode (keep_cache): a second epoch is served from the page cache and
   must not cost a GET. If the kernel did evict it, the first READ fetches it whole.
-- Shard-like files read to `SHARD_WARM_FRACTION` warm the head of the next shard
-  in listing order that has not been opened in the current pass.
+- Shard-like files: once a reader is `SHARD_WARM_FRACTION` into a shard and its
+  read-ahead window reaches past the shard's end, the window continues into the
+  head of the next shard in listing order not yet opened in this pass (one target
+  per handle, never a shard another handle is warming). Bytes in flight stay one
+  window per reader, across the boundary, so the reader does not stall there.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from bucketfs.core.stats import Stats
 log = logging.getLogger(__name__)
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
-# Warm the next shard once this much of the current one is read: late enough that
-# the reader is committed to finishing it, early enough to hide one round trip.
-SHARD_WARM_FRACTION = 0.5
+# Warm the next shard only once this much of the current one is read: a reader
+# that far in is reading the shard through (a tar is read to its end), and the
+# rest of the window (3/4 of a shard) still hides the next head's round trip.
+SHARD_WARM_FRACTION = 0.25
 
 
 class FileHandle:
@@ -157,43 +161,54 @@ class Filesystem:
     # -- shard warming ------------------------------------------------------------
     def _note_shard_open(self, node: Node) -> None:
         opened = self._shard_pass.setdefault(node.parent_ino, set())
+        if node.name in opened:
+            opened.clear()  # a shard opened twice: a new pass (epoch) begins
         opened.add(node.name)
 
     def _shard_progress(self, node: Node):
-        threshold = int(node.size_bytes * SHARD_WARM_FRACTION)
-        warmed = False
+        threshold_bytes = int(node.size_bytes * SHARD_WARM_FRACTION)
+        target = None  # (key, node) of the shard this handle warms; False: none
 
-        def on_progress(read_end: int) -> None:
-            nonlocal warmed
-            if not warmed and read_end >= threshold:
-                warmed = True
-                self._warm_next_shard(node)
+        def on_progress(read_end: int, window_bytes: int) -> None:
+            nonlocal target
+            beyond_bytes = read_end + window_bytes - node.size_bytes
+            if read_end < threshold_bytes or beyond_bytes <= 0 or target is False:
+                return
+            if target is None:
+                target = self._next_shard(node) or False
+                if target is False:
+                    return
+            key, nxt = target
+            if key in self._open_keys:
+                target = False  # opened meanwhile: its own stream reads ahead now
+                return
+            head_bytes = min(beyond_bytes, self.config.shard_head_bytes)
+            self.prefetcher.warm_head(key, nxt.version, nxt.size_bytes, head_bytes, self.config.part_size_bytes)
 
         return on_progress
 
-    def _warm_next_shard(self, node: Node) -> None:
-        parent = self.ns.node(node.parent_ino)
-        listing = parent.listing
+    def _next_shard(self, node: Node):
+        """The next shard after `node` in listing order that nobody opened in this pass
+        and nobody is warming; None past the last shard (no wrap-around: the next
+        epoch's order is the loader's, often shuffled)."""
+        listing = self.ns.node(node.parent_ino).listing
         if listing is None:
-            return
+            return None
         names = [n for n in listing.names_sorted if self.is_shard(n)]
-        opened = self._shard_pass.setdefault(parent.ino, set())
-        if len(opened) >= len(names):
-            opened.clear()  # every shard was opened: a new pass (epoch) begins
-            opened.add(node.name)
+        opened = self._shard_pass.get(node.parent_ino, set())
         try:
             i = names.index(node.name)
         except ValueError:
-            return
-        for name in names[i + 1 :] + names[:i]:
+            return None
+        for name in names[i + 1 :]:
             if name in opened:
                 continue
             nxt = self.ns.node(listing.children[name])
             key = self.key_prefix + nxt.path
-            if key in self._open_keys or nxt.is_dir:
+            if nxt.is_dir or key in self._open_keys or self.prefetcher.is_warming(key, nxt.version):
                 continue
-            self.prefetcher.warm_head(key, nxt.version, min(self.config.shard_head_bytes, nxt.size_bytes), self.config.part_size_bytes)
-            return
+            return key, nxt
+        return None
 
     # -- misc ---------------------------------------------------------------------
     def snapshot(self) -> dict:

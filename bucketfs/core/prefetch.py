@@ -137,17 +137,27 @@ class Prefetcher:
             part.cancel_scope.cancel()
 
     # -- warm heads of the next shard ------------------------------------------
-    def warm_head(self, key: str, version: str, head_end: int, part_size_bytes: int) -> None:
-        """Fetch [0, head_end) of a shard before it is opened, as parallel parts."""
-        if (key, version) in self._heads or head_end <= 0:
-            return
-        parts = []
-        for start in range(0, head_end, part_size_bytes):
-            part = self.fetch(key, version, start, min(start + part_size_bytes, head_end), demanded=False)
+    def is_warming(self, key: str, version: str) -> bool:
+        return (key, version) in self._heads
+
+    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, part_size_bytes: int) -> None:
+        """Have [0, head_end) of a shard in flight before it is opened, as parallel
+        whole parts (the last one may end at the shard's end); called again with a
+        larger `head_end`, it extends the head."""
+        parts = self._heads.get((key, version))
+        if parts is None:
+            parts = []
+        start = parts[-1].end if parts else 0
+        while start < size_bytes:
+            part_end = min(start + part_size_bytes, size_bytes)
+            if part_end > head_end and part_end < size_bytes:
+                break  # never a sliver: the head grows by whole parts
+            part = self.fetch(key, version, start, part_end, demanded=False)
             if part is None:
                 break
             parts.append(part)
-        if not parts:
+            start = part_end
+        if not parts or (key, version) in self._heads:
             return
         self._heads[(key, version)] = parts
         self.stats["prefetch.heads_warmed"] += 1
@@ -297,7 +307,7 @@ class HandleReader:
         self.key, self.version, self.size_bytes = key, version, size_bytes
         self.is_shard = is_shard
         self.config = config
-        self.on_progress = on_progress  # called with (read_end) after stream reads: shard warming
+        self.on_progress = on_progress  # called with (read_end, window_bytes) after stream reads: shard warming
         self.stream: Optional[SequentialStream] = None
         self.last_end: Optional[int] = None
         self.contiguous_count = 0
@@ -340,7 +350,7 @@ class HandleReader:
                 self.stream = None
             raise
         if self.on_progress is not None:
-            self.on_progress(stream.read_end)
+            self.on_progress(stream.read_end, stream.window_bytes)
         return data
 
     def _starts_stream(self, off: int) -> bool:

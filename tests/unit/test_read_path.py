@@ -204,13 +204,48 @@ def test_next_shard_head_is_warmed_and_used():
         fh = await fs.open(node.ino, 0)
         gets_at_open = backend.requests["get"]
         first = bytes(await fs.read(fh, 0, 128 * 1024))
-        return gets_with_head, gets_at_open, first, fs.stats["prefetch.heads_used"], len(parts)
+        return gets_with_head, gets_at_open, first, fs.stats["prefetch.heads_used"], [(p.start, p.end) for p in parts]
 
     gets_with_head, gets_at_open, first, used, head_parts = run_fs(backend, body)
     assert first == shards["w/shard-000001.tar"][: 128 * 1024]
     assert used == 1
-    assert head_parts == 2  # 16 MiB head as two parallel 8 MiB GETs
+    # The 64 MiB window ran past shard 0's end into shard 1: all of its 32 MiB, as
+    # parallel whole 8 MiB parts, with no sliver parts from the head growing.
+    assert head_parts == [(i * 8 * MiB, (i + 1) * 8 * MiB) for i in range(4)]
     assert gets_at_open == gets_with_head  # the open itself waited for nothing new
+
+
+def test_shard_warming_targets_distinct_shards_and_never_wraps():
+    """Readers in shards 0 and 1 at once warm two different next shards; a reader that
+    stops early warms nothing; the last shard of a pass does not wrap to the first."""
+    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(5)}
+    backend = MemoryBackend(shards)
+
+    async def read_part(fs, fh, end_bytes):
+        off = 0
+        while off < end_bytes:
+            off += len(await fs.read(fh, off, 1 * MiB))
+
+    async def body(fs):
+        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        early = await fs.open(nodes[4].ino, 0)
+        await read_part(fs, early, 4 * MiB)  # under a quarter: not committed to the shard
+        fs.release(early)
+        assert not fs.prefetcher._heads
+        handles = [await fs.open(node.ino, 0) for node in nodes[:2]]
+        for fh in handles:
+            await read_part(fs, fh, 16 * MiB)
+        warmed = sorted(key for key, _ in fs.prefetcher._heads)
+        for fh in handles:
+            fs.release(fh)
+        last = await fs.open(nodes[4].ino, 0)  # every shard opened: nothing left to warm
+        await read_part(fs, last, 32 * MiB)
+        fs.release(last)
+        return warmed, sorted(key for key, _ in fs.prefetcher._heads)
+
+    warmed, after_last = run_fs(backend, body)
+    assert warmed == ["w/shard-000002.tar", "w/shard-000003.tar"]
+    assert after_last == warmed
 
 
 def test_forward_seek_resets_the_stream():
