@@ -29,6 +29,9 @@ from bucketfs import errors
 log = logging.getLogger(__name__)
 
 ROOT_INO = 1
+# A parent with at least this many subdirectories, which are most of its entries,
+# is a class tree: its walk is listed ahead from the first subdirectory on.
+LIST_AHEAD_EAGER_DIRS = 8
 NAME_MAX_BYTES = 255
 
 
@@ -56,10 +59,11 @@ class Node:
 class Listing:
     """The cached children of one directory."""
 
-    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked", "walk_counted")
+    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked", "walk_counted", "dirs_count")
 
-    def __init__(self, children: dict, loaded_at_s: float):
+    def __init__(self, children: dict, loaded_at_s: float, dirs_count: int = 0):
         self.children = children  # name -> ino
+        self.dirs_count = dirs_count
         self.names_sorted = sorted(children)  # code point order == UTF-8 byte order == S3 order
         self.loaded_at_s = loaded_at_s
         self.ahead_scheduled = False
@@ -205,7 +209,8 @@ class Namespace:
             child = self._child(node, old.get(name), name, False)
             child.size_bytes, child.mtime_ns, child.version = info.size_bytes, info.mtime_ns, info.version
             children[name] = child
-        return Listing({name: child.ino for name, child in children.items()}, trio.current_time())
+        dirs_count = sum(1 for child in children.values() if child.is_dir)
+        return Listing({name: child.ino for name, child in children.items()}, trio.current_time(), dirs_count)
 
     def _child(self, parent: Node, old_ino: Optional[int], name: str, is_dir: bool) -> Node:
         if old_ino is not None:
@@ -223,10 +228,12 @@ class Namespace:
     def _note_walk(self, node: Node, listing: Listing) -> None:
         """A reader listed `node`: once it has listed two subdirectories of one parent,
         it is walking them (ImageFolder lists every class right after the root), so
-        list the rest of that parent's subdirectories ahead of it.
+        list the rest of that parent's subdirectories ahead of it. A parent made mostly
+        of many subdirectories (classes) starts at the first one: one round trip sooner.
 
-        Waiting for the second sibling keeps a reader that only opens `shards/` from
-        pre-listing its neighbours (a 20,000-entry directory costs 20 LIST pages).
+        Waiting for the second sibling elsewhere keeps a reader that only opens
+        `shards/` from pre-listing its few neighbours (a 20,000-entry directory costs
+        20 LIST pages).
         """
         if node.ino == ROOT_INO or listing.walk_counted:
             return
@@ -235,7 +242,8 @@ class Namespace:
         if parent is None:
             return
         parent.children_walked += 1
-        if parent.children_walked >= 2:
+        class_like = parent.dirs_count >= LIST_AHEAD_EAGER_DIRS and 2 * parent.dirs_count >= len(parent.children)
+        if parent.children_walked >= 2 or class_like:
             self._schedule_ahead(self._nodes[node.parent_ino], parent)
 
     def _schedule_ahead(self, node: Node, listing: Listing) -> None:

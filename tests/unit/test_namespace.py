@@ -153,6 +153,33 @@ def test_subdirectories_listed_ahead_of_the_walk():
     assert lists_after_ahead == lists_after_walk == 21
 
 
+def test_class_tree_is_listed_ahead_from_its_first_class_only():
+    """A parent of many subdirectories is walked from the first one on; a parent of a
+    few (shards/ beside train/) is not pre-listed when one of them is opened."""
+    keys = {f"train/c{i:02d}/img{j}.jpg": b"x" for i in range(12) for j in range(2)}
+    keys.update({f"other{i}/f": b"y" for i in range(3)})
+    keys.update({f"loose{i}.txt": b"z" for i in range(5)})
+    backend = MemoryBackend(keys, delay_s=0.01)
+
+    async def body(fs):
+        await fs.ns.list_dir((await fs.lookup(1, "other0")).ino)  # root: 4 dirs, 5 files
+        await trio.testing.wait_all_tasks_blocked()
+        lists_few = backend.requests["list"]
+        train = await fs.lookup(1, "train")
+        classes = await fs.ns.list_dir(train.ino)
+        await fs.ns.list_dir(classes[0].ino)
+        with trio.fail_after(10):
+            while fs.stats["namespace.listed_ahead"] < 13:
+                await trio.sleep(0.01)
+        return lists_few, fs.stats["namespace.listed_ahead"]
+
+    lists_few, ahead = run_fs(backend, body)
+    assert lists_few == 2  # the root and other0/ only
+    # Every class but the one the walker listed itself (11), and other1/ and other2/:
+    # train/ was the second subdirectory of the root the walker entered.
+    assert ahead == 13
+
+
 def test_metadata_ttl_relists_and_keeps_inode():
     backend = MemoryBackend({"f": b"one"})
 
