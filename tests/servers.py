@@ -311,12 +311,12 @@ class _FakeLeanResponse:
 
 def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
     """The same faults for S3Backend's lean path (urllib3, no botocore events)."""
-    real_request = lean.pool.request
+    real_request = lean._request
 
-    def request(method, url, **kwargs):
+    def request(url, headers):
         is_list = "list-type=2" in url
         if remaining[0] <= 0 or is_list != (op == "list"):
-            return real_request(method, url, **kwargs)
+            return real_request(url, headers)
         remaining[0] -= 1
         if kind == "reset":
             raise urllib3.exceptions.ProtocolError("Connection aborted.", ConnectionResetError(104, "reset"))
@@ -325,7 +325,7 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
         body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         return _FakeLeanResponse(503, {"Content-Type": "application/xml"}, body)
 
-    lean.pool.request = request
+    lean._request = request
 
 
 def _answers_http(port: int) -> bool:

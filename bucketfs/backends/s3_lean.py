@@ -149,11 +149,15 @@ class LeanS3:
                 self._origin_len = len(self.base_url) - len(urlsplit(self.base_url).path)
         return self.usable
 
+    def _request(self, url: str, headers: dict):
+        """One GET on the wire, unread (the tests' fault injection replaces this)."""
+        return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
+                                       preload_content=False, redirect=False, retries=False)
+
     def _send(self, url: str, headers: dict, ok_statuses) -> Optional[tuple]:
         """(status, headers, body) for an answer in `ok_statuses`; None if this path
         cannot serve the bucket; a botocore ClientError for any other answer."""
-        response = self._host_pool.urlopen("GET", url[self._origin_len:], headers=self._headers(url, headers),
-                                           preload_content=False, redirect=False, retries=False)
+        response = self._request(url, self._headers(url, headers))
         try:
             body = response.read()
         finally:

@@ -143,13 +143,13 @@ def test_no_sign_request_sends_anonymous_requests(moto_server):
     backend = S3Backend(moto_server.config(bucket, no_sign_request=True), session=moto_server.session())
     sent_headers = []
     backend.client.meta.events.register("before-send.s3", lambda request, **_: sent_headers.append(request.headers))
-    lean_request = backend.lean.pool.request  # GETs take the lean path (urllib3, no botocore events)
+    lean_request = backend.lean._request  # GETs take the lean path (urllib3, no botocore events)
 
-    def recording_request(method, url, **kwargs):
-        sent_headers.append(kwargs["headers"])
-        return lean_request(method, url, **kwargs)
+    def recording_request(url, headers):
+        sent_headers.append(headers)
+        return lean_request(url, headers)
 
-    backend.lean.pool.request = recording_request
+    backend.lean._request = recording_request
 
     async def body():
         info = (await backend.list_page("")).objects[0]
