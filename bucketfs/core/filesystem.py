@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import itertools
 import logging
@@ -167,20 +168,21 @@ class Filesystem:
 
     def _shard_progress(self, node: Node):
         threshold_bytes = int(node.size_bytes * SHARD_WARM_FRACTION)
-        target = None  # (key, node) of the shard this handle warms; False: none
+        chosen = False  # the next shard is picked once per handle
+        target = None  # (key, node) of the shard this handle warms
 
         def on_progress(read_end: int, window_bytes: int) -> None:
-            nonlocal target
+            nonlocal chosen, target
             beyond_bytes = read_end + window_bytes - node.size_bytes
-            if read_end < threshold_bytes or beyond_bytes <= 0 or target is False:
+            if read_end < threshold_bytes or beyond_bytes <= 0:
                 return
+            if not chosen:
+                chosen, target = True, self._next_shard(node)
             if target is None:
-                target = self._next_shard(node) or False
-                if target is False:
-                    return
+                return
             key, nxt = target
             if key in self._open_keys:
-                target = False  # opened meanwhile: its own stream reads ahead now
+                target = None  # opened meanwhile: its own stream reads ahead now
                 return
             head_bytes = min(beyond_bytes, self.config.shard_head_bytes)
             self.prefetcher.warm_head(key, nxt.version, nxt.size_bytes, head_bytes, self.config.part_size_bytes)
@@ -194,14 +196,12 @@ class Filesystem:
         listing = self.ns.node(node.parent_ino).listing
         if listing is None:
             return None
-        names = [n for n in listing.names_sorted if self.is_shard(n)]
         opened = self._shard_pass.get(node.parent_ino, set())
-        try:
-            i = names.index(node.name)
-        except ValueError:
-            return None
-        for name in names[i + 1 :]:
-            if name in opened:
+        names = listing.names_sorted
+        # Scan on from this shard's place (names are sorted): a shard opening in a
+        # 20,000-entry directory does not match every name against the globs.
+        for name in itertools.islice(names, bisect.bisect_right(names, node.name), None):
+            if name in opened or not self.is_shard(name):
                 continue
             nxt = self.ns.node(listing.children[name])
             key = self.key_prefix + nxt.path

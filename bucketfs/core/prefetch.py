@@ -144,9 +144,7 @@ class Prefetcher:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
         whole parts (the last one may end at the shard's end); called again with a
         larger `head_end`, it extends the head."""
-        parts = self._heads.get((key, version))
-        if parts is None:
-            parts = []
+        parts = self._heads.get((key, version), [])  # a warmed head is extended in place
         start = parts[-1].end if parts else 0
         while start < size_bytes:
             part_end = min(start + part_size_bytes, size_bytes)
