@@ -383,8 +383,16 @@ class S3Direct:
 
 
 class _ProxiedServer:
-    """What every backend shares: a server behind the latency proxy (`self.server`,
-    `self.proxy`, `self.proxy_log` set by the subclass)."""
+    """What every backend shares: a server behind the latency proxy (`self.server` and
+    `self.proxy` are set by the subclass's serve())."""
+
+    def __init__(self, root_dir: Path, latency_ms: float, conn_mbps: float, proxy_log: Optional[Path] = None):
+        self.root_dir, self.latency_ms, self.conn_mbps, self.proxy_log = root_dir, latency_ms, conn_mbps, proxy_log
+        self.server = self.proxy = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.url
 
     def stats(self) -> dict:
         return self.proxy.stats()
@@ -414,9 +422,8 @@ class S3Backend(_ProxiedServer):
     targets_note = ""  # printed after the targets
     expected_log_lines: tuple = ()  # daemon warnings this server always causes: not reported
 
-    def __init__(self, root_dir: Path, latency_ms: float, conn_mbps: float, proxy_log: Optional[Path] = None):
-        self.root_dir, self.latency_ms, self.conn_mbps, self.proxy_log = root_dir, latency_ms, conn_mbps, proxy_log
-        self.server = self.proxy = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._primed: dict = {}  # directory -> when its server-side metadata was last rebuilt
 
     @contextlib.contextmanager
@@ -434,10 +441,6 @@ class S3Backend(_ProxiedServer):
                 finally:
                     self._unproxied.close()
                     self.server = self.proxy = None
-
-    @property
-    def endpoint_url(self) -> str:
-        return self.proxy.url
 
     @property
     def description(self) -> str:
@@ -585,10 +588,6 @@ class GCSBackend(_ProxiedServer):
                     f"   {GCS_MAX_CONNECTIONS} requests in flight. \"HEAD\" counts object metadata GETs: the emulator sends no\n"
                     f"   x-goog-generation header, so bucketfs confirms each read's generation with one (not on real GCS).)")
 
-    def __init__(self, root_dir: Path, latency_ms: float, conn_mbps: float, proxy_log: Optional[Path] = None):
-        self.root_dir, self.latency_ms, self.conn_mbps, self.proxy_log = root_dir, latency_ms, conn_mbps, proxy_log
-        self.server = self.proxy = None
-
     @contextlib.contextmanager
     def serve(self) -> Iterator["GCSBackend"]:
         from tests.gcs_server import start_gcs_emulator
@@ -601,10 +600,6 @@ class GCSBackend(_ProxiedServer):
                     yield self
                 finally:
                     self.server = self.proxy = None
-
-    @property
-    def endpoint_url(self) -> str:
-        return self.proxy.url
 
     @property
     def description(self) -> str:
