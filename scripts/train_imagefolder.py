@@ -45,25 +45,24 @@ def tiny_cnn(num_classes: int) -> nn.Module:
     )
 
 
-def make_loader(data: str, batch_size: int, workers: int, image_px: int = 64) -> DataLoader:
-    transform = transforms.Compose([
+def image_transform(image_px: int):
+    return transforms.Compose([
         transforms.Resize((image_px, image_px)),
         transforms.ToTensor(),
         transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
     ])
-    dataset = datasets.ImageFolder(data, transform=transform)
+
+
+def make_loader(data: str, batch_size: int, workers: int, image_px: int = 64) -> DataLoader:
+    dataset = datasets.ImageFolder(data, transform=image_transform(image_px))
     return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
                       persistent_workers=workers > 0, drop_last=False)
 
 
-def train(args) -> dict:
-    torch.manual_seed(args.seed)
-    loader = make_loader(args.data, args.batch_size, args.workers)
-    num_classes = len(loader.dataset.classes)
-    model = tiny_cnn(num_classes)
+def run_epochs(loader, model, args) -> list:
+    """SGD over `loader` for args.epochs (or args.steps); one dict of figures per epoch."""
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    print(f"ImageFolder {args.data}: {len(loader.dataset)} images, {num_classes} classes")
     epochs = []
     step = 0
     for epoch in range(args.epochs):
@@ -87,14 +86,20 @@ def train(args) -> dict:
               f"mean loss {loss_sum / max(samples, 1):.3f}")
         if args.steps and step >= args.steps:
             break
+    return epochs
+
+
+def train(args) -> dict:
+    torch.manual_seed(args.seed)
+    loader = make_loader(args.data, args.batch_size, args.workers)
+    num_classes = len(loader.dataset.classes)
+    print(f"ImageFolder {args.data}: {len(loader.dataset)} images, {num_classes} classes")
+    epochs = run_epochs(loader, tiny_cnn(num_classes), args)
     return {"epochs": epochs, "classes": loader.dataset.classes, "images": len(loader.dataset)}
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", required=True, help="ImageFolder root: one directory per class")
+def add_training_args(parser) -> None:
+    """The options every example training script takes."""
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -102,6 +107,14 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="ImageFolder root: one directory per class")
+    add_training_args(parser)
     return parser.parse_args(argv)
 
 

@@ -26,33 +26,23 @@ scripts/make_sample_dataset.py writes them. DataLoader workers take shards by st
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 import torch
-import torch.nn as nn
 import webdataset as wds
 from torch.utils.data import DataLoader
-from torchvision import transforms
-from tqdm import tqdm
 
-from train_imagefolder import tiny_cnn
+from train_imagefolder import add_training_args, image_transform, run_epochs, tiny_cnn
 
 
 def make_loader(shards: str, batch_size: int, workers: int, shard_shuffle: int = 100,
                 image_px: int = 64) -> DataLoader:
-    transform = transforms.Compose([
-        transforms.Resize((image_px, image_px)),
-        transforms.ToTensor(),
-        transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-    ])
     dataset = (
         wds.WebDataset(shards, shardshuffle=shard_shuffle or False)
         .shuffle(1000)
         .decode("pil")
         .to_tuple("jpg", "cls")
-        .map_tuple(transform, int)
+        .map_tuple(image_transform(image_px), int)
     )
     return DataLoader(dataset, batch_size=batch_size, num_workers=workers, persistent_workers=workers > 0)
 
@@ -60,34 +50,8 @@ def make_loader(shards: str, batch_size: int, workers: int, shard_shuffle: int =
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     loader = make_loader(args.shards, args.batch_size, args.workers, args.shard_shuffle)
-    model = tiny_cnn(args.num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
     print(f"WebDataset {args.shards}")
-    epochs = []
-    step = 0
-    for epoch in range(args.epochs):
-        samples, loss_sum, started = 0, 0.0, time.perf_counter()
-        with tqdm(loader, desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", disable=args.quiet) as bar:
-            for images, labels in bar:
-                optimizer.zero_grad()
-                loss = loss_fn(model(images), labels)
-                loss.backward()
-                optimizer.step()
-                samples += len(labels)
-                loss_sum += loss.item() * len(labels)
-                step += 1
-                bar.set_postfix(loss=f"{loss.item():.3f}", samples_per_s=f"{samples / (time.perf_counter() - started):.0f}")
-                if args.steps and step >= args.steps:
-                    break
-        seconds = time.perf_counter() - started
-        epochs.append({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-                       "mean_loss": loss_sum / max(samples, 1)})
-        print(f"epoch {epoch + 1}: {samples} samples in {seconds:.2f} s = {samples / seconds:.0f} samples/s, "
-              f"mean loss {loss_sum / max(samples, 1):.3f}")
-        if args.steps and step >= args.steps:
-            break
-    return {"epochs": epochs}
+    return {"epochs": run_epochs(loader, tiny_cnn(args.num_classes), args)}
 
 
 def parse_args(argv=None):
@@ -96,14 +60,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shards", required=True, help="shard paths, brace-expanded: '/dir/shard-{000000..000015}.tar'")
     parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="DataLoader worker processes (default: up to 4)")
     parser.add_argument("--shard-shuffle", type=int, default=100, help="shard shuffle buffer (0: shards in order)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_training_args(parser)
     return parser.parse_args(argv)
 
 
