@@ -5,9 +5,18 @@ import os
 
 import pytest
 
-from tests.mounting import Mount
+from tests.mounting import Mount, force_unmount
 
 _USE_SERVER_ENDPOINT = object()
+
+
+@pytest.fixture
+def empty_dir(tmp_path):
+    """An empty directory to mount on; whatever is mounted there is undone after."""
+    d = tmp_path / "mp"
+    d.mkdir()
+    yield str(d)
+    force_unmount(str(d))
 
 
 @pytest.fixture

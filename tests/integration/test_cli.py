@@ -28,14 +28,6 @@ def assert_one_line_error(proc, code, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-@pytest.fixture
-def empty_dir(tmp_path):
-    d = tmp_path / "mp"
-    d.mkdir()
-    yield str(d)
-    force_unmount(str(d))
-
-
 def server_env(server, **extra):
     env = dict(os.environ, **server.env())
     env.update(extra)

@@ -24,14 +24,6 @@ def env_for(server):
     return env
 
 
-@pytest.fixture
-def mp(tmp_path):
-    d = tmp_path / "mnt"
-    d.mkdir()
-    yield str(d)
-    force_unmount(str(d))
-
-
 def test_unit_file_verifies(tmp_path):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -44,7 +36,7 @@ def test_unit_file_verifies(tmp_path):
     assert subprocess.run([analyze, "verify", str(broken)], capture_output=True, timeout=60).returncode != 0
 
 
-def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server, s3_bucket, mp, tmp_path):
+def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"d/x.txt": b"x"})
     sock_path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
@@ -52,17 +44,17 @@ def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server
         sock.settimeout(MOUNT_DEADLINE_S)
         env = env_for(rclone_server)
         env["NOTIFY_SOCKET"] = sock_path
-        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", mp, "--endpoint-url", rclone_server.endpoint_url, "-f"),
+        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, "-f"),
                                 env=env, stderr=subprocess.PIPE, text=True)
         try:
             assert sock.recv(4096) == b"READY=1"
             # The moment READY arrives, the mount is live and serving the bucket.
-            assert os.path.ismount(mp)
-            assert os.listdir(mp) == ["d"]
+            assert os.path.ismount(empty_dir)
+            assert os.listdir(empty_dir) == ["d"]
             proc.send_signal(signal.SIGTERM)
             assert sock.recv(4096) == b"STOPPING=1"
             assert proc.wait(timeout=30) == 0
-            assert not os.path.ismount(mp)
+            assert not os.path.ismount(empty_dir)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -70,52 +62,52 @@ def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server
             proc.stderr.close()
 
 
-def test_no_ready_when_the_mount_fails(tmp_path, mp):
+def test_no_ready_when_the_mount_fails(tmp_path, empty_dir):
     sock_path = str(tmp_path / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(sock_path)
         sock.setblocking(False)
         env = dict(os.environ, NOTIFY_SOCKET=sock_path)
-        proc = subprocess.run(bucketfs_cmd("mount", "s3://bucket/", mp, "-f", "--no-sign-request", "--endpoint-url", f"http://127.0.0.1:{free_port()}"),
+        proc = subprocess.run(bucketfs_cmd("mount", "s3://bucket/", empty_dir, "-f", "--no-sign-request", "--endpoint-url", f"http://127.0.0.1:{free_port()}"),
                               env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == errors.EXIT_ENDPOINT_UNREACHABLE
         with pytest.raises(BlockingIOError):
             sock.recv(4096)
 
 
-def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, mp):
+def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, empty_dir):
     rclone_server.write_files(s3_bucket, {"prefix/a.txt": b"abc"})
     opts = f"ro,_netdev,allow_other,nofail,x-systemd.automount,endpoint_url={rclone_server.endpoint_url},max_memory=256M,metadata-ttl=60"
-    proc = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/prefix", mp, "-o", opts], env=env_for(rclone_server),
+    proc = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/prefix", empty_dir, "-o", opts], env=env_for(rclone_server),
                           capture_output=True, text=True, timeout=60)
     try:
         assert proc.returncode == 0, proc.stderr
-        assert os.path.ismount(mp)  # mount(8) expects the helper to return once mounted
-        assert open(os.path.join(mp, "a.txt")).read() == "abc"
-        opts_seen = [line for line in open("/proc/mounts") if mp in line][0]
+        assert os.path.ismount(empty_dir)  # mount(8) expects the helper to return once mounted
+        assert open(os.path.join(empty_dir, "a.txt")).read() == "abc"
+        opts_seen = [line for line in open("/proc/mounts") if empty_dir in line][0]
         assert "allow_other" in opts_seen and "fuse.bucketfs" in opts_seen
     finally:
-        subprocess.run(bucketfs_cmd("unmount", mp), timeout=30)
-    assert not os.path.ismount(mp)
-    bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", mp, "-o", "rw"], capture_output=True, text=True, timeout=30)
+        subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30)
+    assert not os.path.ismount(empty_dir)
+    bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", empty_dir, "-o", "rw"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == errors.EXIT_USAGE and "read-only" in bad.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mount(8) with a helper needs root")
-def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, mp, tmp_path):
+def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"p/b.txt": b"b"})
     helper = "/sbin/mount.fuse.bucketfs"
     created = not os.path.exists(helper)
     if created:
         os.symlink(shutil.which("mount.fuse.bucketfs"), helper)
     fstab = tmp_path / "fstab"
-    fstab.write_text(f"s3://{s3_bucket}/p {mp} fuse.bucketfs ro,_netdev,allow_other,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
+    fstab.write_text(f"s3://{s3_bucket}/p {empty_dir} fuse.bucketfs ro,_netdev,allow_other,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
     try:
-        proc = subprocess.run(["mount", "--fstab", str(fstab), mp], env=env_for(rclone_server), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(["mount", "--fstab", str(fstab), empty_dir], env=env_for(rclone_server), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        assert open(os.path.join(mp, "b.txt")).read() == "b"
+        assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
     finally:
-        force_unmount(mp)
+        force_unmount(empty_dir)
         if created:
             os.unlink(helper)
 
@@ -154,16 +146,16 @@ def test_install_script_writes_unit_config_and_helper(tmp_path):
     assert os.path.islink(dest / "sbin/mount.fuse.bucketfs")
 
 
-def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, mp):
+def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, empty_dir):
     """ExecStop (bucketfs unmount --lazy) runs first, then systemd sends SIGTERM: an open
     reader still finishes, the daemon exits 0 and logs no error."""
     data = os.urandom(2 * 1024 * 1024)
     rclone_server.write_files(s3_bucket, {"f.bin": data})
-    m = Mount(f"s3://{s3_bucket}/", mp, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
     try:
         with open(m.path("f.bin"), "rb", buffering=0) as f:
             head = f.read(1000)
-            assert subprocess.run(bucketfs_cmd("unmount", "--lazy", mp), timeout=30).returncode == 0
+            assert subprocess.run(bucketfs_cmd("unmount", "--lazy", empty_dir), timeout=30).returncode == 0
             m.proc.send_signal(signal.SIGTERM)
             assert head + f.read() == data
         assert m.proc.wait(timeout=30) == 0
