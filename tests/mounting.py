@@ -194,3 +194,20 @@ def assert_complete_listing(mount: Mount, dirname: str, names: list) -> None:
     assert os.listdir(mount.path(dirname)) == first
     with os.scandir(mount.path(dirname)) as it:
         assert sum(1 for e in it if e.is_file()) == len(names)
+
+
+# Names that URL-encoding, shells and XML all treat specially; every store must carry them.
+SPECIAL_NAMES = ["with space.txt", "per%25cent%", "plus+sign", "hash#tag", "quest?ion", "eq=ual", "amp&ersand",
+                 "ünïcødé.txt", "日本語.bin", "emoji-🚀", "semi;colon", "quote'd"]
+
+
+def special_name_objects(dirname: str, names: list) -> dict:
+    """{key: bytes} of one object per name under `dirname`: the name three times."""
+    return {f"{dirname}/{n}": n.encode() * 3 for n in names}
+
+
+def assert_special_names_read_back(mount: Mount, dirname: str, names: list, extra_entries=()) -> None:
+    assert sorted(os.listdir(mount.path(dirname))) == sorted([*names, *extra_entries])
+    for n in names:
+        with open(mount.path(dirname, n), "rb") as f:
+            assert f.read() == n.encode() * 3, n

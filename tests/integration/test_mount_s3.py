@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from tests.mounting import assert_complete_listing, assert_every_write_is_erofs, assert_tree_copies_out
+from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs,
+                            assert_special_names_read_back, assert_tree_copies_out, special_name_objects)
 
 pytestmark = pytest.mark.integration
 
@@ -63,14 +64,8 @@ def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucke
 
 
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
-    special = ["with space.txt", "per%25cent%", "plus+sign", "hash#tag", "quest?ion", "eq=ual", "amp&ersand",
-               "ünïcødé.txt", "日本語.bin", "emoji-🚀", "semi;colon", "quote'd"]
-    rclone_server.write_files(s3_bucket, {f"s/{n}": n.encode() * 3 for n in special})
-    m = mount_factory(rclone_server, s3_bucket)
-    assert sorted(os.listdir(m.path("s"))) == sorted(special)
-    for n in special:
-        with open(m.path("s", n), "rb") as f:
-            assert f.read() == n.encode() * 3
+    rclone_server.write_files(s3_bucket, special_name_objects("s", SPECIAL_NAMES))
+    assert_special_names_read_back(mount_factory(rclone_server, s3_bucket), "s", SPECIAL_NAMES)
 
 
 def test_skipped_keys_do_not_break_the_listing(moto_server, mount_factory):
