@@ -13,6 +13,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import pytest
 
 from tests.servers import _die_with_parent
 
@@ -211,3 +214,32 @@ def assert_special_names_read_back(mount: Mount, dirname: str, names: list, extr
     for n in names:
         with open(mount.path(dirname, n), "rb") as f:
             assert f.read() == n.encode() * 3, n
+
+
+def assert_overwrite_mid_read_is_stale(mount_at, put_many) -> None:
+    """An object overwritten while a handle reads it gives ESTALE (or EIO), never bytes
+    of the new version; a small file listed before the overwrite does too; the mount
+    keeps serving. `put_many({key: bytes})` writes to the bucket; `mount_at(*args)`
+    mounts its root with extra options."""
+    mib = 1024 * 1024
+    old, new = random.Random(1).randbytes(24 * mib), random.Random(2).randbytes(24 * mib)
+    put_many({"v/big.bin": old, "v/small.jpg": old[:100_000]})
+    # Small read-ahead so the rest of the object is not fetched before the overwrite.
+    m = mount_at("--readahead-max", "1M", "--part-size", "1M", "--small-file-bytes", "1M")
+    os.stat(m.path("v", "small.jpg"))  # listed (and pinned) before the overwrite
+    fd = os.open(m.path("v", "big.bin"), os.O_RDONLY)
+    try:
+        head = os.pread(fd, 128 * 1024, 0)
+        assert head == old[: len(head)]
+        put_many({"v/big.bin": new, "v/small.jpg": new[:100_000]})
+        with pytest.raises(OSError) as info:
+            for off in range(20 * mib, 24 * mib, 1 * mib):
+                data = os.pread(fd, 64 * 1024, off)
+                assert data == old[off : off + len(data)], "bytes of the new version leaked"
+        assert info.value.errno in (errno.ESTALE, errno.EIO)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:
+        open(m.path("v", "small.jpg"), "rb").read()
+    assert info.value.errno in (errno.ESTALE, errno.EIO)
+    assert os.listdir(m.path("v")) == ["big.bin", "small.jpg"]  # the mount keeps serving

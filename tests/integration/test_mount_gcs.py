@@ -9,7 +9,6 @@ the generation), and serves gzip-encoded objects without a Content-Encoding
 header, i.e. never transcodes. It serves one request at a time.
 """
 
-import errno
 import gzip
 import hashlib
 import os
@@ -20,7 +19,7 @@ import pytest
 
 from bucketfs import errors
 from tests.gcs_server import closed_port_url
-from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs,
+from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -110,29 +109,8 @@ def test_gzip_encoded_object_reads_as_stored_bytes(gcs_server, gcs_bucket, mount
 
 
 def test_overwrite_mid_read_gives_estale_never_mixed_bytes(gcs_server, gcs_bucket, mount_factory):
-    old, new = rnd(24 * MiB, 1), rnd(24 * MiB, 2)
-    gcs_server.put_many(gcs_bucket, {"v/big.bin": old, "v/small.jpg": old[:100_000]})
-    # Small read-ahead so the rest of the object is not fetched before the overwrite.
-    m = mount_factory(gcs_server, gcs_bucket, "", "--readahead-max", "1M", "--part-size", "1M",
-                      "--small-file-bytes", "1M")
-    os.stat(m.path("v", "small.jpg"))  # listed (and pinned) before the overwrite
-    fd = os.open(m.path("v", "big.bin"), os.O_RDONLY)
-    try:
-        head = os.pread(fd, 128 * 1024, 0)
-        assert head == old[: len(head)]
-        gcs_server.put_many(gcs_bucket, {"v/big.bin": new, "v/small.jpg": new[:100_000]})
-        with pytest.raises(OSError) as info:
-            for off in range(20 * MiB, 24 * MiB, 1 * MiB):
-                data = os.pread(fd, 64 * 1024, off)
-                assert data == old[off : off + len(data)], "bytes of the new version leaked"
-        assert info.value.errno in (errno.ESTALE, errno.EIO)
-    finally:
-        os.close(fd)
-    with pytest.raises(OSError) as info:
-        open(m.path("v", "small.jpg"), "rb").read()
-    assert info.value.errno in (errno.ESTALE, errno.EIO)
-    # The mount keeps serving other reads.
-    assert os.listdir(m.path("v")) == ["big.bin", "small.jpg"]
+    assert_overwrite_mid_read_is_stale(lambda *args: mount_factory(gcs_server, gcs_bucket, "", *args),
+                                       lambda objects: gcs_server.put_many(gcs_bucket, objects))
 
 
 def test_storage_emulator_host_replaces_endpoint_url(gcs_server, gcs_bucket, mount_factory):
