@@ -67,6 +67,13 @@ class Backend(abc.ABC):
     async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
         """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed."""
 
+    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
+        """Like read_range, into `buffer` (at least `end - start` bytes long): the number
+        of bytes written. Backends that can receive straight into it override this."""
+        data = await self.read_range(key, start, end, version)
+        buffer[: len(data)] = data
+        return len(data)
+
     @abc.abstractmethod
     async def check_bucket(self, prefix: str) -> None:
         """Cheap probe before mounting: raises BucketNotFound, AccessDenied or EndpointUnreachable."""

@@ -99,6 +99,14 @@ def classify(exc: BaseException) -> errors.BucketfsError:
     return errors.BackendError(_scrub(f"{type(exc).__name__}: {exc}"))
 
 
+def _into(buffer: Optional[bytearray], data: bytes):
+    """`data` itself, or with a buffer: copied into it, and its length."""
+    if buffer is None:
+        return data
+    buffer[: len(data)] = data
+    return len(data)
+
+
 def normalise_etag(etag: str) -> str:
     return etag.strip('"') if etag else ""
 
@@ -151,15 +159,18 @@ class S3Backend(Backend):
         # (including characters XML 1.0 cannot carry) round-trips exactly.
         return client.list_objects_v2(**kwargs)
 
-    def _get_blocking(self, key: str, start: int, end: int, version: str):
-        """Returns (etag, bytes) or None when the range starts past the end (416)."""
+    def _get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None):
+        """(etag, bytes), or with `buffer` (etag, bytes written into it); None when the
+        range starts past the end (416)."""
         if self.lean.usable:
-            answer = self.lean.get(key, start, end, version)
+            answer = self.lean.get(key, start, end, version, buffer)
             if answer is not None:
-                status, etag, has_range, data = answer
+                status, etag, has_range, body = answer
                 if status == 416:
                     return None
-                return normalise_etag(etag), data if has_range else data[start:end]
+                if not has_range:  # a server that ignores Range: the whole object came back
+                    body = _into(buffer, body[start:end])
+                return normalise_etag(etag), body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                               IfMatch=f'"{version}"')
@@ -177,7 +188,7 @@ class S3Backend(Backend):
         if not response.get("ContentRange"):
             # A server that ignores Range answers 200 with the whole object.
             data = data[start:end]
-        return normalise_etag(response.get("ETag", "")), data
+        return normalise_etag(response.get("ETag", "")), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------
     def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
@@ -216,19 +227,28 @@ class S3Backend(Backend):
                           normalise_etag(response.get("ETag", "")))
 
     async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+        return await self._read(key, start, end, version, None)
+
+    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
+        return await self._read(key, start, end, version, buffer)
+
+    async def _read(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
+        """The bytes, or with `buffer` the number of bytes written into it."""
         if end <= start:
-            return b""
+            return b"" if buffer is None else 0
         self.requests["get"] += 1
         # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
-        # the memory budget until it returns (a dropped read-ahead part waits for them).
-        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version)
+        # the memory budget until it returns (a dropped read-ahead part waits for them),
+        # and no thread writes into a buffer after its part has let go of it.
+        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version, buffer)
         if result is None:
-            return await self.confirm_past_end(key, version)
-        etag, data = result
+            data = await self.confirm_past_end(key, version)
+            return data if buffer is None else 0
+        etag, body = result
         if etag and etag != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {etag}")
-        self.bytes_fetched += len(data)
-        return data
+        self.bytes_fetched += body if buffer is not None else len(body)
+        return body
 
     async def check_bucket(self, prefix: str) -> None:
         self.requests["list"] += 1

@@ -44,6 +44,32 @@ _XML_FIELD_RE = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
+def _receive_into(response, buffer: bytearray) -> int:
+    """A response body received straight into `buffer`; its length. urllib3's own
+    readinto reads into a temporary bytes object and copies it; the http.client
+    response under it receives into the buffer itself."""
+    raw = getattr(response, "_fp", None)
+    length = getattr(response, "length_remaining", None)
+    if length is None or length > len(buffer) or not hasattr(raw, "readinto"):
+        data = response.read()
+        if len(data) > len(buffer):
+            raise urllib3.exceptions.ProtocolError(f"a {len(data)}-byte body for a {len(buffer)}-byte range")
+        buffer[: len(data)] = data
+        return len(data)
+    view = memoryview(buffer)
+    got = 0
+    try:
+        while got < length:
+            n = raw.readinto(view[got:length])
+            if not n:
+                raise urllib3.exceptions.IncompleteRead(got, length - got)
+            got += n
+    except BaseException:
+        response.close()  # never hand a half-read connection back to the pool
+        raise
+    return got
+
+
 def _mtime_ns(text: str) -> int:
     when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
@@ -156,12 +182,16 @@ class LeanS3:
         return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
                                        preload_content=False, redirect=False, retries=False)
 
-    def _send(self, url: str, headers: dict, ok_statuses) -> Optional[tuple]:
+    def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None) -> Optional[tuple]:
         """(status, headers, body) for an answer in `ok_statuses`; None if this path
-        cannot serve the bucket; a botocore ClientError for any other answer."""
+        cannot serve the bucket; a botocore ClientError for any other answer. With
+        `buffer`, a ranged body (Content-Range) is received into it and `body` is its length."""
         response = self._request(url, self._headers(url, headers))
         try:
-            body = response.read()
+            if buffer is not None and response.status in (200, 206) and "Content-Range" in response.headers:
+                body = _receive_into(response, buffer)
+            else:
+                body = response.read()
         finally:
             response.release_conn()
         status = response.status
@@ -177,12 +207,13 @@ class LeanS3:
         raise botocore.exceptions.ClientError(
             {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
 
-    def get(self, key: str, start: int, end: int, version: str) -> Optional[tuple]:
-        """(status, etag, has_content_range, body) of a ranged GET pinned to `version`."""
+    def get(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None) -> Optional[tuple]:
+        """(status, etag, has_content_range, body) of a ranged GET pinned to `version`;
+        with `buffer`, a ranged body is received into it and `body` is its length."""
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416))
+        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416), buffer)
         if answer is None:
             return None
         status, headers, body = answer

@@ -278,6 +278,16 @@ def test_pagination_returns_every_entry_once_in_order(contract_backend):
     trio.run(body)
 
 
+async def _read_into(backend: Backend, key: str, start: int, end: int, version: str) -> bytes:
+    """read_range_into, checked to write only the bytes it reports (the rest of the
+    buffer keeps its filler)."""
+    spare_bytes = 7
+    buffer = bytearray(b"\xaa" * (max(end - start, 0) + spare_bytes))
+    n = await backend.read_range_into(key, start, end, version, buffer)
+    assert buffer[n:] == b"\xaa" * (len(buffer) - n)
+    return bytes(buffer[:n])
+
+
 @pytest.mark.timeout(30)
 def test_ranged_reads_at_every_boundary(contract_backend):
     t, p = contract_backend, contract_backend.prefix
@@ -295,12 +305,15 @@ def test_ranged_reads_at_every_boundary(contract_backend):
         nonempty = [(0, 1), (size - 1, size), (size - 10, size + 100), (0, size), (0, 2 * size), (300, 700)]
         for start, end in nonempty:
             assert await t.backend.read_range(p + "obj", start, end, v) == data[start:end], (start, end)
+            # Received into a caller's buffer (read-ahead parts): the same bytes.
+            assert await _read_into(t.backend, p + "obj", start, end, v) == data[start:end], (start, end)
         # Counters: one GET per non-empty range, payload bytes counted exactly.
-        assert t.backend.requests["get"] - gets_before == len(nonempty)
-        assert t.backend.bytes_fetched - fetched_before == sum(len(data[s:e]) for s, e in nonempty)
+        assert t.backend.requests["get"] - gets_before == 2 * len(nonempty)
+        assert t.backend.bytes_fetched - fetched_before == 2 * sum(len(data[s:e]) for s, e in nonempty)
 
         for start, end in [(0, 0), (5, 5), (10, 3), (size, size + 10), (size + 5, size + 10), (size, size)]:
             assert await t.backend.read_range(p + "obj", start, end, v) == b"", (start, end)
+            assert await _read_into(t.backend, p + "obj", start, end, v) == b"", (start, end)
 
         zero = await t.backend.stat(p + "zero")
         assert zero.size_bytes == 0
@@ -353,6 +366,8 @@ def test_read_pinned_to_an_overwritten_version_raises_object_changed(contract_ba
         assert new.version != old.version
         with pytest.raises(errors.ObjectChanged):
             await t.backend.read_range(key, 0, 10, old.version)
+        with pytest.raises(errors.ObjectChanged):
+            await _read_into(t.backend, key, 0, 10, old.version)
         # Past the end of the new (shorter) object: still not a silent EOF.
         with pytest.raises(errors.ObjectChanged):
             await t.backend.read_range(key, 100, 200, old.version)

@@ -343,3 +343,49 @@ def test_a_read_never_waits_on_memory_forever(monkeypatch):
 
     data, overcommits = run_fs(backend, body, max_memory_bytes=4 * MiB)
     assert data == blob(2 * MiB, 12) and overcommits == 1
+
+
+def test_part_buffers_are_reused_and_stay_in_the_budget():
+    """Streaming one file after another receives parts into the buffers earlier parts
+    left (no fresh 8 MiB allocation per part); pooled buffers stay counted in the
+    budget and are the first memory a reader's demand takes back."""
+    files = {"a.bin": blob(40 * MiB, 11), "b.bin": blob(40 * MiB, 12)}
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        for path in files:
+            assert await read_all(fs, path, chunk_bytes=1 * MiB) == files[path]
+        pooled_bytes, used_bytes = fs.prefetcher.pool.pooled_bytes, fs.budget.used_bytes
+        await fs.budget.reserve(fs.budget.capacity_bytes)  # a demand for everything
+        return fs.stats["prefetch.buffers_reused"], pooled_bytes, used_bytes, fs.prefetcher.pool.pooled_bytes
+
+    reused, pooled_bytes, used_bytes, pooled_after_demand = run_fs(backend, body, small_file_bytes=1 * MiB)
+    assert reused >= 4  # b.bin's 8 MiB parts, at least
+    assert 0 < pooled_bytes <= 64 * MiB
+    assert used_bytes >= pooled_bytes  # still in the budget while pooled
+    assert pooled_after_demand == 0
+
+
+def test_a_buffer_still_viewed_is_never_reused():
+    """A READ's reply is a view of its part's buffer. While a view is alive (a reply
+    not yet sent, a waiter still slicing), the buffer must not receive another
+    part's bytes, even after its part is freed."""
+    files = {"a.bin": blob(40 * MiB, 13), "b.bin": blob(40 * MiB, 14)}
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        node = await resolve(fs, "a.bin")
+        fh = await fs.open(node.ino, 0)
+        held, off = [], 0
+        while off < node.size_bytes:
+            reply = await fs.read(fh, off, 1 * MiB)
+            held.append(reply)  # every reply kept alive, as a slow reply path would
+            off += len(reply)
+        fs.release(fh)
+        assert await read_all(fs, "b.bin", chunk_bytes=1 * MiB) == files["b.bin"]
+        return b"".join(held), fs.stats["prefetch.buffers_still_viewed"], any(isinstance(r, memoryview) for r in held)
+
+    a_bytes, still_viewed, replies_are_views = run_fs(backend, body, small_file_bytes=1 * MiB)
+    assert replies_are_views  # the case this guards: replies made without a copy
+    assert still_viewed >= 1
+    assert a_bytes == files["a.bin"]
