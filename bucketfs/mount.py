@@ -41,6 +41,12 @@ SHUTDOWN_GRACE_S = 30.0
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
 KERNEL_READ_AHEAD_KB = 4096
+# The kernel sends read-ahead READs as "background" requests, at most 12 in flight
+# per mount (FUSE_DEFAULT_MAX_BACKGROUND) unless the daemon's INIT reply says more,
+# and pyfuse3 never does: 32 loader threads reading small files then wait on 12
+# READs at a time. fusectl lets root raise it per connection after mounting.
+FUSE_MAX_BACKGROUND_MIN = 64
+FUSECTL_DIR = "/sys/fs/fuse/connections"
 
 
 # -- pre-flight ----------------------------------------------------------------
@@ -145,14 +151,31 @@ def tune_memory_allocator() -> None:
         pass
 
 
-def raise_kernel_readahead(mountpoint: str) -> None:
-    dev = os.stat(mountpoint).st_dev
+def raise_kernel_readahead(dev: int) -> None:
     path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
     try:
         with open(path, "w") as f:
             f.write(str(KERNEL_READ_AHEAD_KB))
     except OSError as exc:
         log.debug("could not raise %s: %s", path, exc)
+
+
+def raise_fuse_background(dev: int, max_background: int) -> None:
+    """Raise the background-request limit of the mount on `dev` through fusectl (root
+    only), mounting fusectl first where the host has not (systemd mounts it at boot)."""
+    conn_dir = os.path.join(FUSECTL_DIR, str((os.major(dev) << 20) | os.minor(dev)))  # the kernel's dev_t
+    if not os.path.isdir(conn_dir) and os.geteuid() == 0 and os.path.isdir(FUSECTL_DIR):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.mount(b"fusectl", FUSECTL_DIR.encode(), b"fusectl", 0, None) != 0:
+            log.debug("could not mount fusectl on %s: %s", FUSECTL_DIR, os.strerror(ctypes.get_errno()))
+    # Congested (3/4 full) makes the kernel skip optional read-ahead: keep that ratio.
+    for name, value in (("max_background", max_background), ("congestion_threshold", max_background * 3 // 4)):
+        try:
+            with open(os.path.join(conn_dir, name), "w") as f:
+                f.write(str(value))
+        except OSError as exc:
+            log.info("could not raise the FUSE %s (%s): concurrent reads of small files are capped at 12", name, exc)
+            return
 
 
 # -- serving ----------------------------------------------------------------------
@@ -194,7 +217,8 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
             if on_fs is not None:
                 on_fs(fs, nursery)
             nursery.start_soon(_watch_signals, config.mountpoint, detached)
-            nursery.start_soon(_announce_ready, config.mountpoint, on_ready)
+            max_background = max(FUSE_MAX_BACKGROUND_MIN, 2 * config.max_connections_count)
+            nursery.start_soon(_announce_ready, config.mountpoint, max_background, on_ready)
             try:
                 await pyfuse3.main(min_tasks=4, max_tasks=256)
             except* (ConnectionAbortedError, ConnectionResetError):
@@ -240,7 +264,7 @@ async def _watch_signals(mountpoint: str, detached: list) -> None:
     pyfuse3.terminate()
 
 
-async def _announce_ready(mountpoint: str, on_ready: Callable[[], None]) -> None:
+async def _announce_ready(mountpoint: str, max_background: int, on_ready: Callable[[], None]) -> None:
     parent_dev = os.stat(os.path.dirname(os.path.abspath(mountpoint)) or "/").st_dev
     with trio.move_on_after(READY_TIMEOUT_S) as scope:
         while True:
@@ -253,5 +277,8 @@ async def _announce_ready(mountpoint: str, on_ready: Callable[[], None]) -> None
         log.error("mount did not answer within %.0f s", READY_TIMEOUT_S)
         pyfuse3.terminate()
         return
-    raise_kernel_readahead(mountpoint)
+    # st_dev of the mount from the stat above: a stat of the mountpoint here, on the
+    # trio thread that serves it, could wait on itself.
+    raise_kernel_readahead(st.st_dev)
+    raise_fuse_background(st.st_dev, max_background)
     on_ready()

@@ -12,7 +12,7 @@ Invariants:
 - The URL prefix comes from the boto3 client itself (a presigned URL for a dummy
   key), so endpoint, addressing style and region resolution stay botocore's.
 - Credentials come from the session on every call (refreshable credentials renew
-  themselves); signing is botocore's S3SigV4Auth.
+  themselves); the signature is botocore's S3SigV4Auth's, computed by sigv4.Signer.
 - Any answer other than 200/206/416 (412 included) becomes a botocore ClientError, so
   S3Backend classifies errors in one place. A redirect or a region error switches
   this path off for good (`usable = False`) and the client, whose region redirector
@@ -29,11 +29,11 @@ import xml.etree.ElementTree as ElementTree
 from typing import Optional
 from urllib.parse import quote, urlencode, urlsplit
 
-import botocore.auth
-import botocore.awsrequest
 import botocore.exceptions
 import urllib3
 from botocore.compat import unquote_str
+
+from bucketfs.backends.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class LeanS3:
         self.region = client.meta.region_name
         self.session = session
         self.unsigned = unsigned
+        self.signer = Signer(self.region)
         self.usable = True
         self.pool = urllib3.PoolManager(
             num_pools=4, maxsize=max_connections_count, block=False, retries=False,
@@ -160,14 +161,13 @@ class LeanS3:
         credentials = self.session.get_credentials()
         if credentials is None:
             raise botocore.exceptions.NoCredentialsError()
-        request = botocore.awsrequest.AWSRequest(method="GET", url=url, headers=headers)
-        botocore.auth.S3SigV4Auth(credentials.get_frozen_credentials(), "s3", self.region).add_auth(request)
-        return dict(request.headers.items())
+        return self.signer.sign_get(credentials.get_frozen_credentials(), url, self._host, headers)
 
     def _resolve(self) -> bool:
         if self.base_url is None:
             url = self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60)
             self.base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
+            self._host = host_of(self.base_url)
             if not self.base_url.endswith("/"):
                 self.usable = False
             else:

@@ -56,6 +56,22 @@ def test_shards_read_in_order_fetch_each_byte_once(rclone_server, s3_bucket, mou
     assert stats["backend.bytes_fetched"] == sum(len(d) for d in shards.values())
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's per-mount limits are root's to raise")
+def test_kernel_read_limits_are_raised_for_the_mount(rclone_server, s3_bucket, mount_factory):
+    """The kernel's defaults would cap a mount at 128 KiB of read-ahead and 12 READs in
+    flight (32 loader threads would wait on 12); the daemon raises both."""
+    rclone_server.write_files(s3_bucket, {"k/a.bin": b"a"})
+    m = mount_factory(rclone_server, s3_bucket, "k")
+    dev = os.stat(m.mountpoint).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == 4096
+    conn_dir = f"/sys/fs/fuse/connections/{(os.major(dev) << 20) | os.minor(dev)}"
+    with open(f"{conn_dir}/max_background") as f:
+        assert int(f.read()) >= 64
+    with open(f"{conn_dir}/congestion_threshold") as f:
+        assert int(f.read()) >= 48
+
+
 def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucket, mount_factory):
     names = [f"item-{i:05d}.bin" for i in range(20_000)]
     rclone_server.write_files(s3_bucket, {f"many/{n}": b"" for n in names})
