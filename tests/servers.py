@@ -116,6 +116,7 @@ class S3Server:
         self.root_dir = root_dir  # rclone: the served directory; buckets are its top-level dirs
         self.pid = pid  # None for the in-process moto server
         self.rc_url = rc_url  # rclone's remote-control API (no auth, 127.0.0.1 only)
+        self.ca_bundle: Optional[str] = None  # an HTTPS server's self-signed certificate
         self._client = None
         self._sessions: dict = {}  # secret key -> boto3 Session
 
@@ -140,8 +141,11 @@ class S3Server:
 
     def env(self) -> dict:
         """AWS_* variables for a subprocess that should talk to this server."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.endpoint_url}
+        env = {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+               "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.endpoint_url}
+        if self.ca_bundle:
+            env["AWS_CA_BUNDLE"] = self.ca_bundle  # how a boto3 user trusts a private CA
+        return env
 
     def new_bucket(self) -> str:
         """Create a bucket with a fresh name (one per test keeps tests independent)."""
@@ -328,8 +332,14 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
     lean._request = request
 
 
-def _answers_http(port: int) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+def _answers_http(port: int, tls: bool = False) -> bool:
+    if tls:  # a readiness probe only: the certificate is checked by the tests themselves
+        import ssl
+
+        connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=1.0,
+                                                 context=ssl._create_unverified_context())
+    else:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
     try:
         connection.request("GET", "/")
         connection.getresponse().read()
@@ -350,9 +360,39 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(_STOP_DEADLINE_S)
 
 
+def self_signed_certificate(work_dir: str) -> tuple:
+    """(cert_path, key_path) of a fresh certificate for 127.0.0.1, signed by itself:
+    a store behind a private CA (MinIO, Ceph), where the cert is also the CA bundle."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bucketfs test CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(work_dir, "cert.pem"), os.path.join(work_dir, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
 @contextlib.contextmanager
-def rclone_s3_server(root_dir) -> Iterator[S3Server]:
-    """Run `rclone serve s3` over `root_dir` on a free port; always stop it."""
+def rclone_s3_server(root_dir, tls: bool = False) -> Iterator[S3Server]:
+    """Run `rclone serve s3` over `root_dir` on a free port; always stop it. With
+    `tls`, it serves HTTPS with a self-signed certificate (`server.ca_bundle`)."""
     root_dir = pathlib.Path(root_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     binary = rclone_binary()
@@ -360,11 +400,15 @@ def rclone_s3_server(root_dir) -> Iterator[S3Server]:
         log_path = os.path.join(work_dir, "rclone.log")
         config_path = os.path.join(work_dir, "rclone.conf")
         open(config_path, "w").close()  # an empty config: no "config file not found" notice
+        tls_args, ca_bundle = [], None
+        if tls:
+            ca_bundle, key_path = self_signed_certificate(work_dir)
+            tls_args = ["--cert", ca_bundle, "--key", key_path]
         for _attempt in range(3):  # the free ports may be taken between probe and bind
             port, rc_port = free_port(), free_port()
             argv = [
                 binary, "serve", "s3", str(root_dir),
-                "--addr", f"127.0.0.1:{port}",
+                "--addr", f"127.0.0.1:{port}", *tls_args,
                 "--auth-key", f"{RCLONE_ACCESS_KEY},{RCLONE_SECRET_KEY}",
                 "--etag-hash", "MD5",  # ETag = content MD5, so a rewrite changes the version
                 "--vfs-cache-mode", "off",  # read and write the directory directly
@@ -379,14 +423,16 @@ def rclone_s3_server(root_dir) -> Iterator[S3Server]:
             try:
                 deadline = time.monotonic() + _READY_DEADLINE_S
                 while proc.poll() is None and time.monotonic() < deadline and not (
-                        _answers_http(port) and _answers_http(rc_port)):
+                        _answers_http(port, tls) and _answers_http(rc_port)):
                     time.sleep(_POLL_INTERVAL_S)  # polling interval, not synchronisation
                 if proc.poll() is not None:
                     continue  # exited (port taken?): try other ports
-                if not (_answers_http(port) and _answers_http(rc_port)):
+                if not (_answers_http(port, tls) and _answers_http(rc_port)):
                     raise RuntimeError(f"rclone serve s3 not ready after {_READY_DEADLINE_S}s: {_tail(log_path)}")
-                server = S3Server("rclone", f"http://127.0.0.1:{port}", RCLONE_ACCESS_KEY, RCLONE_SECRET_KEY,
+                scheme = "https" if tls else "http"
+                server = S3Server("rclone", f"{scheme}://127.0.0.1:{port}", RCLONE_ACCESS_KEY, RCLONE_SECRET_KEY,
                                   root_dir=root_dir, pid=proc.pid, rc_url=f"http://127.0.0.1:{rc_port}")
+                server.ca_bundle = ca_bundle
                 try:
                     yield server
                 finally:

@@ -30,6 +30,7 @@ from typing import Optional
 from urllib.parse import quote, urlencode, urlsplit
 
 import botocore.exceptions
+import botocore.httpsession
 import urllib3
 from botocore.compat import unquote_str
 
@@ -42,6 +43,16 @@ _XML_FIELD_RE = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in 
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def ca_bundle(session) -> str:
+    """The certificates botocore trusts for this session: AWS_CA_BUNDLE or the profile's
+    ca_bundle, else its default (certifi's bundle). The lean requests must trust exactly
+    these: a store behind a private CA (MinIO, Ceph) is configured this way, and urllib3
+    alone would use the system store."""
+    botocore_session = getattr(session, "_session", session)  # boto3 Session -> botocore's
+    configured = botocore_session.get_config_variable("ca_bundle")
+    return configured or botocore.httpsession.get_cert_path(True)
 
 
 def _receive_into(response, buffer: bytearray) -> int:
@@ -143,6 +154,7 @@ def parse_list_page(body: bytes) -> tuple:
 class LeanS3:
     def __init__(self, client, session, bucket: str, max_connections_count: int,
                  connect_timeout_s: float, read_timeout_s: float, unsigned: bool):
+        """`session`: the boto3 session; credentials and the CA bundle come from it."""
         self.client, self.bucket = client, bucket
         self.base_url: Optional[str] = None  # ".../<bucket>/" or "https://<bucket>.host/"; first use
         self.region = client.meta.region_name
@@ -151,7 +163,7 @@ class LeanS3:
         self.signer = Signer(self.region)
         self.usable = True
         self.pool = urllib3.PoolManager(
-            num_pools=4, maxsize=max_connections_count, block=False, retries=False,
+            num_pools=4, maxsize=max_connections_count, block=False, retries=False, ca_certs=ca_bundle(session),
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
         )
 

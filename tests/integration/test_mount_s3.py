@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tests.servers import rclone_s3_server
 from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_special_names_read_back, assert_tree_copies_out, special_name_objects)
 
@@ -70,6 +71,21 @@ def test_kernel_read_limits_are_raised_for_the_mount(rclone_server, s3_bucket, m
         assert int(f.read()) >= 64
     with open(f"{conn_dir}/congestion_threshold") as f:
         assert int(f.read()) >= 48
+
+
+def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory):
+    """A store with its own CA (MinIO, Ceph, AIStore), trusted through AWS_CA_BUNDLE as
+    boto3 users do: the daemon's own requests (LIST, whole small files, read-ahead
+    parts) trust it too, not only the boto3 client that checks the bucket."""
+    objects = {"d/small.jpg": rnd(100_000, 1), "d/big.tar": rnd(20 * MiB + 3, 2)}
+    with rclone_s3_server(tmp_path_factory.mktemp("tls-root"), tls=True) as server:
+        assert server.endpoint_url.startswith("https://") and server.ca_bundle
+        server.write_files("tls-bucket", objects)
+        m = mount_factory(server, "tls-bucket", "d")
+        assert sorted(os.listdir(m.mountpoint)) == ["big.tar", "small.jpg"]
+        for key, data in objects.items():
+            with open(m.path(key[len("d/"):]), "rb") as f:
+                assert sha(f.read()) == sha(data), key
 
 
 def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucket, mount_factory):
