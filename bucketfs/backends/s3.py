@@ -263,6 +263,9 @@ class S3Backend(Backend):
         try:
             await probe.call(f"probe LIST {prefix!r}", self._list_blocking, probe_client, prefix, None, 1)
         except errors.TransientError as exc:
+            if isinstance(exc.__cause__, botocore.exceptions.SSLError):
+                raise errors.EndpointUnreachable(f"{exc} (a certificate signed by a private CA? "
+                                                 "give the CA as AWS_CA_BUNDLE)") from exc.__cause__
             if isinstance(exc.__cause__, _UNREACHABLE_EXCEPTIONS):
                 raise errors.EndpointUnreachable(str(exc)) from exc.__cause__
             raise

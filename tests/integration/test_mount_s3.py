@@ -5,11 +5,12 @@ import json
 import mmap
 import os
 import random
+import subprocess
 
 import pytest
 
 from tests.servers import rclone_s3_server
-from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
+from tests.mounting import (bucketfs_cmd, SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_special_names_read_back, assert_tree_copies_out, special_name_objects)
 
 pytestmark = pytest.mark.integration
@@ -73,7 +74,7 @@ def test_kernel_read_limits_are_raised_for_the_mount(rclone_server, s3_bucket, m
         assert int(f.read()) >= 48
 
 
-def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory):
+def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory, empty_dir):
     """A store with its own CA (MinIO, Ceph, AIStore), trusted through AWS_CA_BUNDLE as
     boto3 users do: the daemon's own requests (LIST, whole small files, read-ahead
     parts) trust it too, not only the boto3 client that checks the bucket."""
@@ -83,6 +84,15 @@ def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory):
         server.write_files("tls-bucket", objects)
         m = mount_factory(server, "tls-bucket", "d")
         assert sorted(os.listdir(m.mountpoint)) == ["big.tar", "small.jpg"]
+        # The CA not given: one line and exit 5 at mount time, not a mount that fails every read.
+        refused = subprocess.run(bucketfs_cmd("mount", "s3://tls-bucket/d", str(empty_dir), "-f", "--endpoint-url",
+                                              server.endpoint_url, "--connect-timeout", "3"),
+                                 env={k: v for k, v in {**os.environ, **server.env()}.items() if k != "AWS_CA_BUNDLE"},
+                                 capture_output=True,
+                                 text=True, timeout=90, stdin=subprocess.DEVNULL)
+        assert refused.returncode == 5, refused.stderr
+        assert "AWS_CA_BUNDLE" in refused.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in refused.stderr
         for key, data in objects.items():
             with open(m.path(key[len("d/"):]), "rb") as f:
                 assert sha(f.read()) == sha(data), key
