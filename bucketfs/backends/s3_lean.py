@@ -16,7 +16,9 @@ Invariants:
 - Any answer other than 200/206/416 (412 included) becomes a botocore ClientError, so
   S3Backend classifies errors in one place. A redirect or a region error switches
   this path off for good (`usable = False`) and the client, whose region redirector
-  handles it, serves the rest.
+  handles it, serves the rest. So does an HTTP(S)_PROXY that applies to the endpoint
+  (botocore routes through it; a direct connection may not be allowed).
+- Trust: the CA bundle is botocore's (AWS_CA_BUNDLE, the profile, REQUESTS_CA_BUNDLE).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import datetime
 import html
 import logging
+import os
 import re
 import xml.etree.ElementTree as ElementTree
 from typing import Optional
@@ -31,6 +34,7 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import botocore.exceptions
 import botocore.httpsession
+import botocore.utils
 import urllib3
 from botocore.compat import unquote_str
 
@@ -47,11 +51,11 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 def ca_bundle(session) -> str:
     """The certificates botocore trusts for this session: AWS_CA_BUNDLE or the profile's
-    ca_bundle, else its default (certifi's bundle). The lean requests must trust exactly
+    ca_bundle, then REQUESTS_CA_BUNDLE, else its default (certifi's bundle). The lean requests must trust exactly
     these: a store behind a private CA (MinIO, Ceph) is configured this way, and urllib3
     alone would use the system store."""
     botocore_session = getattr(session, "_session", session)  # boto3 Session -> botocore's
-    configured = botocore_session.get_config_variable("ca_bundle")
+    configured = botocore_session.get_config_variable("ca_bundle") or os.environ.get("REQUESTS_CA_BUNDLE")
     return configured or botocore.httpsession.get_cert_path(True)
 
 
@@ -181,6 +185,11 @@ class LeanS3:
             self.base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
             self._host = host_of(self.base_url)
             if not self.base_url.endswith("/"):
+                self.usable = False
+            elif botocore.utils.get_environ_proxies(self.base_url).get(urlsplit(self.base_url).scheme):
+                # botocore sends this endpoint's requests through HTTP(S)_PROXY; so must we,
+                # and the client does that already: a direct connection may not be allowed.
+                log.info("a proxy is set for %s: requests go through the SDK client", self._host)
                 self.usable = False
             else:
                 # One host: its connection pool directly, without PoolManager parsing

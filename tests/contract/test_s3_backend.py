@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import http.client
+import pathlib
 
 import botocore.credentials
 import botocore.exceptions
@@ -182,3 +183,33 @@ def test_check_bucket_gives_up_on_throttling_as_a_transient_error(rclone_server,
         assert backend.caller.retries_count == 2  # PROBE_ATTEMPTS_COUNT (3) attempts
     finally:
         trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(60)
+def test_requests_go_through_the_http_proxy_botocore_uses(rclone_server, s3_bucket, monkeypatch):
+    """Behind HTTP_PROXY (a network that only allows the proxy), every request goes
+    through it, as boto3's do: the lean path must not connect directly."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[2] / "scripts"))
+    from latency_proxy import ProxyProcess  # a byte-forwarding proxy that counts requests; rclone takes absolute URIs
+
+    rclone_server.write_files(s3_bucket, {"px/a.bin": b"x" * 3000, "px/b.bin": b"y" * (2 << 20)})
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    with ProxyProcess(rclone_server.endpoint_url, 0, 0) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+
+        async def body():
+            objects = {info.key: info for info in (await backend.list_page("px/")).objects}
+            small, large = objects["px/a.bin"], objects["px/b.bin"]
+            assert await backend.read_range(small.key, 0, small.size_bytes, small.version) == b"x" * 3000
+            buffer = bytearray(large.size_bytes)
+            assert await backend.read_range_into(large.key, 0, large.size_bytes, large.version, buffer) == len(buffer)
+            assert buffer == b"y" * (2 << 20)
+
+        try:
+            trio.run(body)
+        finally:
+            trio.run(backend.aclose)
+        assert proxy.stats()["requests"] == {"LIST": 1, "GET": 2}
