@@ -38,6 +38,7 @@ class MemoryBudget:
         self._reclaimers: list = []  # (priority, fn(bytes_wanted) -> bytes_freed)
         self._freed = trio.Event()
         self._pressure_logged = False
+        self._demands_pending = 0  # demands reclaiming or waiting right now
 
     def add_reclaimer(self, priority: int, reclaim: Callable[[int], int]) -> None:
         """Register something that can free memory; lower priority is reclaimed first."""
@@ -66,8 +67,21 @@ class MemoryBudget:
         self._take(n_bytes)
         return True
 
+    @property
+    def demand_pending(self) -> bool:
+        """A reader is reclaiming or waiting for memory: what is freed now must be
+        released to it, not kept for reuse."""
+        return self._demands_pending > 0
+
     async def reserve(self, n_bytes: int) -> None:
         """Demand: reserve, reclaiming everything reclaimable, waiting if still short."""
+        self._demands_pending += 1
+        try:
+            await self._reserve(n_bytes)
+        finally:
+            self._demands_pending -= 1
+
+    async def _reserve(self, n_bytes: int) -> None:
         deadline_s = trio.current_time() + DEMAND_WAIT_MAX_S
         while True:
             over_bytes = self.used_bytes + n_bytes - self.capacity_bytes

@@ -17,12 +17,13 @@ Memory: every part is reserved in the MemoryBudget. Read-ahead parts use
 is waiting on is reserved as demand. Under demand pressure, unclaimed warm heads
 and then the furthest-ahead parts nobody waits on are given back.
 
-Buffers: a whole part (`part_size_bytes`) is received into a reused buffer
-(`BufferPool`), still counted in the budget while it waits for reuse. A fresh
+Buffers: a part of 1 MiB or more is received into a reused buffer (`BufferPool`),
+still counted in the budget while it waits for reuse. A fresh
 8 MiB buffer costs ~2,000 page faults to fill and an munmap to free: a third of
 the daemon's CPU when streaming shards. A buffer goes back to the pool only when
 nothing else refers to it (no memoryview handed to a reply or held by a waiter),
-so a reused buffer never changes bytes someone still reads.
+so a reused buffer never changes bytes someone still reads, and only while no
+reader is waiting for memory (then it is released to that reader).
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class BufferPool:
         """Keep `buf` (and its reservation) for reuse; False if the caller must release it.
         The caller holds the only other reference (one local name): any more is a
         memoryview or a waiter still reading it, and writing into it would change their bytes."""
+        if self.budget.demand_pending:
+            return False  # a reader is waiting for memory: release it to them
         if sys.getrefcount(buf) > 3:  # the caller's name, this argument, getrefcount's argument
             self.stats["prefetch.buffers_still_viewed"] += 1
             return False
@@ -157,10 +160,9 @@ class Prefetcher:
     def fetch(self, key: str, version: str, start: int, end: int, demanded: bool) -> Optional[Part]:
         """Start fetching [start, end); None if read-ahead memory is not available."""
         part = Part(start, end)
-        if BufferPool.wants(end - start):
-            part.buffer = self.pool.take(end - start)
-            if part.buffer is not None:
-                part.reserved_bytes = end - start
+        part.buffer = self.pool.take(end - start)  # None for sizes never pooled
+        if part.buffer is not None:
+            part.reserved_bytes = end - start
         if not part.reserved_bytes and not demanded:
             if not self.budget.try_reserve(end - start, reclaim_priority=0):
                 return None
@@ -196,25 +198,22 @@ class Prefetcher:
             part.error = errors.BackendError(str(exc))
         finally:
             if part.data is None:
-                # A part dropped to free memory gives it back to the budget, not the pool:
-                # a reader may be waiting on that release.
-                self.release(part, reuse=not part.cancel_scope.cancel_called)
+                self.release(part)
             part.done.set()
 
-    def release(self, part: Part, reuse: bool = True) -> None:
-        """Free a part's memory: its buffer back to the pool if `reuse` and nothing
-        else refers to it, else its reservation back to the budget."""
+    def release(self, part: Part) -> None:
+        """Free a part's memory: its buffer to the pool if the pool takes it, else its
+        reservation back to the budget."""
         buf, part.buffer, part.data = part.buffer, None, None
         if part.reserved_bytes:
-            if not (reuse and buf is not None and len(buf) == part.reserved_bytes and self.pool.give(buf)):
+            if buf is None or not self.pool.give(buf):
                 self.budget.release(part.reserved_bytes)
             part.reserved_bytes = 0
 
-    def drop(self, part: Part, reuse: bool = True) -> None:
-        """Free a part now if complete, else cancel it (its task frees it when the GET
-        returns). Memory being reclaimed for a reader passes `reuse=False`."""
+    def drop(self, part: Part) -> None:
+        """Free a part now if complete, else cancel it (its task frees it when the GET returns)."""
         if part.done.is_set():
-            self.release(part, reuse)
+            self.release(part)
         else:
             part.cancel_scope.cancel()
 
@@ -252,9 +251,9 @@ class Prefetcher:
             self.stats["prefetch.heads_used"] += 1
         return parts
 
-    def _waste(self, part: Part, reuse: bool = True) -> None:
+    def _waste(self, part: Part) -> None:
         self.stats["prefetch.bytes_wasted"] += part.end - part.start
-        self.drop(part, reuse)
+        self.drop(part)
 
     def _shed_heads(self, wanted_bytes: int) -> int:
         freed_bytes = 0
@@ -262,7 +261,7 @@ class Prefetcher:
             _, parts = self._heads.popitem(last=False)
             for part in parts:
                 freed_bytes += part.reserved_bytes if part.done.is_set() else 0
-                self._waste(part, reuse=False)
+                self._waste(part)
         return freed_bytes
 
     def _shed_parts(self, wanted_bytes: int) -> int:
@@ -357,7 +356,7 @@ class SequentialStream:
                 break
             self.parts.popleft()
             freed_bytes += part.reserved_bytes
-            self.pf.drop(part, reuse=False)
+            self.pf.drop(part)
         while len(self.parts) > 1 and freed_bytes < wanted_bytes:
             part = self.parts[-1]
             if part.waiters or part.start <= self.read_end:
@@ -365,7 +364,7 @@ class SequentialStream:
             self.parts.pop()
             self.fetch_end = part.start
             freed_bytes += part.reserved_bytes if part.done.is_set() else 0
-            self.pf._waste(part, reuse=False)
+            self.pf._waste(part)
             self.window_bytes = max(self.window_bytes // 2, self.part_size_bytes // 8)
         return freed_bytes
 

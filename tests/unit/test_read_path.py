@@ -5,6 +5,7 @@ import random
 
 import pytest
 import trio
+import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
@@ -389,3 +390,35 @@ def test_a_buffer_still_viewed_is_never_reused():
     assert replies_are_views  # the case this guards: replies made without a copy
     assert still_viewed >= 1
     assert a_bytes == files["a.bin"]
+
+
+def test_memory_freed_while_a_reader_waits_goes_to_that_reader_not_the_pool():
+    """A part freed while a demand waits for memory is released to it: kept as a
+    pooled buffer instead, it would leave the reader waiting until the overcommit
+    deadline (60 s, on the mock clock here)."""
+    from bucketfs.core.prefetch import Part
+
+    async def body(fs):
+        budget, prefetcher = fs.budget, fs.prefetcher
+        part = Part(0, budget.capacity_bytes)  # a finished read-ahead part holding the whole budget
+        await budget.reserve(budget.capacity_bytes)
+        part.buffer = part.data = bytearray(budget.capacity_bytes)
+        part.reserved_bytes = budget.capacity_bytes
+        part.done.set()
+        got = trio.Event()
+
+        async def reader():
+            await budget.reserve(1 * MiB)
+            got.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            assert budget.demand_pending
+            prefetcher.drop(part)
+            await got.wait()
+        return fs.stats["memory.overcommits"], prefetcher.pool.pooled_bytes, budget.used_bytes
+
+    overcommits, pooled_bytes, used_bytes = run_fs(MemoryBackend({}), body, max_memory_bytes=8 * MiB,
+                                                   clock=trio.testing.MockClock(autojump_threshold=0))
+    assert (overcommits, pooled_bytes, used_bytes) == (0, 0, 1 * MiB)
