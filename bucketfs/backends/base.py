@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def copy_into(buffer: bytearray, data: bytes) -> int:
+    """`data` written at the start of `buffer`; its length (read_range_into's answer)."""
+    buffer[: len(data)] = data
+    return len(data)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -70,9 +76,7 @@ class Backend(abc.ABC):
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
         """Like read_range, into `buffer` (at least `end - start` bytes long): the number
         of bytes written. Backends that can receive straight into it override this."""
-        data = await self.read_range(key, start, end, version)
-        buffer[: len(data)] = data
-        return len(data)
+        return copy_into(buffer, await self.read_range(key, start, end, version))
 
     @abc.abstractmethod
     async def check_bucket(self, prefix: str) -> None:

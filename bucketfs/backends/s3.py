@@ -33,7 +33,7 @@ import urllib3.exceptions
 from botocore import UNSIGNED
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
+from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, copy_into
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -101,10 +101,7 @@ def classify(exc: BaseException) -> errors.BucketfsError:
 
 def _into(buffer: Optional[bytearray], data: bytes):
     """`data` itself, or with a buffer: copied into it, and its length."""
-    if buffer is None:
-        return data
-    buffer[: len(data)] = data
-    return len(data)
+    return data if buffer is None else copy_into(buffer, data)
 
 
 def normalise_etag(etag: str) -> str:

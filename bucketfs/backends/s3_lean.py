@@ -38,6 +38,7 @@ import botocore.utils
 import urllib3
 from botocore.compat import unquote_str
 
+from bucketfs.backends.base import copy_into
 from bucketfs.backends.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,10 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
 def ca_bundle(session) -> str:
-    """The certificates botocore trusts for this session: AWS_CA_BUNDLE or the profile's
-    ca_bundle, then REQUESTS_CA_BUNDLE, else its default (certifi's bundle). The lean requests must trust exactly
-    these: a store behind a private CA (MinIO, Ceph) is configured this way, and urllib3
-    alone would use the system store."""
+    """The certificates botocore trusts for this session: AWS_CA_BUNDLE or the
+    profile's ca_bundle, then REQUESTS_CA_BUNDLE, else its default (certifi's bundle).
+    The lean requests must trust exactly these: a store behind a private CA (MinIO,
+    Ceph) is configured this way, and urllib3 alone would use the system store."""
     botocore_session = getattr(session, "_session", session)  # boto3 Session -> botocore's
     configured = botocore_session.get_config_variable("ca_bundle") or os.environ.get("REQUESTS_CA_BUNDLE")
     return configured or botocore.httpsession.get_cert_path(True)
@@ -69,8 +70,7 @@ def _receive_into(response, buffer: bytearray) -> int:
         data = response.read()
         if len(data) > len(buffer):
             raise urllib3.exceptions.ProtocolError(f"a {len(data)}-byte body for a {len(buffer)}-byte range")
-        buffer[: len(data)] = data
-        return len(data)
+        return copy_into(buffer, data)
     view = memoryview(buffer)
     got = 0
     try:
