@@ -25,6 +25,7 @@ from typing import Callable, Optional, TypeVar
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.slots import PrioritySlots
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class BlockingCaller:
     """
 
     def __init__(self, max_threads_count: int, policy: RetryPolicy, classify: Callable[[BaseException], errors.BucketfsError]):
-        self.limiter = trio.CapacityLimiter(max_threads_count)
+        self.slots = PrioritySlots(max_threads_count)  # who goes next: urgent calls first
+        self.limiter = trio.CapacityLimiter(max_threads_count)  # threads, abandoned ones included
         self.policy = policy
         self.classify = classify
         self.retries_count = 0
@@ -126,7 +128,8 @@ class BlockingCaller:
             try:
                 # abandon_on_cancel: a cancelled prefetch leaves its thread to finish alone;
                 # the limiter slot is still held until then, which keeps the pool bounded.
-                return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=abandon_on_cancel)
+                async with self.slots:
+                    return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=abandon_on_cancel)
             except errors.BucketfsError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every SDK failure is classified here

@@ -25,6 +25,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.slots import mark_speculative
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,16 @@ class Listing:
         self.walk_counted = False  # this directory was counted in its parent's children_walked
 
 
+class _Loading:
+    """A listing in flight: its waiters share `done`; `urgent` once a reader waits on it."""
+
+    __slots__ = ("done", "urgent")
+
+    def __init__(self, urgent: bool):
+        self.done = trio.Event()
+        self.urgent = urgent
+
+
 def valid_component(name: str) -> bool:
     if name in ("", ".", "..") or "\x00" in name:
         return False
@@ -89,7 +100,7 @@ class Namespace:
         self.mount_time_ns = mount_time_ns
         self._nodes = {ROOT_INO: Node(ROOT_INO, "", ROOT_INO, "", True, mtime_ns=mount_time_ns)}
         self._next_ino = ROOT_INO + 1
-        self._loading: dict = {}  # ino -> trio.Event of the listing in flight
+        self._loading: dict = {}  # ino -> _Loading: the listing in flight
         self._load_errors: dict = {}  # ino -> exception of the last failed listing (for its waiters)
         self._warned_keys: set = set()
         self._ahead_limiter = trio.CapacityLimiter(max(1, list_ahead_count))
@@ -139,10 +150,11 @@ class Namespace:
                 self.stats["namespace.listing_hits"] += 1
                 self._note_walk(node, listing)
                 return listing
-            event = self._loading.get(ino)
-            if event is None:
+            loading = self._loading.get(ino)
+            if loading is None:
                 return await self._load(node)
-            await event.wait()  # another task lists this directory: share its result
+            loading.urgent = True  # a listing ahead of the walk that a reader now needs
+            await loading.done.wait()  # another task lists this directory: share its result
             # state re-check: the shared listing may have failed or been replaced
             if ino in self._load_errors:
                 raise self._load_errors[ino]
@@ -153,7 +165,9 @@ class Namespace:
     # -- loading -------------------------------------------------------------
     async def _load(self, node: Node, demanded: bool = True) -> Listing:
         """List `node` (all pages) and publish the result; `demanded` if a reader waits."""
-        event = self._loading[node.ino] = trio.Event()
+        loading = self._loading[node.ino] = _Loading(demanded)
+        if not demanded:
+            mark_speculative(loading)  # this task's LISTs wait behind reads until a reader needs them
         self._load_errors.pop(node.ino, None)
         try:
             objects, prefixes = await self._fetch_all_pages(self.key_prefix + node.path)
@@ -167,7 +181,7 @@ class Namespace:
             raise
         finally:
             del self._loading[node.ino]
-            event.set()
+            loading.done.set()
 
     async def _fetch_all_pages(self, prefix: str):
         objects, prefixes, token = [], [], None

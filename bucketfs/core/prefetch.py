@@ -36,6 +36,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.slots import mark_speculative
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,11 @@ class PartCancelled(Exception):
 
 
 class Part:
-    __slots__ = ("start", "end", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed")
+    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed")
 
-    def __init__(self, start: int, end: int):
+    def __init__(self, start: int, end: int, demanded: bool = False):
         self.start, self.end = start, end
+        self.demanded = demanded  # a reader asked for these bytes when the part was issued
         self.data: Optional[bytes] = None
         self.buffer: Optional[bytearray] = None  # a pooled buffer the data is received into
         self.error: Optional[BaseException] = None
@@ -74,6 +76,11 @@ class Part:
         self.cancel_scope = trio.CancelScope()
         self.waiters = 0
         self.consumed = False
+
+    @property
+    def urgent(self) -> bool:
+        """Its GET goes before read-ahead nobody waits on (backends/slots.py)."""
+        return self.demanded or self.waiters > 0
 
     async def wait(self) -> bytes:
         self.waiters += 1
@@ -159,7 +166,7 @@ class Prefetcher:
 
     def fetch(self, key: str, version: str, start: int, end: int, demanded: bool) -> Optional[Part]:
         """Start fetching [start, end); None if read-ahead memory is not available."""
-        part = Part(start, end)
+        part = Part(start, end, demanded)
         part.buffer = self.pool.take(end - start)  # None for sizes never pooled
         if part.buffer is not None:
             part.reserved_bytes = end - start
@@ -171,6 +178,7 @@ class Prefetcher:
         return part
 
     async def _run(self, key: str, version: str, part: Part) -> None:
+        mark_speculative(part)  # this task's GET waits behind urgent ones until part.urgent
         try:
             with part.cancel_scope:
                 if not part.reserved_bytes:

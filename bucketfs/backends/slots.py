@@ -1,0 +1,73 @@
+"""Connection slots handed out by urgency: a call someone waits on goes before read-ahead.
+
+Why: read-ahead windows, warm shard heads and listings ahead of a walk can take
+every connection for bytes nobody needs yet. With a first-come limiter, a reader
+that is waiting (a DataLoader worker opening a small file, a stream that caught up
+with its window, a cache miss) queues behind all of them.
+
+Here, when a slot frees, the first waiting call that is urgent takes it; only
+when none is urgent does the oldest speculative call go. A speculative call turns
+urgent the moment a reader waits on its result, so it is never starved while
+needed.
+
+The core marks a task's calls as speculative with `mark_speculative(ticket)`, a
+context variable, so the backend methods keep their signatures. `ticket.urgent`
+is read again each time a slot frees.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+
+import trio
+
+_SPECULATIVE: contextvars.ContextVar = contextvars.ContextVar("bucketfs_speculative", default=None)
+
+
+def mark_speculative(ticket) -> None:
+    """This task's later backend calls fetch for `ticket` (an object with a bool
+    `urgent`): they wait behind urgent calls while `ticket.urgent` is false.
+    Call it inside the task: trio gives every task its own copy of the context."""
+    _SPECULATIVE.set(ticket)
+
+
+class PrioritySlots:
+    """At most `capacity` calls at once; urgent waiters first, then oldest first."""
+
+    def __init__(self, capacity_count: int):
+        self.capacity_count = capacity_count
+        self.busy_count = 0
+        self._waiting: dict = {}  # sequence number -> (ticket or None, trio.Event), oldest first
+        self._sequence = itertools.count()
+        self.queued_count = 0  # calls that found every slot busy
+        self.overtakes_count = 0  # slots given to an urgent call ahead of older speculative ones
+
+    async def __aenter__(self) -> None:
+        if self.busy_count < self.capacity_count:
+            self.busy_count += 1
+            return
+        seq = next(self._sequence)
+        event = trio.Event()
+        self._waiting[seq] = (_SPECULATIVE.get(), event)
+        self.queued_count += 1
+        try:
+            await event.wait()
+        except BaseException:
+            if self._waiting.pop(seq, None) is None:
+                self._release()  # handed a slot just as it was cancelled: pass it on
+            raise
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if not self._waiting:
+            self.busy_count -= 1
+            return
+        oldest = next(iter(self._waiting))
+        chosen = next((seq for seq, (ticket, _) in self._waiting.items() if ticket is None or ticket.urgent), oldest)
+        if chosen != oldest:
+            self.overtakes_count += 1
+        _, event = self._waiting.pop(chosen)
+        event.set()  # the slot passes straight to it: busy_count is unchanged
