@@ -1461,6 +1461,9 @@ class Bench:
         limit_mb = self.max_memory_bytes() / MB + 150
         self.row("W5.rss", "W5 daemon peak RSS (sampled)", "MB", False, f"<= {limit_mb:.0f} MB")
         self.row("W5.hwm", "W5 daemon VmHWM", "MB", False, f"<= {limit_mb:.0f} MB")
+        # How long a small-file reader (a DataLoader worker) waits while shards stream.
+        self.row("W5.p50", "W5 small file p50 latency", "ms", False, "-")
+        self.row("W5.p99", "W5 small file p99 latency", "ms", False, "-")
         total = ds.bytes_of(ds.images) + ds.bytes_of(ds.shards)
         order = list(ds.images)
         random.Random(5).shuffle(order)
@@ -1492,8 +1495,16 @@ class Bench:
 
             def fn(v):
                 sampler = RssSampler(self.mount.pid) if system == "bucketfs" else contextlib.nullcontext()
+                latencies_s = []
+
+                def timed_small(i, rel):
+                    started_s = time.monotonic()
+                    result = small(i, rel)
+                    latencies_s.append(time.monotonic() - started_s)
+                    v.check(*result)
+
                 with sampler:
-                    body_small = pull_loop(order, lambda i, rel: v.check(*small(i, rel)))
+                    body_small = pull_loop(order, timed_small)
 
                     def body_stream(group, ex):
                         for rel, n, h in stream(group, ex):
@@ -1501,6 +1512,10 @@ class Bench:
                     args = [(body_small, None)] * 32 + [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
                     wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
                 out = {"MB/s": round(total / wall / MB, 1)}
+                latencies_s.sort()
+                if latencies_s:
+                    out["p50_ms"] = round(latencies_s[len(latencies_s) // 2] * 1000, 1)
+                    out["p99_ms"] = round(latencies_s[int(len(latencies_s) * 0.99)] * 1000, 1)
                 if system == "bucketfs":
                     out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
                     out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
@@ -1511,6 +1526,8 @@ class Bench:
                     ex.shutdown()
                 client.close()
             self.record("W5.mbps", system, run.get("MB/s"))
+            self.record("W5.p50", system, run.get("p50_ms"))
+            self.record("W5.p99", system, run.get("p99_ms"))
             if system == "bucketfs":
                 self.record("W5.rss", system, run.get("peak_rss_MB"))
                 self.record("W5.hwm", system, run.get("vm_hwm_MB"))
