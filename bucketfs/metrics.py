@@ -22,6 +22,8 @@ STATS_XATTR = "user.bucketfs.stats"
 # (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
 _SIMPLE = [
     ("backend.bytes_fetched", "bucketfs_backend_fetched_bytes", "Payload bytes fetched from the store", "counter"),
+    ("backend.calls_queued", "bucketfs_backend_queued_requests", "Requests that waited for a free connection (--max-connections)", "counter"),
+    ("backend.urgent_overtakes", "bucketfs_backend_urgent_overtakes", "Free connections given to a request a reader waits on ahead of older read-ahead", "counter"),
     ("cache.hits", "bucketfs_cache_hits", "Block cache hits", "counter"),
     ("cache.misses", "bucketfs_cache_misses", "Block cache misses (a GET was started)", "counter"),
     ("cache.shared_misses", "bucketfs_cache_shared_misses", "Misses that joined a GET already in flight", "counter"),
@@ -102,6 +104,7 @@ def format_stats(snapshot: dict) -> str:
         + (f" ({100 * hits / (hits + misses):.0f}% hit)" if hits + misses else "") + f", evictions {get('cache.evictions', 0)}",
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}",
+        f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of {get('memory.budget_bytes', 0) / mib:.0f} MiB budget (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB)",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",

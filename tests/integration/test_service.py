@@ -129,6 +129,7 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'bucketfs_backend_requests_total{result="ok",type="get"} 1.0' in body
         assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
+        assert "bucketfs_backend_queued_requests_total 0.0" in body  # one GET never waits for a connection
     finally:
         m.close()
     bad = subprocess.run(bucketfs_cmd("stats", str(tmp_path)), capture_output=True, text=True, timeout=30)
