@@ -55,7 +55,9 @@ class PrioritySlots:
             await event.wait()
         except BaseException:
             if self._waiting.pop(seq, None) is None:
-                self._release()  # handed a slot just as it was cancelled: pass it on
+                # Already handed the slot (trio cancels a wait only before the wake-up,
+                # but a KeyboardInterrupt can land after it): pass it on, never leak it.
+                self._release()
             raise
 
     async def __aexit__(self, *exc_info) -> None:
