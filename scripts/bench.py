@@ -78,6 +78,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -1512,10 +1513,10 @@ class Bench:
                     args = [(body_small, None)] * 32 + [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
                     wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
                 out = {"MB/s": round(total / wall / MB, 1)}
-                latencies_s.sort()
-                if latencies_s:
-                    out["p50_ms"] = round(latencies_s[len(latencies_s) // 2] * 1000, 1)
-                    out["p99_ms"] = round(latencies_s[int(len(latencies_s) * 0.99)] * 1000, 1)
+                if len(latencies_s) >= 2:
+                    percentiles_s = statistics.quantiles(latencies_s, n=100)
+                    out["p50_ms"] = round(percentiles_s[49] * 1000, 1)
+                    out["p99_ms"] = round(percentiles_s[98] * 1000, 1)
                 if system == "bucketfs":
                     out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
                     out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)

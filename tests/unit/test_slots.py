@@ -82,9 +82,10 @@ def test_a_cancelled_waiter_leaves_the_queue_and_slots_stay_balanced():
                 waiter_scope.cancel()
                 await trio.testing.wait_all_tasks_blocked()
                 release_first.set()
-        # Every call finished or left: no slot is held and nobody waits.
-        return caller.slots.busy_count, len(caller.slots._waiting), \
-            await caller.call("after", lambda: "ran")
+            # Every call finished or left: no slot is held, nobody waits, and a new call
+            # runs at once (a leaked slot would hang it until fail_after).
+            after = await caller.call("after", lambda: "ran")
+            return caller.slots.busy_count, len(caller.slots._waiting), after
 
     busy, waiting, after = trio.run(main)
     assert (busy, waiting, after) == (0, 0, "ran")
@@ -117,5 +118,5 @@ def test_the_core_marks_read_ahead_and_listings_ahead_as_speculative():
     shard_gets = [urgent for op, key, urgent in seen if op == "get" and key == "s/shard-0.tar"]
     ahead_lists = [urgent for op, key, urgent in seen if op == "list" and key.startswith("classes/c") and key >= "classes/c02"]
     assert small_gets == [True]
-    assert len(shard_gets) >= 4 and not all(shard_gets) and shard_gets.count(False) >= 2
+    assert len(shard_gets) >= 4 and shard_gets.count(False) >= 2
     assert len(ahead_lists) == 10 and not any(ahead_lists)
