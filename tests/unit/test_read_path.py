@@ -422,3 +422,21 @@ def test_memory_freed_while_a_reader_waits_goes_to_that_reader_not_the_pool():
     overcommits, pooled_bytes, used_bytes = run_fs(MemoryBackend({}), body, max_memory_bytes=8 * MiB,
                                                    clock=trio.testing.MockClock(autojump_threshold=0))
     assert (overcommits, pooled_bytes, used_bytes) == (0, 0, 1 * MiB)
+
+
+def test_a_fresh_part_buffer_is_not_filled_on_the_event_loop_thread():
+    """An 8 MiB part buffer comes untouched (its pages are faulted in by the receive,
+    in a worker thread); a zero-filled bytearray would take 2,048 page faults here,
+    with the GIL held. It is still a whole, writable buffer of the part's size."""
+    import resource
+
+    from bucketfs.core.prefetch import new_part_buffer
+
+    size_bytes = 8 * MiB
+    faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    buf = new_part_buffer(size_bytes)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults_before
+    assert faults < 64
+    data = blob(size_bytes, 7)
+    memoryview(buf)[:] = data
+    assert len(buf) == size_bytes and bytes(memoryview(buf)[:]) == data
