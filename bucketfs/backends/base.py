@@ -76,7 +76,8 @@ class Backend(abc.ABC):
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
         """Like read_range, into `buffer` (any writable buffer of at least `end - start`
-        bytes: a bytearray or an anonymous mmap): the number of bytes written. Backends that can receive straight into it override this."""
+        bytes: a bytearray or an anonymous mmap): the number of bytes written.
+        Backends that can receive straight into it override this."""
         return copy_into(buffer, await self.read_range(key, start, end, version))
 
     @abc.abstractmethod

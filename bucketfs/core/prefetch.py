@@ -18,12 +18,13 @@ is waiting on is reserved as demand. Under demand pressure, unclaimed warm heads
 and then the furthest-ahead parts nobody waits on are given back.
 
 Buffers: a part of 1 MiB or more is received into a reused buffer (`BufferPool`),
-still counted in the budget while it waits for reuse. A fresh
-8 MiB buffer costs ~2,000 page faults to fill and an munmap to free: a third of
-the daemon's CPU when streaming shards. A buffer goes back to the pool only when
-nothing else refers to it (no memoryview handed to a reply or held by a waiter),
-so a reused buffer never changes bytes someone still reads, and only while no
-reader is waiting for memory (then it is released to that reader).
+still counted in the budget while it waits for reuse. A fresh buffer costs page
+faults and zeroing to fill and an munmap to free (a third of the daemon's CPU when
+streaming shards, before fresh ones became huge-page mappings: `new_part_buffer`).
+A buffer goes back to the pool only when nothing else refers to it (no memoryview
+handed to a reply or held by a waiter), so a reused buffer never changes bytes
+someone still reads, and only while no reader is waiting for memory (then it is
+released to that reader).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ POOLED_BUFFER_MIN_BYTES = 1 * MiB
 HUGE_PAGE_BYTES = 2 * MiB  # x86-64 and arm64 (4 KiB base pages) transparent huge page
 
 
-def new_part_buffer(size_bytes: int):
+def new_part_buffer(size_bytes: int) -> bytearray | mmap.mmap:
     """A fresh, writable buffer to receive one part into.
 
     Why not `bytearray(size_bytes)`: it zero-fills the whole buffer on the trio
@@ -71,7 +72,8 @@ def new_part_buffer(size_bytes: int):
     here: its pages are faulted in by the GET's receive, in a worker thread
     without the GIL, and with transparent huge pages (MADV_HUGEPAGE; the kernel
     aligns large private mappings) an 8 MiB part takes 4 faults instead of 2,048.
-    Below one huge page, the heap is cheaper.
+    Below one huge page, the heap is cheaper. (Where the kernel must compact memory
+    to find a huge page, that stall is in the receiving worker thread too.)
     """
     if size_bytes < HUGE_PAGE_BYTES:
         return bytearray(size_bytes)
