@@ -58,6 +58,11 @@ class ListPage:
 class Backend(abc.ABC):
     """Async, read-only access to one bucket."""
 
+    # True where read_range_into receives the body into the caller's buffer itself.
+    # Elsewhere it only copies read_range's bytes into it, and the prefetcher does
+    # better to keep those bytes than to pay a second copy into a part buffer.
+    receives_into = False
+
     def __init__(self) -> None:
         self.requests: collections.Counter = collections.Counter()
         self.bytes_fetched = 0

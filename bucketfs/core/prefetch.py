@@ -17,7 +17,8 @@ Memory: every part is reserved in the MemoryBudget. Read-ahead parts use
 is waiting on is reserved as demand. Under demand pressure, unclaimed warm heads
 and then the furthest-ahead parts nobody waits on are given back.
 
-Buffers: a part of 1 MiB or more is received into a reused buffer (`BufferPool`),
+Buffers: a part of 1 MiB or more is received into a reused buffer (`BufferPool`)
+where the backend receives straight into one (`Backend.receives_into`),
 still counted in the budget while it waits for reuse. A fresh buffer costs page
 faults and zeroing to fill and an munmap to free (a third of the daemon's CPU when
 streaming shards, before fresh ones became huge-page mappings: `new_part_buffer`).
@@ -210,7 +211,7 @@ class Prefetcher:
                     await self.budget.reserve(part.end - part.start)
                     part.reserved_bytes = part.end - part.start
                 size_bytes = part.end - part.start
-                if part.buffer is None and BufferPool.wants(size_bytes):
+                if part.buffer is None and self.backend.receives_into and BufferPool.wants(size_bytes):
                     part.buffer = new_part_buffer(size_bytes)
                 if part.buffer is not None:
                     got_bytes = await self.backend.read_range_into(key, part.start, part.end, version, part.buffer)

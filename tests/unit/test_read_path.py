@@ -440,3 +440,27 @@ def test_a_fresh_part_buffer_is_not_filled_on_the_event_loop_thread():
     data = blob(size_bytes, 7)
     memoryview(buf)[:] = data
     assert len(buf) == size_bytes and bytes(memoryview(buf)[:]) == data
+
+
+def test_a_backend_that_only_copies_into_buffers_streams_without_them():
+    """Where read_range_into would only copy read_range's bytes (GCS), read-ahead keeps
+    those bytes instead of paying a second copy into a part buffer."""
+
+    class CopyingBackend(MemoryBackend):
+        receives_into = False
+        into_calls = 0
+
+        async def read_range_into(self, *args):
+            self.into_calls += 1
+            return await super().read_range_into(*args)
+
+    data = blob(40 * MiB, 15)
+    backend = CopyingBackend({"big.bin": data})
+
+    async def body(fs):
+        assert await read_all(fs, "big.bin", chunk_bytes=1 * MiB) == data
+        return fs.stats["prefetch.fetched_bytes"]
+
+    fetched_bytes = run_fs(backend, body, small_file_bytes=1 * MiB)
+    assert fetched_bytes >= 32 * MiB  # the read went through read-ahead parts
+    assert backend.into_calls == 0
