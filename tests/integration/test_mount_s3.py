@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
+from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
+                            assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects)
 from tests.servers import rclone_s3_server
-from tests.mounting import (bucketfs_cmd, SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_special_names_read_back, assert_tree_copies_out, special_name_objects)
 
 pytestmark = pytest.mark.integration
 
