@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--small-file-bytes", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open (default 8M)")
     g.add_argument("--block-size", type=parse_size, default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads (default 64K)")
     g.add_argument("--part-size", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead (default 8M)")
-    g.add_argument("--readahead-max", type=parse_size, default=parse_size("64M"), metavar="SIZE", help="largest read-ahead window of one sequential reader (default 64M)")
+    g.add_argument("--readahead-max", type=parse_size, default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader (default 128M)")
     g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
     g.add_argument("--list-ahead", type=int, default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
     g = m.add_argument_group("process")

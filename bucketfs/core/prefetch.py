@@ -177,7 +177,9 @@ class Prefetcher:
 
     HEADS_PRIORITY = 1
     PARTS_PRIORITY = 2
-    MAX_WARM_HEADS = 8
+    # Bookkeeping bound (memory is the budget's): a few per shard reader, as a window
+    # may reach through several short shards.
+    MAX_WARM_HEADS = 32
 
     def __init__(self, backend, budget, stats, nursery: trio.Nursery):
         self.backend = backend
@@ -445,7 +447,8 @@ class HandleReader:
             stream.close()
             stream = self.stream = None
         if stream is None and self._starts_stream(off):
-            window = self.config.shard_readahead_initial_bytes if self.is_shard else self.config.readahead_initial_bytes
+            initial_bytes = self.config.shard_readahead_initial_bytes if self.is_shard else self.config.readahead_initial_bytes
+            window = min(initial_bytes, self.config.readahead_max_bytes)
             stream = self.stream = SequentialStream(
                 self.pf, self.key, self.version, self.size_bytes, off, window,
                 self.config.readahead_max_bytes, self.config.part_size_bytes,

@@ -249,6 +249,85 @@ def test_shard_warming_targets_distinct_shards_and_never_wraps():
     assert after_last == warmed
 
 
+async def read_through(fs, fh, end_bytes):
+    off = 0
+    while off < end_bytes:
+        off += len(await fs.read(fh, off, 1 * MiB))
+
+
+# A window of 32 MiB in 4 MiB parts over 32 MiB shards: one window ahead is one shard.
+SMALL_WINDOW = dict(part_size_bytes=4 * MiB, readahead_max_bytes=32 * MiB, shard_readahead_initial_bytes=32 * MiB)
+
+
+def warming(fs) -> list:
+    return sorted(key for key, _ in fs.prefetcher._heads)
+
+
+def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
+    """In a pass over shards, the window flows across every boundary: the shard
+    opened on a warmed head warms the next one from its first part, without first
+    reading a quarter of itself (which left the connections idle at each boundary)."""
+    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(4)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        first = await fs.open(nodes[0].ino, 0)
+        await read_through(fs, first, 32 * MiB)
+        fs.release(first)
+        second = await fs.open(nodes[1].ino, 0)  # on the head the first one warmed
+        await read_through(fs, second, 4 * MiB)  # an eighth of it
+        warming_early = warming(fs)
+        await read_through(fs, second, 32 * MiB)
+        fs.release(second)
+        return warming_early, fs.stats["prefetch.heads_used"]
+
+    warming_early, heads_used = run_fs(backend, body, **SMALL_WINDOW)
+    assert heads_used == 1
+    assert warming_early == ["w/shard-000002.tar"]
+
+
+def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
+    shards = {f"w/shard-{i:06d}.tar": blob(16 * MiB, i) for i in range(4)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        first = await fs.open((await resolve(fs, "w/shard-000000.tar")).ino, 0)
+        await read_through(fs, first, 16 * MiB)
+        heads = {key: [(p.start, p.end) for p in parts] for (key, _), parts in fs.prefetcher._heads.items()}
+        fs.release(first)
+        return heads
+
+    heads = run_fs(backend, body, **SMALL_WINDOW)
+    # 32 MiB past shard 0's end: all of shards 1 and 2, nothing of shard 3.
+    whole = [(i * 4 * MiB, (i + 1) * 4 * MiB) for i in range(4)]
+    assert heads == {"w/shard-000001.tar": whole, "w/shard-000002.tar": whole}
+
+
+def test_a_warm_target_another_reader_opens_is_replaced_by_the_next_free_shard():
+    """Reader A warms shard 1; reader B opens shard 1 (B's own stream will read from
+    that head). A's window then continues into shard 2, not into nothing."""
+    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(4)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        reader_a = await fs.open(nodes[0].ino, 0)
+        await read_through(fs, reader_a, 16 * MiB)
+        warming_before = warming(fs)
+        reader_b = await fs.open(nodes[1].ino, 0)
+        await read_through(fs, reader_a, 32 * MiB)
+        warming_after = warming(fs)
+        fs.release(reader_a)
+        fs.release(reader_b)
+        return warming_before, warming_after
+
+    warming_before, warming_after = run_fs(backend, body, **SMALL_WINDOW)
+    assert warming_before == ["w/shard-000001.tar"]
+    # Shard 1's head waits for B's first read; A now warms shard 2.
+    assert warming_after == ["w/shard-000001.tar", "w/shard-000002.tar"]
+
+
 def test_forward_seek_resets_the_stream():
     data = blob(48 * MiB, 9)
     backend = MemoryBackend({"big.bin": data})
