@@ -89,8 +89,9 @@ class Config:
     readahead_initial_bytes: int = 1 * MiB
     # A part takes a round trip plus its transfer (~120 ms for 8 MiB at 100 MB/s with
     # 20 ms to first byte), so one reader's MB/s is at most its window / 120 ms: 64 MiB
-    # capped it at ~530 MB/s. 128 MiB: 448-456 -> 528-557 MB/s with one reader
-    # (ad hoc, with shards continuing at once); the budget still bounds the total.
+    # capped it at ~530 MB/s. With 128 MiB, and the window running on through the
+    # next shards: 435-514 -> 531-636 MB/s with one reader (paired ad hoc runs). The
+    # memory budget still bounds the total.
     readahead_max_bytes: int = 128 * MiB
     # A shard is read to its end: start wide, so one reader has eight 8 MiB GETs in
     # flight at once (one connection gives ~100 MB/s); it doubles to the max from there.
