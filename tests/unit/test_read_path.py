@@ -216,43 +216,46 @@ def test_next_shard_head_is_warmed_and_used():
     assert gets_at_open == gets_with_head  # the open itself waited for nothing new
 
 
+async def read_through(fs, fh, end_bytes):
+    off = 0
+    while off < end_bytes:
+        off += len(await fs.read(fh, off, 1 * MiB))
+
+
+def shard_set(count: int, size_bytes: int):
+    shards = {f"w/shard-{i:06d}.tar": blob(size_bytes, i) for i in range(count)}
+    return shards, MemoryBackend(shards)
+
+
+async def shard_nodes(fs, shards) -> list:
+    return [await resolve(fs, key) for key in sorted(shards)]
+
+
 def test_shard_warming_targets_distinct_shards_and_never_wraps():
     """Readers in shards 0 and 1 at once warm two different next shards; a reader that
     stops early warms nothing; the last shard of a pass does not wrap to the first."""
-    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(5)}
-    backend = MemoryBackend(shards)
-
-    async def read_part(fs, fh, end_bytes):
-        off = 0
-        while off < end_bytes:
-            off += len(await fs.read(fh, off, 1 * MiB))
+    shards, backend = shard_set(5, 32 * MiB)
 
     async def body(fs):
-        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        nodes = await shard_nodes(fs, shards)
         early = await fs.open(nodes[4].ino, 0)
-        await read_part(fs, early, 4 * MiB)  # under a quarter: not committed to the shard
+        await read_through(fs, early, 4 * MiB)  # under a quarter: not committed to the shard
         fs.release(early)
         assert not fs.prefetcher._heads
         handles = [await fs.open(node.ino, 0) for node in nodes[:2]]
         for fh in handles:
-            await read_part(fs, fh, 16 * MiB)
+            await read_through(fs, fh, 16 * MiB)
         warmed = sorted(key for key, _ in fs.prefetcher._heads)
         for fh in handles:
             fs.release(fh)
         last = await fs.open(nodes[4].ino, 0)  # every shard opened: nothing left to warm
-        await read_part(fs, last, 32 * MiB)
+        await read_through(fs, last, 32 * MiB)
         fs.release(last)
         return warmed, sorted(key for key, _ in fs.prefetcher._heads)
 
     warmed, after_last = run_fs(backend, body)
     assert warmed == ["w/shard-000002.tar", "w/shard-000003.tar"]
     assert after_last == warmed
-
-
-async def read_through(fs, fh, end_bytes):
-    off = 0
-    while off < end_bytes:
-        off += len(await fs.read(fh, off, 1 * MiB))
 
 
 # A window of 32 MiB in 4 MiB parts over 32 MiB shards: one window ahead is one shard.
@@ -267,11 +270,10 @@ def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
     """In a pass over shards, the window flows across every boundary: the shard
     opened on a warmed head warms the next one from its first part, without first
     reading a quarter of itself (which left the connections idle at each boundary)."""
-    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(4)}
-    backend = MemoryBackend(shards)
+    shards, backend = shard_set(4, 32 * MiB)
 
     async def body(fs):
-        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        nodes = await shard_nodes(fs, shards)
         first = await fs.open(nodes[0].ino, 0)
         await read_through(fs, first, 32 * MiB)
         fs.release(first)
@@ -288,8 +290,7 @@ def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
 
 
 def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
-    shards = {f"w/shard-{i:06d}.tar": blob(16 * MiB, i) for i in range(4)}
-    backend = MemoryBackend(shards)
+    shards, backend = shard_set(4, 16 * MiB)
 
     async def body(fs):
         first = await fs.open((await resolve(fs, "w/shard-000000.tar")).ino, 0)
@@ -307,11 +308,10 @@ def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
 def test_a_warm_target_another_reader_opens_is_replaced_by_the_next_free_shard():
     """Reader A warms shard 1; reader B opens shard 1 (B's own stream will read from
     that head). A's window then continues into shard 2, not into nothing."""
-    shards = {f"w/shard-{i:06d}.tar": blob(32 * MiB, i) for i in range(4)}
-    backend = MemoryBackend(shards)
+    shards, backend = shard_set(4, 32 * MiB)
 
     async def body(fs):
-        nodes = [await resolve(fs, key) for key in sorted(shards)]
+        nodes = await shard_nodes(fs, shards)
         reader_a = await fs.open(nodes[0].ino, 0)
         await read_through(fs, reader_a, 16 * MiB)
         warming_before = warming(fs)
