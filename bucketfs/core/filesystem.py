@@ -12,12 +12,14 @@ Invariants:
   must not cost a GET. If the kernel did evict it, the first READ fetches it whole.
 - Shard-like files: once a reader's read-ahead window reaches past the shard's
   end, the window continues into the heads of the next shards in listing order not
-  yet opened in this pass (as many as it reaches, up to SHARD_WARM_TARGETS_MAX;
-  never a shard another handle is warming; if another reader opens one first, the
-  next free one). Bytes in flight stay one window per reader, across boundaries, so
-  the reader does not stall there. A shard opened
-  on a warmed head is part of such a pass and continues at once; one opened cold
-  waits until its reader is `SHARD_WARM_FRACTION` in.
+  yet opened in this pass (never a shard another handle is warming; if another
+  reader opens one first, the next free one). Bytes in flight stay one window per
+  reader, across boundaries, so the reader does not stall there. How far it goes
+  is decided at open from what the loader has shown (`_shard_warming`): a shard
+  opened on a warmed head continues at once, through up to SHARD_WARM_TARGETS_MAX
+  shards; one opened cold starts a pass with one shard, once `SHARD_WARM_FRACTION`
+  is read; one opened cold while other heads here are warming (shuffled shards)
+  warms nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ SHARD_WARM_FRACTION = 0.25
 # Shards shorter than the window: it continues through several of them (a 128 MiB
 # window over 64 MB shards reaches into the second next one). Bounded per handle.
 SHARD_WARM_TARGETS_MAX = 4
+
+
+def _directory_of(key: str) -> str:
+    return key[: key.rfind("/") + 1]
 
 
 class FileHandle:
@@ -122,12 +128,11 @@ class Filesystem:
             self.stats["open.small"] += 1
         else:
             shard = self.is_shard(node.name)
-            # Before the reader takes the head: a warmed head means a pass over the shards.
-            in_pass = shard and self.prefetcher.is_warming(key, node.version)
-            on_progress = self._shard_progress(node, in_pass) if shard else None
-            reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
+            on_progress = None
             if shard:
                 self._note_shard_open(node)
+                on_progress = self._shard_warming(node, key)
+            reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
             self.stats["open.large"] += 1
         self._handles[fh] = FileHandle(node, key, reader)
         self._open_keys[key] = self._open_keys.get(key, 0) + 1
@@ -176,8 +181,26 @@ class Filesystem:
             opened.clear()  # a shard opened twice: a new pass (epoch) begins
         opened.add(node.name)
 
-    def _shard_progress(self, node: Node, in_pass: bool):
-        threshold_bytes = 0 if in_pass else int(node.size_bytes * SHARD_WARM_FRACTION)
+    def _shard_warming(self, node: Node, key: str):
+        """How this handle warms the shards after it (its on_progress), decided at open,
+        before its reader takes a warmed head:
+        - opened on a warmed head: the loader goes through the shards in listing order
+          (this one was predicted), so the window runs on at once, through several;
+        - opened cold while heads of other shards here are warming (a live guess:
+          Prefetcher.warming_in): it does not (shards shuffled, say), so this handle
+          warms nothing: the guesses already out are used when their shards come, and
+          more would only hold memory;
+        - opened cold with nothing warming (a pass begins): one shard, once this one is
+          a quarter read.
+        """
+        if self.prefetcher.is_warming(key, node.version):
+            return self._shard_progress(node, 0, SHARD_WARM_TARGETS_MAX)
+        if self.prefetcher.warming_in(_directory_of(key)):
+            self.stats["prefetch.warming_skipped"] += 1
+            return None
+        return self._shard_progress(node, int(node.size_bytes * SHARD_WARM_FRACTION), 1)
+
+    def _shard_progress(self, node: Node, threshold_bytes: int, targets_max: int):
         targets: list = []  # (key, node) of the shards this handle warms, in listing order
         exhausted = False  # no free shard left after the last target: stop scanning
 
@@ -191,7 +214,7 @@ class Filesystem:
             targets[:] = [t for t in targets if t[0] not in self._open_keys]
             after = node
             for i in itertools.count():
-                if beyond_bytes <= 0 or i == SHARD_WARM_TARGETS_MAX:
+                if beyond_bytes <= 0 or i == targets_max:
                     return
                 if i == len(targets):
                     found = None if exhausted else self._next_shard(after)

@@ -60,6 +60,9 @@ DEMAND_PART_BYTES = 2 * MiB
 POOLED_BYTES_MAX = 64 * MiB
 # Smaller parts are cheap to allocate (below glibc's mmap threshold in practice).
 POOLED_BUFFER_MIN_BYTES = 1 * MiB
+# A warm head this recent is a live guess of which shard a loader opens next (see
+# Prefetcher.warming_in); one epoch of a loader reads its next shard far sooner.
+GUESS_FRESH_S = 30.0
 HUGE_PAGE_BYTES = 2 * MiB  # x86-64 and arm64 (4 KiB base pages) transparent huge page
 
 
@@ -89,7 +92,7 @@ class PartCancelled(Exception):
 
 
 class Part:
-    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed")
+    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed", "issued_s")
 
     def __init__(self, start: int, end: int, demanded: bool = False):
         self.start, self.end = start, end
@@ -102,6 +105,7 @@ class Part:
         self.cancel_scope = trio.CancelScope()
         self.waiters = 0
         self.consumed = False
+        self.issued_s = 0.0  # trio clock, when the prefetcher started it
 
     @property
     def urgent(self) -> bool:
@@ -195,6 +199,7 @@ class Prefetcher:
     def fetch(self, key: str, version: str, start: int, end: int, demanded: bool) -> Optional[Part]:
         """Start fetching [start, end); None if read-ahead memory is not available."""
         part = Part(start, end, demanded)
+        part.issued_s = trio.current_time()
         part.buffer = self.pool.take(end - start)  # None for sizes never pooled
         if part.buffer is not None:
             part.reserved_bytes = end - start
@@ -256,6 +261,18 @@ class Prefetcher:
     # -- warm heads of the next shard ------------------------------------------
     def is_warming(self, key: str, version: str) -> bool:
         return (key, version) in self._heads
+
+    def warming_in(self, directory: str) -> bool:
+        """Whether a live guess is out in `directory` (a key prefix ending in /): the
+        head of one of its objects, warmed or extended in the last GUESS_FRESH_S. An
+        older one (a loader that stopped midway, or shards it skips, such as a
+        validation split listed after the training shards) says nothing about the
+        loader's order any more."""
+        now_s = trio.current_time()
+        return any(
+            key.startswith(directory) and "/" not in key[len(directory):] and now_s - parts[-1].issued_s < GUESS_FRESH_S
+            for (key, _), parts in self._heads.items()
+        )
 
     def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, part_size_bytes: int) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel

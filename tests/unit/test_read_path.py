@@ -9,6 +9,7 @@ import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
+from bucketfs.core import prefetch
 from tests.unit.helpers import read_all, resolve, run_fs
 
 MiB = 1024 * 1024
@@ -232,38 +233,39 @@ async def shard_nodes(fs, shards) -> list:
 
 
 def test_shard_warming_targets_distinct_shards_and_never_wraps():
-    """Readers in shards 0 and 1 at once warm two different next shards; a reader that
-    stops early warms nothing; the last shard of a pass does not wrap to the first."""
+    """Readers in shards 0 and 1 at once warm two different next shards (never one
+    opened in this pass); a reader that stops early warms nothing; the last shard of a
+    pass does not wrap around to the first."""
     shards, backend = shard_set(5, 32 * MiB)
 
     async def body(fs):
         nodes = await shard_nodes(fs, shards)
-        early = await fs.open(nodes[4].ino, 0)
+        early = await fs.open(nodes[3].ino, 0)
         await read_through(fs, early, 4 * MiB)  # under a quarter: not committed to the shard
         fs.release(early)
         assert not fs.prefetcher._heads
         handles = [await fs.open(node.ino, 0) for node in nodes[:2]]
         for fh in handles:
             await read_through(fs, fh, 16 * MiB)
-        warmed = sorted(key for key, _ in fs.prefetcher._heads)
+        warmed = warming(fs)
         for fh in handles:
             fs.release(fh)
-        last = await fs.open(nodes[4].ino, 0)  # every shard opened: nothing left to warm
+        last = await fs.open(nodes[4].ino, 0)  # on its warmed head
         await read_through(fs, last, 32 * MiB)
         fs.release(last)
-        return warmed, sorted(key for key, _ in fs.prefetcher._heads)
+        return warmed, warming(fs)
 
     warmed, after_last = run_fs(backend, body)
-    assert warmed == ["w/shard-000002.tar", "w/shard-000003.tar"]
-    assert after_last == warmed
-
-
-# A window of 32 MiB in 4 MiB parts over 32 MiB shards: one window ahead is one shard.
-SMALL_WINDOW = dict(part_size_bytes=4 * MiB, readahead_max_bytes=32 * MiB, shard_readahead_initial_bytes=32 * MiB)
+    assert warmed == ["w/shard-000002.tar", "w/shard-000004.tar"]
+    assert after_last == ["w/shard-000002.tar"]  # shard 4's head was used; nothing after it
 
 
 def warming(fs) -> list:
     return sorted(key for key, _ in fs.prefetcher._heads)
+
+
+# A window of 32 MiB in 4 MiB parts over 32 MiB shards: one window ahead is one shard.
+SMALL_WINDOW = dict(part_size_bytes=4 * MiB, readahead_max_bytes=32 * MiB, shard_readahead_initial_bytes=32 * MiB)
 
 
 def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
@@ -290,19 +292,61 @@ def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
 
 
 def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
-    shards, backend = shard_set(4, 16 * MiB)
+    """In a pass (shard 1 opened on the head shard 0 warmed), a 32 MiB window over
+    16 MiB shards runs through the next two shards whole, and no further."""
+    shards, backend = shard_set(5, 16 * MiB)
 
     async def body(fs):
-        first = await fs.open((await resolve(fs, "w/shard-000000.tar")).ino, 0)
-        await read_through(fs, first, 16 * MiB)
-        heads = {key: [(p.start, p.end) for p in parts] for (key, _), parts in fs.prefetcher._heads.items()}
-        fs.release(first)
-        return heads
+        nodes = await shard_nodes(fs, shards)
+        for node in nodes[:2]:
+            fh = await fs.open(node.ino, 0)
+            await read_through(fs, fh, 16 * MiB)
+            fs.release(fh)
+        return {key: [(p.start, p.end) for p in parts] for (key, _), parts in fs.prefetcher._heads.items()}
 
     heads = run_fs(backend, body, **SMALL_WINDOW)
-    # 32 MiB past shard 0's end: all of shards 1 and 2, nothing of shard 3.
     whole = [(i * 4 * MiB, (i + 1) * 4 * MiB) for i in range(4)]
-    assert heads == {"w/shard-000001.tar": whole, "w/shard-000002.tar": whole}
+    assert heads == {"w/shard-000002.tar": whole, "w/shard-000003.tar": whole}
+
+
+def test_a_shard_opened_out_of_order_beside_a_live_guess_warms_nothing():
+    """Shuffled shards: shard 0 (a pass begins) warms shard 1; the loader opens shard 4
+    instead. That open warms nothing, so what shuffled reading costs in unused warm
+    heads stays one guess, which shard 1's open will still use."""
+    shards, backend = shard_set(6, 32 * MiB)
+
+    async def body(fs):
+        nodes = await shard_nodes(fs, shards)
+        for node in (nodes[0], nodes[4]):
+            fh = await fs.open(node.ino, 0)
+            await read_through(fs, fh, 32 * MiB)
+            fs.release(fh)
+        return warming(fs), fs.stats["prefetch.warming_skipped"]
+
+    warmed, skipped = run_fs(backend, body, **SMALL_WINDOW)
+    assert warmed == ["w/shard-000001.tar"]
+    assert skipped == 1
+
+
+def test_a_stale_guess_does_not_stop_warming(monkeypatch):
+    """A head nobody opened for GUESS_FRESH_S (a loader that stopped midway, or shards it
+    never reads) no longer counts as a guess: the next pass warms again."""
+    monkeypatch.setattr(prefetch, "GUESS_FRESH_S", 5.0)  # inside run_fs's 30 s deadline
+    shards, backend = shard_set(4, 32 * MiB)
+
+    async def body(fs):
+        nodes = await shard_nodes(fs, shards)
+        fh = await fs.open(nodes[0].ino, 0)
+        await read_through(fs, fh, 32 * MiB)  # warms shard 1, which is never opened
+        fs.release(fh)
+        await trio.sleep(6.0)  # MockClock: the guess ages, no real wait
+        fh = await fs.open(nodes[2].ino, 0)
+        await read_through(fs, fh, 32 * MiB)
+        fs.release(fh)
+        return warming(fs)
+
+    warmed = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), **SMALL_WINDOW)
+    assert warmed == ["w/shard-000001.tar", "w/shard-000003.tar"]
 
 
 def test_a_warm_target_another_reader_opens_is_replaced_by_the_next_free_shard():
