@@ -34,6 +34,7 @@ _SIMPLE = [
     ("prefetch.bytes_wasted", "bucketfs_prefetch_wasted_bytes", "Read-ahead bytes dropped unread", "counter"),
     ("prefetch.heads_warmed", "bucketfs_prefetch_shard_heads_warmed", "Next-shard heads warmed", "counter"),
     ("prefetch.heads_used", "bucketfs_prefetch_shard_heads_used", "Warmed shard heads that an open used", "counter"),
+    ("prefetch.warming_skipped", "bucketfs_prefetch_shard_warming_skipped", "Shards opened out of listing order (shuffled): nothing warmed after them", "counter"),
     ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
     ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
     ("read.wait_seconds", "bucketfs_read_wait_seconds", "Time readers spent waiting inside READ (network and queueing)", "counter"),
@@ -103,7 +104,8 @@ def format_stats(snapshot: dict) -> str:
         f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; hits {hits}, misses {misses}"
         + (f" ({100 * hits / (hits + misses):.0f}% hit)" if hits + misses else "") + f", evictions {get('cache.evictions', 0)}",
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
-        f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}",
+        f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "
+        f"{get('prefetch.warming_skipped', 0)} shards opened out of order",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of {get('memory.budget_bytes', 0) / mib:.0f} MiB budget (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB)",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",

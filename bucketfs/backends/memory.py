@@ -21,6 +21,7 @@ _versions = itertools.count(1)
 
 class MemoryBackend(Backend):
     receives_into = True  # stands in for S3 in unit tests, so they cover pooled part buffers
+
     def __init__(self, objects: Optional[dict] = None, page_size_count: int = 1000, delay_s: float = 0.0):
         super().__init__()
         self.page_size_count = page_size_count

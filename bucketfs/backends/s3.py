@@ -115,6 +115,7 @@ def _mtime_ns(when: datetime.datetime) -> int:
 
 class S3Backend(Backend):
     receives_into = True  # the lean path's socket reads land in the part buffer
+
     def __init__(self, config: Config, session: Optional[boto3.session.Session] = None):
         """`session` lets tests pass explicit credentials; by default the profile's session."""
         super().__init__()

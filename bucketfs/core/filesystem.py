@@ -37,7 +37,7 @@ from bucketfs import errors
 from bucketfs.core.blockcache import BlockCache
 from bucketfs.core.memory import MemoryBudget
 from bucketfs.core.namespace import ROOT_INO, Namespace, Node
-from bucketfs.core.prefetch import HandleReader, Prefetcher
+from bucketfs.core.prefetch import HandleReader, Prefetcher, directory_of
 from bucketfs.core.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,6 @@ SHARD_WARM_FRACTION = 0.25
 # Shards shorter than the window: it continues through several of them (a 128 MiB
 # window over 64 MB shards reaches into the second next one). Bounded per handle.
 SHARD_WARM_TARGETS_MAX = 4
-
-
-def _directory_of(key: str) -> str:
-    return key[: key.rfind("/") + 1]
 
 
 class FileHandle:
@@ -195,7 +191,7 @@ class Filesystem:
         """
         if self.prefetcher.is_warming(key, node.version):
             return self._shard_progress(node, 0, SHARD_WARM_TARGETS_MAX)
-        if self.prefetcher.warming_in(_directory_of(key)):
+        if self.prefetcher.warming_in(directory_of(key)):
             self.stats["prefetch.warming_skipped"] += 1
             return None
         return self._shard_progress(node, int(node.size_bytes * SHARD_WARM_FRACTION), 1)
@@ -209,9 +205,11 @@ class Filesystem:
             beyond_bytes = read_end + window_bytes - node.size_bytes
             if read_end < threshold_bytes or beyond_bytes <= 0:
                 return
-            # A target another reader opened is read ahead by its stream now (from this
-            # head): the window continues into the next free shard instead.
-            targets[:] = [t for t in targets if t[0] not in self._open_keys]
+            # A target opened in this pass (by another reader: its stream reads on from
+            # this head, or has read it already) is not warmed again: the window
+            # continues into the next free shard instead.
+            opened = self._shard_pass.get(node.parent_ino, ())
+            targets[:] = [t for t in targets if t[1].name not in opened]
             after = node
             for i in itertools.count():
                 if beyond_bytes <= 0 or i == targets_max:

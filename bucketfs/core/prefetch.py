@@ -66,6 +66,11 @@ GUESS_FRESH_S = 30.0
 HUGE_PAGE_BYTES = 2 * MiB  # x86-64 and arm64 (4 KiB base pages) transparent huge page
 
 
+def directory_of(key: str) -> str:
+    """The key prefix of `key`'s directory, ending in / ("" at the bucket's root)."""
+    return key[: key.rfind("/") + 1]
+
+
 def new_part_buffer(size_bytes: int) -> bytearray | mmap.mmap:
     """A fresh, writable buffer to receive one part into.
 
@@ -269,10 +274,8 @@ class Prefetcher:
         validation split listed after the training shards) says nothing about the
         loader's order any more."""
         now_s = trio.current_time()
-        return any(
-            key.startswith(directory) and "/" not in key[len(directory):] and now_s - parts[-1].issued_s < GUESS_FRESH_S
-            for (key, _), parts in self._heads.items()
-        )
+        return any(directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
+                   for (key, _), parts in self._heads.items())
 
     def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, part_size_bytes: int) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
