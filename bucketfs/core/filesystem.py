@@ -12,9 +12,10 @@ Invariants:
   must not cost a GET. If the kernel did evict it, the first READ fetches it whole.
 - Shard-like files: once a reader's read-ahead window reaches past the shard's
   end, the window continues into the heads of the next shards in listing order not
-  yet opened in this pass (never a shard another handle is warming; if another
-  reader opens one first, the next free one). Bytes in flight stay one window per
-  reader, across boundaries, so the reader does not stall there. How far it goes
+  yet opened in this pass (never a shard another open handle is warming; if another
+  reader opens one first, the next free one; a head whose warming handle was closed,
+  such as the reader's previous shard's, is taken over). Bytes in flight stay one
+  window per reader, across boundaries, so the reader does not stall there. How far it goes
   is decided at open from what the loader has shown (`_shard_warming`): a shard
   opened on a warmed head continues at once, through up to SHARD_WARM_TARGETS_MAX
   shards; one opened cold starts a pass with one shard, once `SHARD_WARM_FRACTION`
@@ -73,12 +74,13 @@ class Filesystem:
         self.ns.start_background(nursery)
         self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
         self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes, nursery)
-        self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery)
+        self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery, config.part_size_bytes)
         self._handles: dict = {}
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
         self._open_keys: dict = {}  # key -> number of open handles
         self._shard_pass: dict = {}  # parent ino -> set of shard names opened in this pass
+        self._warmers: dict = {}  # shard key -> fh of the handle whose window warms its head
 
     # -- metadata ----------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: str) -> Node:
@@ -127,7 +129,8 @@ class Filesystem:
             on_progress = None
             if shard:
                 self._note_shard_open(node)
-                on_progress = self._shard_warming(node, key)
+                on_progress = self._shard_warming(node, key, fh)
+                self._warmers.pop(key, None)  # its head, if warmed, is this handle's now
             reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
             self.stats["open.large"] += 1
         self._handles[fh] = FileHandle(node, key, reader)
@@ -164,6 +167,8 @@ class Filesystem:
             return
         if handle.reader is not None:
             handle.reader.close()
+            for key in [key for key, owner in self._warmers.items() if owner == fh]:
+                del self._warmers[key]  # orphaned heads: the next reader's window takes them over
         left = self._open_keys.get(handle.key, 1) - 1
         if left:
             self._open_keys[handle.key] = left
@@ -177,7 +182,7 @@ class Filesystem:
             opened.clear()  # a shard opened twice: a new pass (epoch) begins
         opened.add(node.name)
 
-    def _shard_warming(self, node: Node, key: str):
+    def _shard_warming(self, node: Node, key: str, fh: int):
         """How this handle warms the shards after it (its on_progress), decided at open,
         before its reader takes a warmed head:
         - opened on a warmed head: the loader goes through the shards in listing order
@@ -190,62 +195,67 @@ class Filesystem:
           a quarter read.
         """
         if self.prefetcher.is_warming(key, node.version):
-            return self._shard_progress(node, 0, SHARD_WARM_TARGETS_MAX)
+            return self._shard_progress(node, fh, 0, SHARD_WARM_TARGETS_MAX)
         if self.prefetcher.warming_in(directory_of(key)):
             self.stats["prefetch.warming_skipped"] += 1
             return None
-        return self._shard_progress(node, int(node.size_bytes * SHARD_WARM_FRACTION), 1)
+        return self._shard_progress(node, fh, int(node.size_bytes * SHARD_WARM_FRACTION), 1)
 
-    def _shard_progress(self, node: Node, threshold_bytes: int, targets_max: int):
-        targets: list = []  # (key, node) of the shards this handle warms, in listing order
-        exhausted = False  # no free shard left after the last target: stop scanning
+    def _shard_progress(self, node: Node, fh: int, threshold_bytes: int, targets_max: int):
+        later = self._shards_after(node)  # scanned only as far as the window reaches
+        seen: list = []  # (key, node) of the shards after this one found so far, in listing order
 
         def on_progress(read_end: int, window_bytes: int) -> None:
-            nonlocal exhausted
             beyond_bytes = read_end + window_bytes - node.size_bytes
             if read_end < threshold_bytes or beyond_bytes <= 0:
                 return
-            # A target opened in this pass (by another reader: its stream reads on from
+            # A shard opened in this pass (by another reader: its stream reads on from
             # this head, or has read it already) is not warmed again: the window
             # continues into the next free shard instead.
             opened = self._shard_pass.get(node.parent_ino, ())
-            targets[:] = [t for t in targets if t[1].name not in opened]
-            after = node
-            for i in itertools.count():
-                if beyond_bytes <= 0 or i == targets_max:
-                    return
-                if i == len(targets):
-                    found = None if exhausted else self._next_shard(after)
+            while seen and seen[0][1].name in opened:
+                del seen[0]
+            targets_count = i = 0
+            while beyond_bytes > 0 and targets_count < targets_max:
+                if i == len(seen):
+                    found = next(later, None)
                     if found is None:
-                        exhausted = True
                         return
-                    targets.append(found)
-                key, after = targets[i]
-                self.prefetcher.warm_head(key, after.version, after.size_bytes, beyond_bytes, self.config.part_size_bytes)
-                beyond_bytes -= after.size_bytes
+                    seen.append(found)
+                key, shard = seen[i]
+                i += 1
+                if shard.name in opened or key in self._open_keys or self._warmed_by_another(key, shard.version, fh):
+                    continue
+                self._warmers[key] = fh
+                self.prefetcher.warm_head(key, shard.version, shard.size_bytes, beyond_bytes, self.config.part_size_bytes)
+                beyond_bytes -= shard.size_bytes
+                targets_count += 1
 
         return on_progress
 
-    def _next_shard(self, node: Node):
-        """The next shard after `node` in listing order that nobody opened in this pass
-        and nobody is warming; None past the last shard (no wrap-around: the next
-        epoch's order is the loader's, often shuffled)."""
+    def _warmed_by_another(self, key: str, version: str, fh: int) -> bool:
+        """Another open handle's window warms this shard: each reader warms its own.
+        A head whose warmer was closed is taken over (counted in this window), not
+        skipped: a reader going through shards in order finds the next one warmed
+        by its previous handle, and skipping it would put two windows in flight."""
+        owner = self._warmers.get(key, fh)
+        return owner != fh and self.prefetcher.is_warming(key, version)
+
+    def _shards_after(self, node: Node):
+        """(key, node) of the shards after `node` in listing order, generated lazily; none
+        past the last (no wrap-around: the next epoch's order is the loader's, often
+        shuffled)."""
         listing = self.ns.node(node.parent_ino).listing
         if listing is None:
-            return None
-        opened = self._shard_pass.get(node.parent_ino, set())
+            return
         names = listing.names_sorted
-        # Scan on from this shard's place (names are sorted): a shard opening in a
-        # 20,000-entry directory does not match every name against the globs.
+        # From this shard's place on (names are sorted): a shard opening in a 20,000-entry
+        # directory does not match every name against the globs.
         for name in itertools.islice(names, bisect.bisect_right(names, node.name), None):
-            if name in opened or not self.is_shard(name):
-                continue
-            nxt = self.ns.node(listing.children[name])
-            key = self.key_prefix + nxt.path
-            if nxt.is_dir or key in self._open_keys or self.prefetcher.is_warming(key, nxt.version):
-                continue
-            return key, nxt
-        return None
+            if self.is_shard(name):
+                nxt = self.ns.node(listing.children[name])
+                if not nxt.is_dir:
+                    yield self.key_prefix + nxt.path, nxt
 
     # -- misc ---------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -21,7 +21,11 @@ Buffers: a part of 1 MiB or more is received into a reused buffer (`BufferPool`)
 where the backend receives straight into one (`Backend.receives_into`),
 still counted in the budget while it waits for reuse. A fresh buffer costs page
 faults and zeroing to fill and an munmap to free (a third of the daemon's CPU when
-streaming shards, before fresh ones became huge-page mappings: `new_part_buffer`).
+streaming shards, before fresh ones became huge-page mappings: `new_part_buffer`;
+the kernel zeroing fresh pages was still 15% of it after, over 8 shards).
+A part's buffer is its size rounded up to a power of two (at most the part size),
+and reserves all of it, so the pool holds a few sizes that later parts fit, never
+the odd sizes of shard ends.
 A buffer goes back to the pool only when nothing else refers to it (no memoryview
 handed to a reply or held by a waiter), so a reused buffer never changes bytes
 someone still reads, and only while no reader is waiting for memory (then it is
@@ -131,29 +135,36 @@ class Part:
 
 
 class BufferPool:
-    """Free part-sized buffers for reuse. Their bytes stay reserved in the budget
-    while pooled (they are still resident) and are the first memory reclaimed."""
+    """Free part buffers for reuse, in a few sizes: powers of two up to the part size
+    (`buffer_bytes`), and the part size. Their bytes stay reserved in the budget while
+    pooled (they are still resident) and are the first memory reclaimed."""
 
     RECLAIM_PRIORITY = -1
 
-    def __init__(self, budget, stats, max_bytes: int = POOLED_BYTES_MAX):
+    def __init__(self, budget, stats, buffer_bytes: int, max_bytes: int = POOLED_BYTES_MAX):
         self.budget, self.stats, self.max_bytes = budget, stats, max_bytes
+        self.buffer_bytes = buffer_bytes
         self.pooled_bytes = 0
-        self._free: dict = {}  # size in bytes -> [buffer]
+        self._free: dict = {}  # buffer size in bytes -> [buffer]
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.shed)
 
-    @staticmethod
-    def wants(size_bytes: int) -> bool:
-        return size_bytes >= POOLED_BUFFER_MIN_BYTES
+    def held_bytes(self, size_bytes: int) -> int:
+        """The size of the buffer a part of `size_bytes` is received into: rounded up to
+        a power of two, at most the part size (at most 2x its bytes). A shard's odd last
+        part or a demand part then leaves a buffer later parts fit."""
+        if size_bytes > self.buffer_bytes:
+            return size_bytes
+        return min(1 << (size_bytes - 1).bit_length(), self.buffer_bytes)
 
     def take(self, size_bytes: int) -> Optional[bytearray | mmap.mmap]:
-        """A free buffer of exactly this size, its budget reservation passing to the caller."""
-        free = self._free.get(size_bytes)
+        """A free buffer for a part of this size, its budget reservation passing to the caller."""
+        free = self._free.get(self.held_bytes(size_bytes))
         if not free:
             return None
-        self.pooled_bytes -= size_bytes
+        buf = free.pop()
+        self.pooled_bytes -= len(buf)
         self.stats["prefetch.buffers_reused"] += 1
-        return free.pop()
+        return buf
 
     def give(self, buf: bytearray | mmap.mmap) -> bool:
         """Keep `buf` (and its reservation) for reuse; False if the caller must release it.
@@ -164,8 +175,8 @@ class BufferPool:
         if sys.getrefcount(buf) > 3:  # the caller's name, this argument, getrefcount's argument
             self.stats["prefetch.buffers_still_viewed"] += 1
             return False
-        if self.pooled_bytes + len(buf) > self.max_bytes:
-            return False
+        if len(buf) != self.held_bytes(len(buf)) or self.pooled_bytes + len(buf) > self.max_bytes:
+            return False  # an odd size no later part would fit: it would only fill the pool
         self._free.setdefault(len(buf), []).append(buf)
         self.pooled_bytes += len(buf)
         return True
@@ -190,14 +201,14 @@ class Prefetcher:
     # may reach through several short shards.
     MAX_WARM_HEADS = 32
 
-    def __init__(self, backend, budget, stats, nursery: trio.Nursery):
+    def __init__(self, backend, budget, stats, nursery: trio.Nursery, part_size_bytes: int):
         self.backend = backend
         self.budget = budget
         self.stats = stats
         self.nursery = nursery
         self.streams: set = set()
         self._heads: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> Part
-        self.pool = BufferPool(budget, stats)
+        self.pool = BufferPool(budget, stats, part_size_bytes)
         budget.add_reclaimer(self.HEADS_PRIORITY, self._shed_heads)
         budget.add_reclaimer(self.PARTS_PRIORITY, self._shed_parts)
 
@@ -205,26 +216,38 @@ class Prefetcher:
         """Start fetching [start, end); None if read-ahead memory is not available."""
         part = Part(start, end, demanded)
         part.issued_s = trio.current_time()
-        part.buffer = self.pool.take(end - start)  # None for sizes never pooled
+        if self._receives(end - start):
+            part.buffer = self.pool.take(end - start)  # None if no free buffer fits
         if part.buffer is not None:
-            part.reserved_bytes = end - start
+            part.reserved_bytes = len(part.buffer)
         if not part.reserved_bytes and not demanded:
-            if not self.budget.try_reserve(end - start, reclaim_priority=0):
+            held_bytes = self._held_bytes(end - start)
+            if not self.budget.try_reserve(held_bytes, reclaim_priority=0):
                 return None
-            part.reserved_bytes = end - start
+            part.reserved_bytes = held_bytes
         self.nursery.start_soon(self._run, key, version, part)
         return part
+
+    def _receives(self, size_bytes: int) -> bool:
+        """A part this size is received into a buffer (pooled or fresh), not returned as bytes."""
+        return self.backend.receives_into and size_bytes >= POOLED_BUFFER_MIN_BYTES
+
+    def _held_bytes(self, size_bytes: int) -> int:
+        """The memory a part of this size holds (and reserves) until it is freed."""
+        return self.pool.held_bytes(size_bytes) if self._receives(size_bytes) else size_bytes
 
     async def _run(self, key: str, version: str, part: Part) -> None:
         mark_speculative(part)  # this task's GET waits behind urgent ones until part.urgent
         try:
             with part.cancel_scope:
-                if not part.reserved_bytes:
-                    await self.budget.reserve(part.end - part.start)
-                    part.reserved_bytes = part.end - part.start
                 size_bytes = part.end - part.start
-                if part.buffer is None and self.backend.receives_into and BufferPool.wants(size_bytes):
-                    part.buffer = new_part_buffer(size_bytes)
+                if not part.reserved_bytes:
+                    held_bytes = self._held_bytes(size_bytes)
+                    await self.budget.reserve(held_bytes)
+                    part.reserved_bytes = held_bytes
+                if part.buffer is None and self._receives(size_bytes):
+                    # Its whole reservation: a pooled size, so the pool can take it back.
+                    part.buffer = new_part_buffer(part.reserved_bytes)
                 if part.buffer is not None:
                     got_bytes = await self.backend.read_range_into(key, part.start, part.end, version, part.buffer)
                     data = part.buffer

@@ -291,14 +291,20 @@ def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
     assert warming_early == ["w/shard-000002.tar"]
 
 
-def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
+@pytest.mark.parametrize("read_count, heads_expected", [(2, (2, 3)), (3, (3, 4))])
+def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after(read_count, heads_expected):
     """In a pass (shard 1 opened on the head shard 0 warmed), a 32 MiB window over
-    16 MiB shards runs through the next two shards whole, and no further."""
-    shards, backend = shard_set(5, 16 * MiB)
+    16 MiB shards runs through the next two shards whole, and no further.
+
+    And one window in flight across every boundary, not two: shard 1's handle warmed
+    shards 2 and 3; once it is closed, shard 2's handle takes over shard 3's head
+    and then 4, instead of skipping shard 3 as another reader's and warming 4 and 5
+    on top of it."""
+    shards, backend = shard_set(6, 16 * MiB)
 
     async def body(fs):
         nodes = await shard_nodes(fs, shards)
-        for node in nodes[:2]:
+        for node in nodes[:read_count]:
             fh = await fs.open(node.ino, 0)
             await read_through(fs, fh, 16 * MiB)
             fs.release(fh)
@@ -306,7 +312,7 @@ def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after():
 
     heads = run_fs(backend, body, **SMALL_WINDOW)
     whole = [(i * 4 * MiB, (i + 1) * 4 * MiB) for i in range(4)]
-    assert heads == {"w/shard-000002.tar": whole, "w/shard-000003.tar": whole}
+    assert heads == {f"w/shard-{i:06d}.tar": whole for i in heads_expected}
 
 
 def test_a_shard_opened_out_of_order_beside_a_live_guess_warms_nothing():
@@ -488,6 +494,24 @@ def test_part_buffers_are_reused_and_stay_in_the_budget():
     assert 0 < pooled_bytes <= 64 * MiB
     assert used_bytes >= pooled_bytes  # still in the budget while pooled
     assert pooled_after_demand == 0
+
+
+def test_a_shards_odd_sized_last_part_leaves_a_buffer_the_next_part_fits():
+    """Every buffer a stream leaves fits a later part. A shard's parts here are a 2 MiB
+    demand part, then 8 MiB parts; the last one, of 5 MiB, is received into an 8 MiB
+    buffer, so the next shard's stream reuses all three. Pooled by its exact size it
+    would sit in the pool, fitting no later part."""
+    files = {"x/a.tar": blob(15 * MiB, 15), "y/b.tar": blob(18 * MiB, 16)}  # apart: a does not warm b
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        for path in files:
+            assert await read_all(fs, path, chunk_bytes=1 * MiB) == files[path]
+        return fs.stats["prefetch.buffers_reused"], fs.prefetcher.pool.pooled_bytes
+
+    reused, pooled_bytes = run_fs(backend, body, small_file_bytes=1 * MiB)
+    assert reused == 3
+    assert pooled_bytes == 18 * MiB  # b's three buffers, back in the pool
 
 
 def test_a_buffer_still_viewed_is_never_reused():
