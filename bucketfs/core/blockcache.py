@@ -67,12 +67,9 @@ class BlockCache:
         pieces = await self._blocks_for(key, version, size_bytes, first, last)
         if first == last:  # a memoryview slice: pyfuse3 replies from any buffer, no copy
             return memoryview(pieces[0])[start - first * bs : end - first * bs]
-        out = bytearray()
-        for i, data in zip(range(first, last + 1), pieces):
-            lo = max(start - i * bs, 0)
-            hi = min(end - i * bs, len(data))
-            out += data[lo:hi]
-        return bytes(out)
+        # One copy, into the reply (slicing bytes and growing a bytearray made three).
+        return b"".join(memoryview(data)[max(start - i * bs, 0) : min(end - i * bs, len(data))]
+                        for i, data in zip(range(first, last + 1), pieces))
 
     def holds(self, key: str, version: str, offset: int) -> bool:
         """The block at `offset` is cached or on its way (no fetch needed for it)."""
