@@ -1,7 +1,7 @@
 """A store that stops answering, through a real mount: readers get EIO within the
 configured timeouts (never a hang, never wrong bytes), cached metadata keeps being
-served, failures are not cached, and once the store answers again the same files
-read back correctly from the same daemon.
+served, failures are not cached (a failed listing is not an empty directory), and
+once the store answers again the same files read back correctly from the same daemon.
 
 The store is a private server (`rclone serve s3`, or the GCS emulator) frozen with
 SIGSTOP: its sockets stay open and accept connections, but nothing answers, which is
@@ -106,6 +106,7 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
     bucket = server.new_bucket()
     files = {f"data/img{i}.jpg": rnd(150_000 + i, i) for i in range(3)}
     files["data/shard-000000.tar"] = rnd(24 * MiB, 10)
+    files["other/never-listed.bin"] = rnd(1000, 11)
     put_many(bucket, files)
     m = mount_factory(server, bucket, "", *store_args, "--read-timeout", str(READ_TIMEOUT_S), "--connect-timeout", "1",
                       "--retries", str(ATTEMPTS), "--part-size", "1M", "--readahead-max", "2M")
@@ -132,6 +133,10 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
             with pytest.raises(OSError) as info:
                 within(EIO_DEADLINE_S, stream_on)
             assert info.value.errno == errno.EIO
+            # A directory not listed yet: EIO, not an empty listing that would stick.
+            with pytest.raises(OSError) as info:
+                within(EIO_DEADLINE_S, lambda: os.listdir(m.path("other")))
+            assert info.value.errno == errno.EIO
             # Metadata comes from the cache: the frozen store is never asked.
             assert within(EIO_DEADLINE_S, lambda: sorted(os.listdir(m.path("data")))) == names
             assert within(EIO_DEADLINE_S, lambda: os.stat(m.path("data", "img2.jpg")).st_size) == len(files["data/img2.jpg"])
@@ -140,6 +145,7 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
         assert sha(within(EIO_DEADLINE_S, lambda: os.pread(fd, len(shard), 0))) == sha(shard)
     finally:
         os.close(fd)
+    assert os.listdir(m.path("other")) == ["never-listed.bin"]
     for key, data in files.items():
         assert sha(read_all(m.path(key))) == sha(data), key
     assert m.proc.poll() is None, "the daemon died"
