@@ -15,8 +15,8 @@ Invariants:
   yet opened in this pass (never a shard another open handle is warming; if another
   reader opens one first, the next free one; a head whose warming handle was closed,
   such as the reader's previous shard's, is taken over). Bytes in flight stay one
-  window per reader, across boundaries, so the reader does not stall there. How far it goes
-  is decided at open from what the loader has shown (`_shard_warming`): a shard
+  window per reader, across boundaries, so the reader does not stall there. How far
+  it goes is decided at open from what the loader has shown (`_shard_warming`): a shard
   opened on a warmed head continues at once, through up to SHARD_WARM_TARGETS_MAX
   shards; one opened cold starts a pass with one shard, once `SHARD_WARM_FRACTION`
   is read; one opened cold while other heads here are warming (shuffled shards)

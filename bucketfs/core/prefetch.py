@@ -175,8 +175,8 @@ class BufferPool:
         if sys.getrefcount(buf) > 3:  # the caller's name, this argument, getrefcount's argument
             self.stats["prefetch.buffers_still_viewed"] += 1
             return False
-        if len(buf) != self.held_bytes(len(buf)) or self.pooled_bytes + len(buf) > self.max_bytes:
-            return False  # an odd size no later part would fit: it would only fill the pool
+        if self.pooled_bytes + len(buf) > self.max_bytes:
+            return False
         self._free.setdefault(len(buf), []).append(buf)
         self.pooled_bytes += len(buf)
         return True
