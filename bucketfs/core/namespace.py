@@ -37,14 +37,17 @@ NAME_MAX_BYTES = 255
 
 
 class Node:
-    __slots__ = ("ino", "name", "parent_ino", "path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version")
+    # One per listed entry for the mount's lifetime, so every byte here is paid per
+    # object (an ImageNet is 1.28M of them): files keep no path string of their own.
+    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version")
 
-    def __init__(self, ino, name, parent_ino, path, is_dir, size_bytes=0, mtime_ns=0, version=""):
+    def __init__(self, ino, name, parent, is_dir, size_bytes=0, mtime_ns=0, version=""):
         self.ino = ino
         self.name = name
-        self.parent_ino = parent_ino
-        self.path = path  # key relative to the mount prefix; directories end with '/'
+        self.parent = parent if parent is not None else self  # the root is its own parent
         self.is_dir = is_dir
+        # Directories keep their key prefix (few, and every listing needs it).
+        self.dir_path = (self.parent.dir_path + name + "/" if name else "") if is_dir else None
         self.size_bytes = size_bytes
         self.mtime_ns = mtime_ns
         self.version = version
@@ -52,6 +55,15 @@ class Node:
         # The version whose last byte was handed to the kernel: with keep_cache its
         # pages are likely still in the page cache, so an open need not fetch eagerly.
         self.served_version = ""
+
+    @property
+    def path(self) -> str:
+        """Key relative to the mount prefix; directories end with '/'."""
+        return self.dir_path if self.is_dir else self.parent.dir_path + self.name
+
+    @property
+    def parent_ino(self) -> int:
+        return self.parent.ino
 
     def __repr__(self):
         return f"Node({self.ino}, {self.path!r}, dir={self.is_dir}, size={self.size_bytes}, v={self.version})"
@@ -98,8 +110,8 @@ class Namespace:
         self.stats = stats
         self.metadata_ttl_s = metadata_ttl_s
         self.mount_time_ns = mount_time_ns
-        self._nodes = {ROOT_INO: Node(ROOT_INO, "", ROOT_INO, "", True, mtime_ns=mount_time_ns)}
-        self._next_ino = ROOT_INO + 1
+        # Indexed by inode number (dense from 1): a list costs 8 bytes per entry, a dict ~50.
+        self._nodes: list = [None, Node(ROOT_INO, "", None, True, mtime_ns=mount_time_ns)]
         self._loading: dict = {}  # ino -> _Loading: the listing in flight
         self._load_errors: dict = {}  # ino -> exception of the last failed listing (for its waiters)
         self._warned_keys: set = set()
@@ -113,14 +125,13 @@ class Namespace:
 
     # -- lookups -------------------------------------------------------------
     def node(self, ino: int) -> Node:
-        try:
+        if 0 < ino < len(self._nodes):
             return self._nodes[ino]
-        except KeyError:
-            raise errors.NotFound(f"inode {ino}") from None
+        raise errors.NotFound(f"inode {ino}")
 
     @property
     def entries_count(self) -> int:
-        return len(self._nodes)
+        return len(self._nodes) - 1
 
     async def lookup(self, parent_ino: int, name: str) -> Node:
         listing = await self.listing(parent_ino)
@@ -231,11 +242,9 @@ class Namespace:
             existing = self._nodes[old_ino]
             if existing.is_dir == is_dir:
                 return existing  # same name, same kind: keep the inode the kernel knows
-        ino = self._next_ino
-        self._next_ino += 1
-        path = parent.path + name + ("/" if is_dir else "")
-        child = Node(ino, name, parent.ino, path, is_dir, mtime_ns=self.mount_time_ns)
-        self._nodes[ino] = child
+        ino = len(self._nodes)
+        child = Node(ino, name, parent, is_dir, mtime_ns=self.mount_time_ns)
+        self._nodes.append(child)
         return child
 
     # -- listing ahead of a walk ---------------------------------------------
@@ -252,13 +261,13 @@ class Namespace:
         if node.ino == ROOT_INO or listing.walk_counted:
             return
         listing.walk_counted = True  # count each directory once, however often it is walked
-        parent = self._nodes[node.parent_ino].listing
+        parent = node.parent.listing
         if parent is None:
             return
         parent.children_walked += 1
         class_like = parent.dirs_count >= LIST_AHEAD_EAGER_DIRS and 2 * parent.dirs_count >= len(parent.children)
         if parent.children_walked >= 2 or class_like:
-            self._schedule_ahead(self._nodes[node.parent_ino], parent)
+            self._schedule_ahead(node.parent, parent)
 
     def _schedule_ahead(self, node: Node, listing: Listing) -> None:
         """List the subdirectories of `node` concurrently, one level ahead of the walker."""

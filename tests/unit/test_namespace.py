@@ -254,3 +254,43 @@ def test_walking_one_directory_twice_does_not_list_its_neighbours():
         return backend.requests["list"]
 
     assert run_fs(backend, body) == 4  # root, walked, d1, d2: never other1..3
+
+
+def test_memory_per_listed_entry_is_bounded():
+    """Every listed object stays in memory for the mount's lifetime (an ImageNet is
+    1.28M of them), so its cost is a figure users plan with (README: ~450 B of RSS).
+    The fake backend hands out fresh strings and ints per page, as a parsed LIST does."""
+    import tracemalloc
+
+    from bucketfs.backends.base import ListPage, ObjectInfo
+
+    dirs_count, files_per_dir = 20, 1000
+    backend = MemoryBackend({
+        f"train/n{d:08d}/n{d:08d}_{i:05d}.JPEG": b"" for d in range(dirs_count) for i in range(files_per_dir)
+    })
+    list_page = backend.list_page
+
+    async def fresh_page(prefix, token=None):
+        page = await list_page(prefix, token)
+        fresh = [ObjectInfo(o.key[:], 110_000 + i, 1_700_000_000_123_000_000 + i, '"%032x"' % hash(o.key))
+                 for i, o in enumerate(page.objects)]
+        return ListPage(fresh, page.prefixes, page.next_token)
+
+    backend.list_page = fresh_page
+
+    async def body(fs):
+        train = await resolve(fs, "train")
+        tracemalloc.start()
+        try:
+            for node in await fs.ns.list_dir(train.ino):
+                await fs.ns.list_dir(node.ino)
+            held_bytes, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert fs.ns.entries_count == 2 + dirs_count + dirs_count * files_per_dir  # root, train/
+        return held_bytes / (dirs_count * files_per_dir)
+
+    per_entry_bytes = run_fs(backend, body)
+    # 400 today (Node 112, name, ETag, size, mtime, inode number, table slots); 532
+    # when every file kept its own path string and the inode table was a dict.
+    assert per_entry_bytes < 450, per_entry_bytes
