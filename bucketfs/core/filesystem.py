@@ -245,7 +245,7 @@ class Filesystem:
         """(key, node) of the shards after `node` in listing order, generated lazily; none
         past the last (no wrap-around: the next epoch's order is the loader's, often
         shuffled)."""
-        listing = self.ns.node(node.parent_ino).listing
+        listing = node.parent.listing
         if listing is None:
             return
         names = listing.names_sorted
