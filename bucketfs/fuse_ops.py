@@ -14,6 +14,7 @@ import os
 import stat as stat_mod
 
 import pyfuse3
+import trio
 
 from bucketfs import errors
 from bucketfs.metrics import STATS_XATTR, encode_stats
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 BLKSIZE_BYTES = 1024 * 1024
 # Cached attribute replies (~200 B each): enough for a 200k-file working set.
 ATTRS_CACHE_MAX_COUNT = 200_000
+# Vanished names waiting to be invalidated in the kernel (~100 B each). Past this,
+# one is skipped: the kernel still lets go of it at revalidation or memory pressure.
+INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
 
 
 def errno_for(exc: BaseException) -> int:
@@ -59,6 +63,16 @@ def fuse_errors(fn):
     return wrapper
 
 
+def _invalidate_entries(entries) -> None:
+    for parent_ino, name in entries:
+        try:
+            pyfuse3.invalidate_entry(parent_ino, name)
+        except FileNotFoundError:
+            pass  # the kernel had already let go of it
+        except OSError as exc:  # e.g. the mount is going away: nothing left to invalidate
+            log.debug("invalidating %r in inode %d: %s", name, parent_ino, exc)
+
+
 def _read_only(name):
     async def handler(self, *args, **kwargs):
         self.fs.stats["errors.EROFS"] += 1
@@ -85,6 +99,39 @@ class FuseOperations(pyfuse3.Operations):
         # Immutable mode: a node's attributes never change, so build each reply once
         # (a cached walk of 20,000 entries spent most of its time building them).
         self._attrs_cache = {} if config.immutable else None
+        # With a TTL, the namespace drops vanished nodes once the kernel lets go of
+        # them: it needs every entry reply counted (lookup, READDIRPLUS) and every FORGET.
+        self._ns = fs.ns
+        self._count_lookups = fs.ns.tracks_lookups
+        self._vanished_tx, self._vanished_rx = trio.open_memory_channel(INVALIDATIONS_QUEUED_MAX_COUNT)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Once mounted: with a TTL, tell the kernel about names that vanished."""
+        if self._count_lookups:
+            self._ns.on_vanished = self._note_vanished
+            nursery.start_soon(self._invalidate_vanished)
+
+    def _note_vanished(self, parent_ino: int, name: str) -> None:
+        try:
+            self._vanished_tx.send_nowait((parent_ino, os.fsencode(name)))
+        except trio.WouldBlock:
+            self.fs.stats["namespace.invalidations_skipped"] += 1
+
+    async def _invalidate_vanished(self) -> None:
+        """Invalidate vanished names in the kernel, so it FORGETs their inodes and the
+        namespace drops their nodes; otherwise their dentries (and our nodes) stay
+        until memory pressure. In a thread: the call blocks while a request on the
+        parent is in flight, and that request needs this event loop to finish.
+        Batched: one thread hop per re-listing, not per name."""
+        async for first in self._vanished_rx:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._vanished_rx.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await trio.to_thread.run_sync(_invalidate_entries, batch)
+            self.fs.stats["namespace.invalidations"] += len(batch)
 
     def _attrs(self, node) -> pyfuse3.EntryAttributes:
         if self._attrs_cache is not None:
@@ -126,6 +173,8 @@ class FuseOperations(pyfuse3.Operations):
             attrs.st_ino = 0
             attrs.entry_timeout = self.negative_timeout_s
             return attrs
+        if self._count_lookups:
+            self._ns.note_lookup(node)
         return self._attrs(node)
 
     @fuse_errors
@@ -138,9 +187,14 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def readdir(self, fh, start_id, token):
+        counting = self._count_lookups
         for i, node in enumerate(self.fs.readdir(fh, start_id), start=start_id + 1):
+            if counting and not self._ns.is_live(node):
+                continue  # dropped since this handle's snapshot: it vanished, and its number must not reach the kernel again
             if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(node), i):
                 return
+            if counting:
+                self._ns.note_lookup(node)  # a READDIRPLUS entry counts as a lookup
 
     @fuse_errors
     async def releasedir(self, fh):
@@ -198,8 +252,14 @@ class FuseOperations(pyfuse3.Operations):
         self.fs.release(fh)
 
     async def forget(self, inode_list):
-        # Inodes live as long as the mount (the namespace never reuses a number).
-        return
+        # No reply and no errno: a failure here is logged, never raised.
+        if not self._count_lookups:
+            return  # immutable: nodes live as long as the mount
+        try:
+            for ino, count in inode_list:
+                self._ns.forget(ino, count)
+        except Exception:  # noqa: BLE001 - the daemon must never die on one request
+            log.exception("forget failed")
 
     # -- every write operation is EROFS ----------------------------------------
     setattr = _read_only("setattr")

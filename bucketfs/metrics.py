@@ -42,6 +42,7 @@ _SIMPLE = [
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
     ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest reservation seen", "gauge"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
+    ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
     ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),
 ]

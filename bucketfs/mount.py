@@ -209,6 +209,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
             except RuntimeError as exc:
                 raise errors.UserError(f"mount {config.mountpoint} failed: {exc}", errors.EXIT_MOUNT_FAILED) from None
             mounted = True
+            ops.start(nursery)
             log.info("mounted %s on %s", config.url, config.mountpoint)
             if config.metrics_port:
                 from bucketfs.metrics import start_metrics_server

@@ -11,8 +11,12 @@ Invariants:
 - Size, mtime and version come from the listing: lookup and getattr of a listed
   entry cost no request. Listings are cached for `metadata_ttl_s` (forever in the
   immutable default), so a name absent from a fresh listing is a cached negative.
-- One inode number per (parent, name, kind) for the mount's lifetime: the kernel
-  may hold it at any time, so nodes are never reused for another object.
+- One inode number per (parent, name, kind), never reused for another object: the
+  kernel may hold it at any time. With a TTL, a node whose object left the listing
+  is dropped once the kernel holds no reference to it (its lookup count, which
+  entry replies raise and FORGET lowers, is zero), so memory follows what is
+  listed, not every object ever seen. Every entry of a live directory's current
+  listing is a live node.
 - Concurrent misses on one directory share one listing (single flight).
 """
 
@@ -39,7 +43,7 @@ NAME_MAX_BYTES = 255
 class Node:
     # One per listed entry for the mount's lifetime, so every byte here is paid per
     # object (an ImageNet is 1.28M of them): files keep no path string of their own.
-    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version")
+    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version", "lookups")
 
     def __init__(self, ino, name, parent, is_dir, size_bytes=0, mtime_ns=0, version=""):
         self.ino = ino
@@ -55,6 +59,7 @@ class Node:
         # The version whose last byte was handed to the kernel: with keep_cache its
         # pages are likely still in the page cache, so an open need not fetch eagerly.
         self.served_version = ""
+        self.lookups = 0  # the kernel's references (counted with a TTL only): Namespace.forget
 
     @property
     def path(self) -> str:
@@ -112,6 +117,14 @@ class Namespace:
         self.mount_time_ns = mount_time_ns
         # Indexed by inode number (dense from 1): a list costs 8 bytes per entry, a dict ~50.
         self._nodes: list = [None, Node(ROOT_INO, "", None, True, mtime_ns=mount_time_ns)]
+        self._live_count = 1
+        # With a TTL objects come and go, so nodes are dropped when both the listing and
+        # the kernel have let go of them. In the immutable default nothing ever leaves a
+        # listing: no counting on the hot paths.
+        self.tracks_lookups = not math.isinf(metadata_ttl_s)
+        # Called with (parent ino, name) for a vanished name the kernel still holds, so
+        # the FUSE layer can ask the kernel to let go now, not at memory pressure.
+        self.on_vanished = None
         self._loading: dict = {}  # ino -> _Loading: the listing in flight
         self._load_errors: dict = {}  # ino -> exception of the last failed listing (for its waiters)
         self._warned_keys: set = set()
@@ -126,12 +139,17 @@ class Namespace:
     # -- lookups -------------------------------------------------------------
     def node(self, ino: int) -> Node:
         if 0 < ino < len(self._nodes):
-            return self._nodes[ino]
+            node = self._nodes[ino]
+            if node is not None:
+                return node
         raise errors.NotFound(f"inode {ino}")
+
+    def is_live(self, node: Node) -> bool:
+        return self._nodes[node.ino] is node
 
     @property
     def entries_count(self) -> int:
-        return len(self._nodes) - 1
+        return self._live_count
 
     async def lookup(self, parent_ino: int, name: str) -> Node:
         listing = await self.listing(parent_ino)
@@ -234,18 +252,73 @@ class Namespace:
             child = self._child(node, old.get(name), name, False)
             child.size_bytes, child.mtime_ns, child.version = info.size_bytes, info.mtime_ns, info.version
             children[name] = child
+        if self.tracks_lookups and old:
+            self._drop_vanished(node, old, children)
         dirs_count = sum(1 for child in children.values() if child.is_dir)
         return Listing({name: child.ino for name, child in children.items()}, trio.current_time(), dirs_count)
 
     def _child(self, parent: Node, old_ino: Optional[int], name: str, is_dir: bool) -> Node:
         if old_ino is not None:
             existing = self._nodes[old_ino]
-            if existing.is_dir == is_dir:
+            if existing is not None and existing.is_dir == is_dir:
                 return existing  # same name, same kind: keep the inode the kernel knows
         ino = len(self._nodes)
         child = Node(ino, name, parent, is_dir, mtime_ns=self.mount_time_ns)
         self._nodes.append(child)
+        self._live_count += 1
         return child
+
+    # -- the kernel's references (with a TTL) ----------------------------------
+    def note_lookup(self, node: Node) -> None:
+        """The kernel was handed `node` in an entry reply (lookup, or an entry of
+        READDIRPLUS): it holds one more reference until a FORGET returns it."""
+        node.lookups += 1
+
+    def forget(self, ino: int, count: int) -> None:
+        """The kernel dropped `count` references to `ino`. A node left with none, and
+        no longer in its directory's listing, is gone for good: drop it."""
+        if not 0 < ino < len(self._nodes) or ino == ROOT_INO:
+            return
+        node = self._nodes[ino]
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - count)  # never below zero, whatever the kernel sends
+        if node.lookups == 0 and not self._listed(node):
+            self._drop(node)
+
+    @staticmethod
+    def _listed(node: Node) -> bool:
+        listing = node.parent.listing  # None once the parent was dropped
+        return listing is not None and listing.children.get(node.name) == node.ino
+
+    def _drop_vanished(self, parent: Node, old: dict, children: dict) -> None:
+        """After a re-listing: drop the nodes that left it and that the kernel holds no
+        reference to (no FORGET will come for them). The others wait for theirs."""
+        for name, ino in old.items():
+            kept = children.get(name)
+            gone = self._nodes[ino]
+            if (kept is not None and kept.ino == ino) or gone is None:
+                continue
+            if gone.lookups == 0:
+                self._drop(gone)
+            elif self.on_vanished is not None:
+                self.on_vanished(parent.ino, name)
+
+    def _drop(self, node: Node) -> None:
+        """Free `node`'s inode slot; a directory takes with it every entry of its listing
+        the kernel holds no reference to (the rest follow at their FORGET)."""
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            self._nodes[node.ino] = None  # the number is not reused: 8 bytes stay
+            self._live_count -= 1
+            self.stats["namespace.nodes_dropped"] += 1
+            listing, node.listing = node.listing, None
+            if listing is not None:
+                for ino in listing.children.values():
+                    child = self._nodes[ino]
+                    if child is not None and child.parent is node and child.lookups == 0:
+                        stack.append(child)
 
     # -- listing ahead of a walk ---------------------------------------------
     def _note_walk(self, node: Node, listing: Listing) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects)
+                            assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects, wait_for)
 from tests.servers import rclone_s3_server
 
 pytestmark = pytest.mark.integration
@@ -192,3 +192,38 @@ def test_overwrite_mid_read_gives_estale_never_mixed_bytes(request, server_name,
             server.put(bucket, key, data)
 
     assert_overwrite_mid_read_is_stale(lambda *args: mount_factory(server, bucket, "", *args), put_many)
+
+
+def test_ttl_mount_drops_vanished_objects_under_churn(rclone_server, s3_bucket, mount_factory):
+    """With --metadata-ttl, objects that come and go do not pile up in the daemon: a
+    re-listing that no longer shows a name the kernel holds invalidates it in the
+    kernel, the kernel FORGETs the inode, and the daemon drops the node. Live entries
+    follow the listing, not every object ever seen; the names that stay keep serving
+    the right bytes, and the vanished ones are ENOENT."""
+    m = mount_factory(rclone_server, s3_bucket, "", "--metadata-ttl", "0")
+    client = rclone_server.client
+    files_count, rounds, previous = 40, 3, []
+
+    def stats():
+        return json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
+
+    for round_ in range(rounds):
+        names = [f"r{round_}-{i:03d}.bin" for i in range(files_count)]
+        for i, name in enumerate(names):
+            client.put_object(Bucket=s3_bucket, Key=f"churn/{name}", Body=rnd(1000 + i, round_ * 1000 + i))
+        for name in previous:
+            client.delete_object(Bucket=s3_bucket, Key=f"churn/{name}")
+        assert sorted(os.listdir(m.path("churn"))) == names  # READDIRPLUS hands the kernel every entry
+        for i, name in enumerate(names):
+            assert os.stat(m.path("churn", name)).st_size == 1000 + i  # and so does each lookup
+        previous = names
+    # Nobody touched the vanished names again: the invalidations alone let them go.
+    # Left: the root, churn/ and the last round.
+    wait_for(lambda: stats()["namespace.entries"] == 2 + files_count, 20, "vanished nodes dropped")
+    after = stats()
+    assert after["namespace.nodes_dropped"] == (rounds - 1) * files_count
+    assert after["namespace.invalidations"] == (rounds - 1) * files_count
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.path("churn", "r0-007.bin"))
+    with open(m.path("churn", previous[7]), "rb") as f:
+        assert f.read() == rnd(1007, (rounds - 1) * 1000 + 7)

@@ -198,6 +198,74 @@ def test_metadata_ttl_relists_and_keeps_inode():
     assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1) == (True, True, 5, 3)
 
 
+def test_ttl_drops_a_vanished_node_once_the_kernel_lets_go():
+    """With a TTL, memory follows what is listed: a node whose object left the listing
+    is dropped when the kernel holds no reference to it (at the re-listing, or at its
+    last FORGET); a listed node never is, and no inode number is reused."""
+    backend = MemoryBackend({"d/held": b"1", "d/unseen": b"2", "d/stays": b"3"})
+
+    async def body(fs):
+        ns = fs.ns
+        d = await fs.lookup(1, "d")
+        held, stays, unseen = await ns.list_dir(d.ino)  # listing order
+        ns.note_lookup(held)  # the kernel was handed `held` (a lookup or a READDIRPLUS entry)
+        ns.note_lookup(held)
+        entries_before = ns.entries_count
+        backend.delete("d/held")
+        backend.delete("d/unseen")
+        await trio.sleep(0.2)
+        assert [n.name for n in await ns.list_dir(d.ino)] == ["stays"]
+        with pytest.raises(errors.NotFound):
+            ns.node(unseen.ino)  # no reference: dropped at the re-listing
+        assert ns.node(held.ino) is held  # the kernel may still name it
+        ns.forget(held.ino, 1)
+        assert ns.node(held.ino) is held  # one reference left
+        ns.forget(held.ino, 1)
+        with pytest.raises(errors.NotFound):
+            ns.node(held.ino)
+        ns.forget(stays.ino, 3)  # more than it was counted: still listed, so kept
+        assert ns.node(stays.ino) is stays
+        backend.put("d/held", b"again")
+        await trio.sleep(0.2)
+        again = await fs.lookup(d.ino, "held")
+        return entries_before, ns.entries_count, again.ino != held.ino, again.size_bytes, fs.stats["namespace.nodes_dropped"]
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1) == (5, 4, True, 5, 2)
+
+
+def test_ttl_drops_a_vanished_directory_with_its_subtree():
+    backend = MemoryBackend({"d/x/held": b"1", "d/x/free": b"2", "d/y": b"3"})
+
+    async def body(fs):
+        ns = fs.ns
+        d = await fs.lookup(1, "d")
+        x = await fs.lookup(d.ino, "x")
+        free, held = await ns.list_dir(x.ino)  # listing order
+        ns.note_lookup(x)
+        ns.note_lookup(held)
+        for key in ("d/x/held", "d/x/free"):
+            backend.delete(key)
+        await trio.sleep(0.2)
+        assert [n.name for n in await ns.list_dir(d.ino)] == ["y"]
+        alive = [ns.is_live(n) for n in (x, held, free)]  # x is held: its listing stays as it was
+        ns.forget(x.ino, 1)  # x goes, and with it `free`; `held` waits for its own FORGET
+        after_x = [ns.is_live(n) for n in (x, held, free)]
+        ns.forget(held.ino, 1)
+        return alive, after_x, ns.is_live(held), ns.entries_count
+
+    result = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1)
+    assert result == ([True, True, True], [False, True, False], False, 3)  # root, d, y
+
+
+def test_immutable_default_counts_no_lookups():
+    backend = MemoryBackend({"f": b"one"})
+
+    async def body(fs):
+        return fs.ns.tracks_lookups
+
+    assert run_fs(backend, body) is False
+
+
 def test_immutable_default_never_relists():
     backend = MemoryBackend({"f": b"one"})
 
@@ -293,6 +361,6 @@ def test_memory_per_listed_entry_is_bounded():
         return held_bytes / (dirs_count * files_per_dir)
 
     per_entry_bytes = run_fs(backend, body)
-    # ~406 today (Node 112, name, ETag, size, mtime, inode number, table slots); ~516
+    # ~413 today (Node 120, name, ETag, size, mtime, inode number, table slots); ~516
     # when every file kept its own path string and the inode table was a dict.
     assert per_entry_bytes < 450, per_entry_bytes

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Daemon memory under churn with --metadata-ttl: does it follow the bucket?
+
+A prefix that changes while mounted (`--metadata-ttl`) sees objects come and go.
+This starts the local S3 server (`rclone serve s3`), mounts a bucket with a short
+TTL, and for each round replaces every object in one folder with new names, then
+lists and `stat`s the folder through the mount (as a loader's rescan would). After
+each round it prints the daemon's live namespace entries, the nodes dropped so far,
+and its RSS; at the end, the same after the kernel drops its dentry cache
+(needs root). Entries that track the folder's size mean bounded memory; entries
+that grow by the folder's size each round mean every object ever seen is kept.
+
+    python scripts/churn.py                       # 5,000 objects, 6 rounds
+    python scripts/churn.py --objects 20000 --rounds 10
+
+Not part of CI (tests/integration/test_mount_s3.py checks the behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+STATS_XATTR = "user.bucketfs.stats"
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("VmRSS"))
+    return int(line.split()[1]) * 1024
+
+
+def report(label: str, mount, elapsed_s: float | None = None) -> None:
+    stats = json.loads(os.getxattr(mount.mountpoint, STATS_XATTR))
+    took = f" in {elapsed_s:.2f} s" if elapsed_s is not None else ""
+    print(f"{label}{took}: live entries {stats['namespace.entries']:,}, dropped {stats.get('namespace.nodes_dropped', 0):,}, "
+          f"daemon RSS {rss_bytes(mount.proc.pid) / 1e6:.0f} MB", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--objects", type=int, default=5000, help="objects in the folder, replaced each round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--ttl", type=float, default=0.5, help="--metadata-ttl of the mount, seconds")
+    args = parser.parse_args()
+
+    from tests.mounting import bucketfs_mount
+    from tests.servers import rclone_s3_server
+
+    with tempfile.TemporaryDirectory(prefix="bucketfs-churn-") as work:
+        work_dir = pathlib.Path(work)
+        with rclone_s3_server(work_dir / "s3") as server:
+            bucket = server.new_bucket()
+            folder = server.root_dir / bucket / "live"
+            folder.mkdir(parents=True)
+            env = dict(os.environ, **server.env())
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+            mountpoint = work_dir / "mnt"
+            mountpoint.mkdir()
+            with bucketfs_mount(f"s3://{bucket}/", str(mountpoint), str(work_dir / "bucketfs.log"), endpoint_url=server.endpoint_url,
+                                env=env, extra_args=["--metadata-ttl", str(args.ttl)]) as mount:
+                previous: list = []
+                for round_ in range(args.rounds):
+                    names = [f"r{round_}-{i:06d}" for i in range(args.objects)]
+                    for name in names:
+                        (folder / name).write_bytes(b"x")  # on disk: seeding over S3 would dominate the run
+                    for name in previous:
+                        (folder / name).unlink()
+                    server.rclone_rc("vfs/forget")
+                    time.sleep(args.ttl * 1.2)  # let the mount's listing expire
+                    started_s = time.perf_counter()
+                    listed = os.listdir(mount.path("live"))
+                    if sorted(listed) != names:
+                        print(f"round {round_}: listing wrong ({len(listed)} names)", file=sys.stderr)
+                        return 1
+                    for name in names:
+                        os.stat(mount.path("live", name))
+                    report(f"round {round_}", mount, time.perf_counter() - started_s)
+                    previous = names
+                try:
+                    with open("/proc/sys/vm/drop_caches", "w") as f:
+                        f.write("2")  # dentries and inodes: the kernel FORGETs what it held
+                    time.sleep(1.0)  # FORGETs arrive asynchronously
+                    report("after the kernel dropped its dentries", mount)
+                except PermissionError:
+                    print("(not root: the kernel's dentry cache was not dropped)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
