@@ -234,9 +234,10 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         fh = await self.fs.open(inode, flags)
-        # keep_cache: the immutable default keeps the page cache across opens, so a
-        # second epoch never reaches the daemon.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=self.config.immutable, direct_io=False)
+        # keep_cache: the page cache stays across opens, so a second epoch never
+        # reaches the daemon. Safe with a TTL too: an inode is one version of an
+        # object (a changed object gets a new inode), so its pages are that version's.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @fuse_errors
     async def read(self, fh, off, size):

@@ -8,7 +8,10 @@ GetObject. Invariants:
   bounded in one place.
 - A read pinned to a version returns bytes of exactly that version or raises
   ObjectChanged. We send If-Match AND compare the ETag of the response, because
-  some servers (rclone serve s3) ignore If-Match.
+  some servers (rclone serve s3) ignore If-Match. A read we cannot verify is not
+  served: an answer without an ETag, or a pin that is empty (a listing without an
+  ETag), is ObjectChanged too. rclone answers both ways for an object being
+  rewritten, and served as is they cut a new version at the old size.
 - ETags are normalised (quotes stripped): LIST answers them unquoted on some
   servers, HEAD and GET always quote them.
 - `requests` counts the calls the core made, by type; retries of one call are
@@ -244,8 +247,8 @@ class S3Backend(Backend):
             data = await self.confirm_past_end(key, version)
             return data if buffer is None else 0
         etag, body = result
-        if etag and etag != version:
-            raise errors.ObjectChanged(f"{key}: version {version} is now {etag}")
+        if etag != version or not etag:
+            raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
         self.bytes_fetched += body if buffer is not None else len(body)
         return body
 

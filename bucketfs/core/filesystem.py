@@ -7,9 +7,10 @@ Invariants:
   (ESTALE), never bytes of two versions.
 - Small files (size <= small_file_bytes, known from the listing) start one GET for
   the whole object at open, so a sample costs one request however the kernel
-  splits its READs. Not when the kernel was already given the whole file in the
-  immutable mode (keep_cache): a second epoch is served from the page cache and
-  must not cost a GET. If the kernel did evict it, the first READ fetches it whole.
+  splits its READs. Not when the kernel was already given the whole file (the
+  page cache is kept across opens, and a node is one version): a second epoch is
+  served from the page cache and must not cost a GET. If the kernel did evict it,
+  the first READ fetches it whole.
 - Shard-like files: once a reader's read-ahead window reaches past the shard's
   end, the window continues into the heads of the next shards in listing order not
   yet opened in this pass (never a shard another open handle is warming; if another
@@ -121,7 +122,7 @@ class Filesystem:
         fh = next(self._fh_counter)
         if node.size_bytes <= self.config.small_file_bytes:
             reader = None
-            if not (self.config.immutable and node.served_version == node.version):
+            if not node.served:
                 self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
             self.stats["open.small"] += 1
         else:
@@ -158,7 +159,7 @@ class Filesystem:
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
         if end == handle.size_bytes:
-            handle.node.served_version = handle.version
+            handle.node.served = True
         return data
 
     def release(self, fh: int) -> None:

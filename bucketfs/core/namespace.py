@@ -11,12 +11,18 @@ Invariants:
 - Size, mtime and version come from the listing: lookup and getattr of a listed
   entry cost no request. Listings are cached for `metadata_ttl_s` (forever in the
   immutable default), so a name absent from a fresh listing is a cached negative.
-- One inode number per (parent, name, kind), never reused for another object: the
-  kernel may hold it at any time. With a TTL, a node whose object left the listing
-  is dropped once the kernel holds no reference to it (its lookup count, which
-  entry replies raise and FORGET lowers, is zero), so memory follows what is
-  listed, not every object ever seen. Every entry of a live directory's current
-  listing is a live node.
+- An inode is one version of an object: a file node's size, mtime and version
+  never change. A re-listing that shows another version (or size) of a name gives
+  it a new node and inode number, so the kernel never holds attributes of one
+  version for a handle reading another (it once cut a new version at the old
+  size), and its page cache for an inode is always that version's bytes. An open
+  of a node that is no longer listed is ESTALE, which makes the kernel look the
+  path up again and open the current one. Directories keep their inode.
+- Inode numbers are never reused: the kernel may hold one at any time. With a TTL,
+  a node that left the listing is dropped once the kernel holds no reference to
+  it (its lookup count, which entry replies raise and FORGET lowers, is zero), so
+  memory follows what is listed, not every object ever seen. Every entry of a live
+  directory's current listing is a live node.
 - Concurrent misses on one directory share one listing (single flight).
 """
 
@@ -43,7 +49,7 @@ NAME_MAX_BYTES = 255
 class Node:
     # One per listed entry for the mount's lifetime, so every byte here is paid per
     # object (an ImageNet is 1.28M of them): files keep no path string of their own.
-    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served_version", "lookups")
+    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served", "lookups")
 
     def __init__(self, ino, name, parent, is_dir, size_bytes=0, mtime_ns=0, version=""):
         self.ino = ino
@@ -56,9 +62,9 @@ class Node:
         self.mtime_ns = mtime_ns
         self.version = version
         self.listing: Optional[Listing] = None
-        # The version whose last byte was handed to the kernel: with keep_cache its
-        # pages are likely still in the page cache, so an open need not fetch eagerly.
-        self.served_version = ""
+        # Its last byte was handed to the kernel: with keep_cache its pages are likely
+        # still in the page cache, so an open need not fetch eagerly.
+        self.served = False
         self.lookups = 0  # the kernel's references (counted with a TTL only): Namespace.forget
 
     @property
@@ -165,8 +171,12 @@ class Namespace:
         return [self._nodes[listing.children[n]] for n in listing.names_sorted]
 
     async def refresh_file(self, node: Node) -> Node:
-        """In TTL mode, re-list the parent if stale so an open pins the current version."""
+        """In TTL mode, re-list the parent if stale, so an open pins the current version:
+        a node that is no longer listed (changed or gone) is ESTALE, and the kernel
+        then looks the path up again (LOOKUP_REVAL) and opens what is there now."""
         await self.listing(node.parent_ino)
+        if not self._listed(node):
+            raise errors.ObjectChanged(f"{node.path}: changed or gone since it was looked up")
         return node
 
     async def listing(self, ino: int) -> Listing:
@@ -238,7 +248,7 @@ class Namespace:
             if not valid_component(name):
                 self._warn_once(common, "not a valid directory name")
                 continue
-            children[name] = self._child(node, old.get(name), name, True)
+            children[name] = self._child(node, old.get(name), name, True, None)
         for info in objects:
             name = info.key[len(prefix):]
             if name == "":
@@ -249,21 +259,24 @@ class Namespace:
             if name in children:
                 self._warn_once(info.key, "a prefix of the same name exists; the directory wins")
                 continue
-            child = self._child(node, old.get(name), name, False)
-            child.size_bytes, child.mtime_ns, child.version = info.size_bytes, info.mtime_ns, info.version
-            children[name] = child
+            children[name] = self._child(node, old.get(name), name, False, info)
         if self.tracks_lookups and old:
             self._drop_vanished(node, old, children)
         dirs_count = sum(1 for child in children.values() if child.is_dir)
         return Listing({name: child.ino for name, child in children.items()}, trio.current_time(), dirs_count)
 
-    def _child(self, parent: Node, old_ino: Optional[int], name: str, is_dir: bool) -> Node:
+    def _child(self, parent: Node, old_ino: Optional[int], name: str, is_dir: bool, info) -> Node:
+        """The node for a listed entry (`info`: the object's ObjectInfo; None for a directory)."""
         if old_ino is not None:
             existing = self._nodes[old_ino]
-            if existing is not None and existing.is_dir == is_dir:
-                return existing  # same name, same kind: keep the inode the kernel knows
+            if existing is not None and existing.is_dir == is_dir and (
+                    is_dir or (existing.version, existing.size_bytes) == (info.version, info.size_bytes)):
+                return existing  # the same directory, or the same version: keep the inode the kernel knows
         ino = len(self._nodes)
-        child = Node(ino, name, parent, is_dir, mtime_ns=self.mount_time_ns)
+        if is_dir:
+            child = Node(ino, name, parent, True, mtime_ns=self.mount_time_ns)
+        else:
+            child = Node(ino, name, parent, False, info.size_bytes, info.mtime_ns, info.version)
         self._nodes.append(child)
         self._live_count += 1
         return child

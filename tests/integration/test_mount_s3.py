@@ -1,5 +1,6 @@
 """Real mounts of a real S3 server (rclone serve s3 on 127.0.0.1): reads, names, EROFS, versions."""
 
+import errno
 import hashlib
 import json
 import mmap
@@ -227,3 +228,31 @@ def test_ttl_mount_drops_vanished_objects_under_churn(rclone_server, s3_bucket, 
         os.stat(m.path("churn", "r0-007.bin"))
     with open(m.path("churn", previous[7]), "rb") as f:
         assert f.read() == rnd(1007, (rounds - 1) * 1000 + 7)
+
+
+def test_ttl_mount_a_rewritten_object_is_a_new_file(rclone_server, s3_bucket, mount_factory):
+    """With --metadata-ttl, an object rewritten with another size is a new inode: a file
+    opened before keeps the old version's size and reads its bytes (or ESTALE), a new
+    open reads the whole new version. Never one version's bytes at the other's size
+    (the kernel used to cut a new version at the old size)."""
+    client = rclone_server.client
+    old, new = rnd(550, 1), rnd(600, 2)
+    client.put_object(Bucket=s3_bucket, Key="v/f", Body=old)
+    m = mount_factory(rclone_server, s3_bucket, "", "--metadata-ttl", "0")
+    path = m.path("v", "f")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        before = os.fstat(fd)
+        assert before.st_size == len(old)
+        client.put_object(Bucket=s3_bucket, Key="v/f", Body=new)
+        after = os.stat(path)
+        assert (after.st_size, after.st_ino != before.st_ino) == (len(new), True)
+        assert os.fstat(fd).st_size == len(old)  # the open file is still the old version
+        with open(path, "rb") as f:
+            assert f.read() == new
+        try:
+            assert os.pread(fd, 4096, 0) == old  # fetched whole at open (a small file)
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE
+    finally:
+        os.close(fd)

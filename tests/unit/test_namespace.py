@@ -181,21 +181,35 @@ def test_class_tree_is_listed_ahead_from_its_first_class_only():
     assert ahead == 13
 
 
-def test_metadata_ttl_relists_and_keeps_inode():
-    backend = MemoryBackend({"f": b"one"})
+def test_metadata_ttl_gives_a_changed_object_a_new_inode():
+    """With a TTL, a re-listing that shows a new version of a name gives it a new inode,
+    so the kernel never pairs one version's size with another's bytes; an unchanged
+    object and a directory keep theirs. An open of the old inode is ESTALE (the kernel
+    then looks the path up again), and the new inode opens and reads the new bytes."""
+    backend = MemoryBackend({"d/f": b"one", "d/same": b"s"})
 
     async def body(fs):
-        node = await fs.lookup(1, "f")
-        v1 = node.version
-        backend.put("f", b"three")
-        backend.put("g", b"new")
+        d = await fs.lookup(1, "d")
+        old = await fs.lookup(d.ino, "f")
+        same = await fs.lookup(d.ino, "same")
+        backend.put("d/f", b"three")
+        backend.put("d/g", b"new")
         await trio.sleep(0.2)
-        node2 = await fs.lookup(1, "f")
-        g = await fs.lookup(1, "g")
-        return node.ino == node2.ino, v1 != node2.version, node2.size_bytes, g.size_bytes
+        with pytest.raises(errors.ObjectChanged):
+            await fs.open(old.ino, 0)  # the listing is re-read at open: this inode is not what is there now
+        new = await fs.lookup(d.ino, "f")
+        fh = await fs.open(new.ino, 0)
+        try:
+            data = await fs.read(fh, 0, 100)
+        finally:
+            fs.release(fh)
+        return ((await fs.lookup(1, "d")).ino == d.ino, (await fs.lookup(d.ino, "same")).ino == same.ino,
+                new.ino != old.ino, (old.size_bytes, old.version != new.version, new.size_bytes), data,
+                (await fs.lookup(d.ino, "g")).size_bytes)
 
     # A mock clock: the TTL expires in virtual time, not by waiting.
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1) == (True, True, 5, 3)
+    result = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1)
+    assert result == (True, True, True, (3, True, 5), b"three", 3)
 
 
 def test_ttl_drops_a_vanished_node_once_the_kernel_lets_go():
