@@ -32,6 +32,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def check_object_size(key: str, content_range: Optional[str], object_bytes: Optional[int]) -> None:
+    """ObjectChanged if a `Content-Range: bytes a-b/TOTAL` answer reports another size
+    than the pinned version has. A server that ignores If-Match and serves a rewrite
+    can still name the old ETag (a store whose writes are not atomic); the size is a
+    second witness. Nothing to compare: no header, `*`, or no size given."""
+    if object_bytes is None or not content_range:
+        return
+    total = content_range.rpartition("/")[2].strip()
+    if total.isdigit() and int(total) != object_bytes:
+        raise errors.ObjectChanged(f"{key}: {object_bytes} bytes when listed, {total} now")
+
+
 def copy_into(buffer: bytearray, data: bytes) -> int:
     """`data` written at the start of `buffer`; its length (read_range_into's answer)."""
     buffer[: len(data)] = data
@@ -76,14 +88,17 @@ class Backend(abc.ABC):
         """Metadata of one object; NotFound if it does not exist."""
 
     @abc.abstractmethod
-    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
-        """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed."""
+    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+        """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed.
+        `object_bytes`: the size the object has at `version`; an answer that reports
+        another total size (Content-Range) is ObjectChanged too."""
 
-    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
+    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray,
+                              object_bytes: Optional[int] = None) -> int:
         """Like read_range, into `buffer` (any writable buffer of at least `end - start`
         bytes: a bytearray or an anonymous mmap): the number of bytes written.
         Backends that can receive straight into it override this."""
-        return copy_into(buffer, await self.read_range(key, start, end, version))
+        return copy_into(buffer, await self.read_range(key, start, end, version, object_bytes=object_bytes))
 
     @abc.abstractmethod
     async def check_bucket(self, prefix: str) -> None:

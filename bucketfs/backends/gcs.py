@@ -41,7 +41,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy
+from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_object_size
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class GCSBackend(Backend):
         self.requests["head"] += 1
         return await self.caller.call(f"stat {key}", fetch)
 
-    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         if end <= start:
             return b""
         generation = int(version)
@@ -205,7 +205,7 @@ class GCSBackend(Backend):
                 if response.status_code == 200 and "Content-Range" not in response.headers:
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
-                return data, int(served) if served else None
+                return data, int(served) if served else None, response.headers.get("Content-Range")
             finally:
                 response.close()
 
@@ -216,11 +216,12 @@ class GCSBackend(Backend):
             raise await self._gone_error(key, version) from None
         if result is None:
             return await self.confirm_past_end(key, version)
-        data, served_generation = result
+        data, served_generation, content_range = result
         if served_generation is None:
             served_generation = await self._live_generation_after_read(key)
         if served_generation != generation:
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
+        check_object_size(key, content_range, object_bytes)
         self.bytes_fetched += len(data)
         return data
 

@@ -87,7 +87,7 @@ class MemoryBackend(Backend):
         except KeyError:
             raise errors.NotFound(key) from None
 
-    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
+    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         await self._request("get", key)
         info = self._info.get(key)
         if info is None:

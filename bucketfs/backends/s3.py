@@ -36,7 +36,7 @@ import urllib3.exceptions
 from botocore import UNSIGNED
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, copy_into
+from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_object_size, copy_into
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -162,17 +162,17 @@ class S3Backend(Backend):
         return client.list_objects_v2(**kwargs)
 
     def _get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None):
-        """(etag, bytes), or with `buffer` (etag, bytes written into it); None when the
-        range starts past the end (416)."""
+        """(etag, content_range, bytes), or with `buffer` (etag, content_range, bytes
+        written into it); None when the range starts past the end (416)."""
         if self.lean.usable:
             answer = self.lean.get(key, start, end, version, buffer)
             if answer is not None:
-                status, etag, has_range, body = answer
+                status, etag, content_range, body = answer
                 if status == 416:
                     return None
-                if not has_range:  # a server that ignores Range: the whole object came back
+                if not content_range:  # a server that ignores Range: the whole object came back
                     body = _into(buffer, body[start:end])
-                return normalise_etag(etag), body
+                return normalise_etag(etag), content_range, body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                               IfMatch=f'"{version}"')
@@ -190,7 +190,7 @@ class S3Backend(Backend):
         if not response.get("ContentRange"):
             # A server that ignores Range answers 200 with the whole object.
             data = data[start:end]
-        return normalise_etag(response.get("ETag", "")), _into(buffer, data)
+        return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------
     def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
@@ -228,13 +228,14 @@ class S3Backend(Backend):
         return ObjectInfo(key, response["ContentLength"], _mtime_ns(response["LastModified"]),
                           normalise_etag(response.get("ETag", "")))
 
-    async def read_range(self, key: str, start: int, end: int, version: str) -> bytes:
-        return await self._read(key, start, end, version, None)
+    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+        return await self._read(key, start, end, version, None, object_bytes)
 
-    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> int:
-        return await self._read(key, start, end, version, buffer)
+    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray,
+                              object_bytes: Optional[int] = None) -> int:
+        return await self._read(key, start, end, version, buffer, object_bytes)
 
-    async def _read(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
+    async def _read(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray], object_bytes: Optional[int]):
         """The bytes, or with `buffer` the number of bytes written into it."""
         if end <= start:
             return b"" if buffer is None else 0
@@ -246,9 +247,10 @@ class S3Backend(Backend):
         if result is None:
             data = await self.confirm_past_end(key, version)
             return data if buffer is None else 0
-        etag, body = result
+        etag, content_range, body = result
         if etag != version or not etag:
             raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
+        check_object_size(key, content_range, object_bytes)
         self.bytes_fetched += body if buffer is not None else len(body)
         return body
 

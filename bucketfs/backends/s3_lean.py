@@ -229,7 +229,7 @@ class LeanS3:
             {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
 
     def get(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None) -> Optional[tuple]:
-        """(status, etag, has_content_range, body) of a ranged GET pinned to `version`;
+        """(status, etag, content_range or None, body) of a ranged GET pinned to `version`;
         with `buffer`, a ranged body is received into it and `body` is its length."""
         if not self._resolve():
             return None
@@ -238,7 +238,7 @@ class LeanS3:
         if answer is None:
             return None
         status, headers, body = answer
-        return status, headers.get("ETag", ""), "Content-Range" in headers, body
+        return status, headers.get("ETag", ""), headers.get("Content-Range"), body
 
     def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""

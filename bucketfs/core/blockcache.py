@@ -127,14 +127,14 @@ class BlockCache:
         start, end = run[0] * bs, min((run[-1] + 1) * bs, size_bytes)
         # The fetch runs in its own task, so a reader that gives up (interrupt) does not
         # strand the other waiters of this flight.
-        self.nursery.start_soon(self._fetch, key, version, start, end, run, flight)
+        self.nursery.start_soon(self._fetch, key, version, size_bytes, start, end, run, flight)
         return [(i, flight) for i in run]
 
-    async def _fetch(self, key, version, start, end, run, flight: Flight) -> None:
+    async def _fetch(self, key, version, object_bytes, start, end, run, flight: Flight) -> None:
         reserved_bytes = end - start
         try:
             await self.budget.reserve(reserved_bytes)
-            data = await self.backend.read_range(key, start, end, version)
+            data = await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)
             if len(data) != end - start:
                 raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")
             bs = self.block_size_bytes

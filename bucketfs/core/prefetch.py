@@ -212,8 +212,9 @@ class Prefetcher:
         budget.add_reclaimer(self.HEADS_PRIORITY, self._shed_heads)
         budget.add_reclaimer(self.PARTS_PRIORITY, self._shed_parts)
 
-    def fetch(self, key: str, version: str, start: int, end: int, demanded: bool) -> Optional[Part]:
-        """Start fetching [start, end); None if read-ahead memory is not available."""
+    def fetch(self, key: str, version: str, object_bytes: int, start: int, end: int, demanded: bool) -> Optional[Part]:
+        """Start fetching [start, end) of an object of `object_bytes`; None if read-ahead
+        memory is not available."""
         part = Part(start, end, demanded)
         part.issued_s = trio.current_time()
         if self._receives(end - start):
@@ -225,7 +226,7 @@ class Prefetcher:
             if not self.budget.try_reserve(held_bytes, reclaim_priority=0):
                 return None
             part.reserved_bytes = held_bytes
-        self.nursery.start_soon(self._run, key, version, part)
+        self.nursery.start_soon(self._run, key, version, object_bytes, part)
         return part
 
     def _receives(self, size_bytes: int) -> bool:
@@ -236,7 +237,7 @@ class Prefetcher:
         """The memory a part of this size holds (and reserves) until it is freed."""
         return self.pool.held_bytes(size_bytes) if self._receives(size_bytes) else size_bytes
 
-    async def _run(self, key: str, version: str, part: Part) -> None:
+    async def _run(self, key: str, version: str, object_bytes: int, part: Part) -> None:
         mark_speculative(part)  # this task's GET waits behind urgent ones until part.urgent
         try:
             with part.cancel_scope:
@@ -249,10 +250,11 @@ class Prefetcher:
                     # Its whole reservation: a pooled size, so the pool can take it back.
                     part.buffer = new_part_buffer(part.reserved_bytes)
                 if part.buffer is not None:
-                    got_bytes = await self.backend.read_range_into(key, part.start, part.end, version, part.buffer)
+                    got_bytes = await self.backend.read_range_into(key, part.start, part.end, version, part.buffer,
+                                                                   object_bytes=object_bytes)
                     data = part.buffer
                 else:
-                    data = await self.backend.read_range(key, part.start, part.end, version)
+                    data = await self.backend.read_range(key, part.start, part.end, version, object_bytes=object_bytes)
                     got_bytes = len(data)
                 if got_bytes != size_bytes:
                     raise errors.ObjectChanged(f"{key}: expected {size_bytes} bytes at {part.start}, got {got_bytes}")
@@ -310,7 +312,7 @@ class Prefetcher:
             part_end = min(start + part_size_bytes, size_bytes)
             if part_end > head_end and part_end < size_bytes:
                 break  # never a sliver: the head grows by whole parts
-            part = self.fetch(key, version, start, part_end, demanded=False)
+            part = self.fetch(key, version, size_bytes, start, part_end, demanded=False)
             if part is None:
                 break
             parts.append(part)
@@ -405,7 +407,7 @@ class SequentialStream:
     def _issue(self, start: int, end: int, demanded: bool) -> bool:
         while start < end:
             part_end = min(end, start + self.part_size_bytes)
-            part = self.pf.fetch(self.key, self.version, start, part_end, demanded)
+            part = self.pf.fetch(self.key, self.version, self.size_bytes, start, part_end, demanded)
             if part is None:
                 return False
             self.parts.append(part)

@@ -114,8 +114,8 @@ def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket):
     real_get = backend.lean.get
 
     def get_without_etag(*args, **kwargs):
-        status, _etag, has_range, body = real_get(*args, **kwargs)
-        return status, "", has_range, body
+        status, _etag, content_range, body = real_get(*args, **kwargs)
+        return status, "", content_range, body
 
     async def body():
         version = (await backend.stat("k")).version
@@ -126,6 +126,11 @@ def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket):
             await backend.read_range("k", 0, 10, version)  # the answer names no version
         backend.lean.get = real_get
         assert await backend.read_range("k", 0, 10, version) == b"0123456789"
+        # The size is a second witness: an answer for an object of another size than
+        # the pinned version's (Content-Range: bytes 0-4/10) is not served.
+        with pytest.raises(errors.ObjectChanged):
+            await backend.read_range("k", 0, 5, version, object_bytes=9)
+        assert await backend.read_range("k", 0, 5, version, object_bytes=10) == b"01234"
 
     try:
         trio.run(body)
