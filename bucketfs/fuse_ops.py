@@ -190,7 +190,7 @@ class FuseOperations(pyfuse3.Operations):
         counting = self._count_lookups
         for i, node in enumerate(self.fs.readdir(fh, start_id), start=start_id + 1):
             if counting and not self._ns.is_live(node):
-                continue  # dropped since this handle's snapshot: it vanished, and its number must not reach the kernel again
+                continue  # vanished and dropped since this handle's snapshot: its number must not reach the kernel again
             if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(node), i):
                 return
             if counting:

@@ -38,20 +38,15 @@ import time
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-STATS_XATTR = "user.bucketfs.stats"
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("VmRSS"))
-    return int(line.split()[1]) * 1024
+from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
+from bucketfs.metrics import STATS_XATTR  # noqa: E402
 
 
 def report(label: str, mount, elapsed_s: float | None = None) -> None:
     stats = json.loads(os.getxattr(mount.mountpoint, STATS_XATTR))
     took = f" in {elapsed_s:.2f} s" if elapsed_s is not None else ""
     print(f"{label}{took}: live entries {stats['namespace.entries']:,}, dropped {stats.get('namespace.nodes_dropped', 0):,}, "
-          f"daemon RSS {rss_bytes(mount.proc.pid) / 1e6:.0f} MB", flush=True)
+          f"daemon RSS {proc_status_kib(mount.proc.pid, 'VmRSS') * 1024 / 1e6:.0f} MB", flush=True)
 
 
 def versioned(name: str, generation: int) -> bytes:

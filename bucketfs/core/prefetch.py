@@ -208,6 +208,7 @@ class Prefetcher:
         self.nursery = nursery
         self.streams: set = set()
         self._heads: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> Part
+        self.part_size_bytes = part_size_bytes  # one ranged GET (a warmed head grows by these)
         self.pool = BufferPool(budget, stats, part_size_bytes)
         budget.add_reclaimer(self.HEADS_PRIORITY, self._shed_heads)
         budget.add_reclaimer(self.PARTS_PRIORITY, self._shed_parts)
@@ -302,14 +303,14 @@ class Prefetcher:
         return any(directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
                    for (key, _), parts in self._heads.items())
 
-    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, part_size_bytes: int) -> None:
+    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
         whole parts (the last one may end at the shard's end); called again with a
         larger `head_end`, it extends the head."""
         parts = self._heads.get((key, version), [])  # a warmed head is extended in place
         start = parts[-1].end if parts else 0
         while start < size_bytes:
-            part_end = min(start + part_size_bytes, size_bytes)
+            part_end = min(start + self.part_size_bytes, size_bytes)
             if part_end > head_end and part_end < size_bytes:
                 break  # never a sliver: the head grows by whole parts
             part = self.fetch(key, version, size_bytes, start, part_end, demanded=False)
@@ -357,12 +358,12 @@ class Prefetcher:
 
 
 class SequentialStream:
-    def __init__(self, prefetcher: Prefetcher, key, version, size_bytes, start, window_bytes, max_window_bytes, part_size_bytes):
+    def __init__(self, prefetcher: Prefetcher, key, version, size_bytes, start, window_bytes, max_window_bytes):
         self.pf = prefetcher
         self.key, self.version, self.size_bytes = key, version, size_bytes
         self.window_bytes = window_bytes
         self.max_window_bytes = max_window_bytes
-        self.part_size_bytes = part_size_bytes
+        self.part_size_bytes = prefetcher.part_size_bytes
         self.parts: collections.deque = collections.deque()
         self.fetch_end = start
         self.read_end = start
@@ -496,7 +497,7 @@ class HandleReader:
             window = min(initial_bytes, self.config.readahead_max_bytes)
             stream = self.stream = SequentialStream(
                 self.pf, self.key, self.version, self.size_bytes, off, window,
-                self.config.readahead_max_bytes, self.config.part_size_bytes,
+                self.config.readahead_max_bytes,
             )
             self.pf.stats["prefetch.streams"] += 1
         if stream is None:
