@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = m.add_argument_group("caching and prefetch")
     g.add_argument("--metadata-ttl", type=parse_seconds, default=math.inf, metavar="S", help="seconds listings and attributes stay valid; 'inf' (default) for data that does not change while mounted")
     g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing (default: the metadata TTL)")
-    g.add_argument("--max-memory", type=parse_size, default=parse_size("1G"), metavar="SIZE", help="one budget for the block cache and all prefetch buffers (default 1G)")
+    g.add_argument("--max-memory", type=parse_size, default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the block cache and all prefetch buffers (default 1G)")
     g.add_argument("--small-file-bytes", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open (default 8M)")
     g.add_argument("--block-size", type=parse_size, default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads (default 64K)")
     g.add_argument("--part-size", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead (default 8M)")

@@ -38,9 +38,10 @@ _SIMPLE = [
     ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
     ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
     ("read.wait_seconds", "bucketfs_read_wait_seconds", "Time readers spent waiting inside READ (network and queueing)", "counter"),
-    ("memory.used_bytes", "bucketfs_memory_used_bytes", "Bytes reserved in the memory budget", "gauge"),
+    ("memory.used_bytes", "bucketfs_memory_used_bytes", "Bytes of cache and read-ahead buffers reserved in the memory budget", "gauge"),
+    ("memory.listings_bytes", "bucketfs_memory_listings_bytes", "Bytes of the memory budget charged to listings", "gauge"),
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
-    ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest reservation seen", "gauge"),
+    ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest buffer reservation seen", "gauge"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
     ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
@@ -108,7 +109,8 @@ def format_stats(snapshot: dict) -> str:
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "
         f"{get('prefetch.warming_skipped', 0)} shards opened out of order",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
-        f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of {get('memory.budget_bytes', 0) / mib:.0f} MiB budget (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB)",
+        f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
+        f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings, of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
     ]

@@ -71,9 +71,10 @@ class Filesystem:
         self.config = config
         self.stats = Stats()
         self.key_prefix = config.url.prefix
-        self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count, time.time_ns())
-        self.ns.start_background(nursery)
         self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
+        self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,
+                            time.time_ns(), self.budget)
+        self.ns.start_background(nursery)
         self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes, nursery)
         self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery, config.part_size_bytes)
         self._handles: dict = {}
@@ -264,7 +265,8 @@ class Filesystem:
         stats.update({
             "memory.used_bytes": self.budget.used_bytes,
             "memory.peak_bytes": self.budget.peak_bytes,
-            "memory.budget_bytes": self.budget.capacity_bytes,
+            "memory.budget_bytes": self.budget.budget_bytes,
+            "memory.listings_bytes": self.budget.listings_bytes,
             "cache.bytes": self.cache.cached_bytes,
             "namespace.entries": self.ns.entries_count,
             "handles.open": len(self._handles),

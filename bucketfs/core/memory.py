@@ -1,9 +1,15 @@
-"""One global memory budget for every buffer the daemon holds: cache and prefetch.
+"""One global memory budget (`--max-memory`) for what the daemon holds: the listing
+cache, the block cache and every prefetch buffer.
 
 Invariants:
+- Listings are charged first (`charge_listings`): they cannot be evicted, since the
+  kernel holds their inode numbers. Buffers get the rest, `capacity_bytes`, which
+  never falls below a quarter of the budget so reads keep working however much is
+  listed (past that, RSS exceeds the budget by the excess: logged once).
 - `used_bytes` counts every reserved buffer; it never exceeds `capacity_bytes`
   except by one demand request larger than the whole budget (let through alone so
-  a reader is never deadlocked).
+  a reader is never deadlocked), or for a moment after listings grow while buffers
+  are held that cannot be reclaimed (they are released as their reads finish).
 - Prefetch only takes memory with `try_reserve`, which fails rather than wait and
   always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
 - Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
@@ -24,14 +30,18 @@ log = logging.getLogger(__name__)
 # Longer than any healthy GET (the read timeout is 30 s by default); a reader is
 # never made to wait on memory past this.
 DEMAND_WAIT_MAX_S = 60.0
+# Listings may take up to this share of the budget; the rest always stays for buffers.
+LISTINGS_SHARE_MAX = 0.75
 
 
 class MemoryBudget:
-    def __init__(self, capacity_bytes: int, stats, demand_headroom_bytes: int | None = None):
-        self.capacity_bytes = capacity_bytes
-        # Prefetch may fill all but this much; an eighth keeps demand reads from waiting
-        # on prefetch in the common case without idling most of a small budget.
-        self.demand_headroom_bytes = capacity_bytes // 8 if demand_headroom_bytes is None else demand_headroom_bytes
+    def __init__(self, budget_bytes: int, stats, demand_headroom_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self.listings_bytes = 0
+        self._headroom_fixed = demand_headroom_bytes is not None
+        self.demand_headroom_bytes = demand_headroom_bytes
+        self._set_capacity(budget_bytes)
+        self._listings_over_logged = False
         self.used_bytes = 0
         self.peak_bytes = 0
         self.stats = stats
@@ -39,6 +49,28 @@ class MemoryBudget:
         self._freed = trio.Event()
         self._pressure_logged = False
         self._demands_pending = 0  # demands reclaiming or waiting right now
+
+    def _set_capacity(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes  # for buffers: the budget less the listings
+        if not self._headroom_fixed:
+            # Prefetch may fill all but this much; an eighth keeps demand reads from waiting
+            # on prefetch in the common case without idling most of a small budget.
+            self.demand_headroom_bytes = capacity_bytes // 8
+
+    def charge_listings(self, listings_bytes: int) -> None:
+        """The listing cache now holds `listings_bytes`: buffers get what is left,
+        and evictable buffers beyond that are given back at once."""
+        self.listings_bytes = listings_bytes
+        listings_cap_bytes = int(self.budget_bytes * LISTINGS_SHARE_MAX)
+        self._set_capacity(self.budget_bytes - min(listings_bytes, listings_cap_bytes))
+        over_bytes = self.used_bytes - self.capacity_bytes
+        if over_bytes > 0:
+            self._reclaim(over_bytes, max_priority=1 << 30)
+        if listings_bytes > listings_cap_bytes and not self._listings_over_logged:
+            self._listings_over_logged = True
+            log.warning("listings hold ~%d MiB, more than %d%% of the %d MiB memory budget: the daemon "
+                        "will exceed --max-memory by the difference (raise it, or mount a narrower prefix)",
+                        listings_bytes >> 20, LISTINGS_SHARE_MAX * 100, self.budget_bytes >> 20)
 
     def add_reclaimer(self, priority: int, reclaim: Callable[[int], int]) -> None:
         """Register something that can free memory; lower priority is reclaimed first."""
@@ -95,7 +127,8 @@ class MemoryBudget:
             self.stats["memory.demand_waits"] += 1
             if not self._pressure_logged:
                 self._pressure_logged = True
-                log.warning("memory budget of %d MiB is full; reads wait for buffers to drain", self.capacity_bytes >> 20)
+                log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings); reads wait for buffers to drain",
+                            self.capacity_bytes >> 20, self.listings_bytes >> 20)
             with trio.move_on_at(deadline_s) as scope:
                 await self._freed.wait()  # state re-check after: others may have taken the freed bytes
             if scope.cancelled_caught:

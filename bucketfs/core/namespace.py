@@ -44,6 +44,11 @@ ROOT_INO = 1
 # is a class tree: its walk is listed ahead from the first subdirectory on.
 LIST_AHEAD_EAGER_DIRS = 8
 NAME_MAX_BYTES = 255
+# What one listed entry costs the daemon, as charged to the memory budget: its node,
+# name, ETag, size, mtime and table slots (~413 B of Python objects, a unit test keeps
+# it under 450) plus the allocator's share; measured as RSS growth per listed object
+# through a real mount (scripts/listing_memory.py).
+LISTED_ENTRY_BYTES = 560
 
 
 class Node:
@@ -115,8 +120,10 @@ def valid_component(name: str) -> bool:
 
 
 class Namespace:
-    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float = math.inf, list_ahead_count: int = 8, mount_time_ns: int = 0):
+    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float = math.inf, list_ahead_count: int = 8,
+                 mount_time_ns: int = 0, budget=None):
         self.backend = backend
+        self.budget = budget  # the MemoryBudget that listings are charged to, if any
         self.key_prefix = key_prefix
         self.stats = stats
         self.metadata_ttl_s = metadata_ttl_s
@@ -212,6 +219,7 @@ class Namespace:
             objects, prefixes = await self._fetch_all_pages(self.key_prefix + node.path)
             listing = self._build(node, objects, prefixes)
             node.listing = listing
+            self._charge_listings()
             if demanded:
                 self._note_walk(node, listing)
             return listing
@@ -332,6 +340,11 @@ class Namespace:
                     child = self._nodes[ino]
                     if child is not None and child.parent is node and child.lookups == 0:
                         stack.append(child)
+        self._charge_listings()
+
+    def _charge_listings(self) -> None:
+        if self.budget is not None:
+            self.budget.charge_listings(self._live_count * LISTED_ENTRY_BYTES)
 
     # -- listing ahead of a walk ---------------------------------------------
     def _note_walk(self, node: Node, listing: Listing) -> None:

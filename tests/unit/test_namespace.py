@@ -6,6 +6,7 @@ import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
+from bucketfs.core.namespace import LISTED_ENTRY_BYTES
 from tests.unit.helpers import resolve, run_fs
 
 
@@ -237,6 +238,7 @@ def test_ttl_drops_a_vanished_node_once_the_kernel_lets_go():
         ns.forget(held.ino, 1)
         with pytest.raises(errors.NotFound):
             ns.node(held.ino)
+        assert fs.budget.listings_bytes == ns.entries_count * LISTED_ENTRY_BYTES  # a dropped node's memory is given back
         ns.forget(stays.ino, 3)  # more than it was counted: still listed, so kept
         assert ns.node(stays.ino) is stays
         backend.put("d/held", b"again")

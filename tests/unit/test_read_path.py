@@ -10,6 +10,7 @@ import trio.testing
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.core import prefetch
+from bucketfs.core.namespace import LISTED_ENTRY_BYTES
 from tests.unit.helpers import read_all, resolve, run_fs
 
 MiB = 1024 * 1024
@@ -187,6 +188,45 @@ def test_memory_budget_holds_with_many_concurrent_readers():
     peak, used_after = run_fs(backend, body, max_memory_bytes=budget_bytes)
     assert peak <= budget_bytes
     assert used_after <= budget_bytes
+
+
+def test_listings_are_charged_to_the_memory_budget_and_push_out_the_cache():
+    """--max-memory covers listings too: a big listing leaves buffers less room, and
+    cached blocks beyond what is left are given back at once."""
+    images = {f"img/{i:02d}.jpg": blob(256 * 1024, i) for i in range(16)}  # 4 MiB, cached after a read
+    files = {**images, **{f"names/{i:05d}": b"" for i in range(10_000)}}  # ~5.3 MiB of listings
+    budget_bytes = 8 * MiB
+
+    async def body(fs):
+        for path, expected in images.items():
+            assert await read_all(fs, path) == expected
+        cached_before_bytes = fs.cache.cached_bytes
+        await fs.ns.list_dir((await resolve(fs, "names")).ino)
+        budget = fs.budget
+        assert budget.listings_bytes == fs.ns.entries_count * LISTED_ENTRY_BYTES
+        assert budget.capacity_bytes == budget_bytes - budget.listings_bytes
+        return cached_before_bytes, fs.cache.cached_bytes, budget.used_bytes, budget.capacity_bytes
+
+    cached_before_bytes, cached_after_bytes, used_bytes, capacity_bytes = run_fs(
+        MemoryBackend(files), body, max_memory_bytes=budget_bytes)
+    assert cached_before_bytes == 4 * MiB > capacity_bytes
+    assert used_bytes <= capacity_bytes and cached_after_bytes <= capacity_bytes
+
+
+def test_listings_past_three_quarters_of_the_budget_leave_reads_a_quarter(caplog):
+    data = blob(3 * MiB // 2, 7)
+    files = {"big.bin": data, **{f"names/{i:05d}": b"" for i in range(20_000)}}  # ~10.7 MiB of listings
+    budget_bytes = 8 * MiB
+
+    async def body(fs):
+        await fs.ns.list_dir((await resolve(fs, "names")).ino)
+        assert await read_all(fs, "big.bin") == data  # reads still work, within what is left
+        return fs.budget.capacity_bytes, fs.budget.peak_bytes
+
+    capacity_bytes, peak_bytes = run_fs(MemoryBackend(files), body, max_memory_bytes=budget_bytes)
+    assert capacity_bytes == budget_bytes // 4
+    assert peak_bytes <= capacity_bytes
+    assert sum("exceed --max-memory" in r.getMessage() for r in caplog.records) == 1  # said once, not per listing
 
 
 def test_next_shard_head_is_warmed_and_used():
