@@ -89,7 +89,7 @@ def stress(server, bucket: str, mount, seconds: float) -> int:
                 with lock:
                     outcomes["whole version"] += ok
                     if not ok:
-                        wrong.append((name, len(data)))
+                        wrong.append((name, len(data), data[:24]))
             except OSError as exc:
                 with lock:
                     key = errno.errorcode.get(exc.errno, str(exc.errno))
