@@ -17,6 +17,7 @@ import sys
 
 from bucketfs import __version__, errors
 from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
+from bucketfs.core.diskcache import check_cache_dir
 
 log = logging.getLogger("bucketfs")
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--part-size", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead (default 8M)")
     g.add_argument("--readahead-max", type=parse_size, default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader (default 128M)")
     g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
+    g.add_argument("--cache-dir", metavar="DIR", help="keep fetched bytes on this local disk too, for epochs the page cache cannot hold (default: off)")
+    g.add_argument("--cache-size", type=parse_size, default=parse_size("10G"), metavar="SIZE", help="most bytes --cache-dir may hold (default 10G)")
     g.add_argument("--list-ahead", type=int, default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
     g = m.add_argument_group("process")
     g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
@@ -139,6 +142,8 @@ def config_from_args(args) -> Config:
         readahead_max_bytes=max(args.readahead_max, args.part_size),
         shard_globs=tuple(g.strip() for g in args.shard_globs.split(",") if g.strip()),
         list_ahead_count=args.list_ahead,
+        cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else None,
+        cache_size_bytes=args.cache_size,
         foreground=args.foreground,
         log_level=args.log_level,
         log_file=args.log_file,
@@ -174,6 +179,8 @@ def run_mount(config: Config) -> int:
 
     mount.check_fuse_available()
     mount.check_mountpoint(config.mountpoint)
+    if config.cache_dir:
+        check_cache_dir(config.cache_dir)
     if config.foreground:
         setup_logging(config, daemon=False)
         return _serve_here(config, on_ready=lambda: mount.sd_notify("READY=1"))

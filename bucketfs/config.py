@@ -97,6 +97,9 @@ class Config:
     # flight at once (one connection gives ~100 MB/s); it doubles to the max from there.
     shard_readahead_initial_bytes: int = 64 * MiB
     shard_globs: tuple = DEFAULT_SHARD_GLOBS
+    # Local disk cache: off unless a directory is given.
+    cache_dir: Optional[str] = None
+    cache_size_bytes: int = 10 * GiB
 
     # Process.
     foreground: bool = False

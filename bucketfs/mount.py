@@ -27,6 +27,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends import make_backend
+from bucketfs.core.diskcache import make_private_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.fuse_ops import FuseOperations
 
@@ -200,9 +201,10 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         raise errors.user_error_for(exc, str(config.url)) from None
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
+    disk_cache_dir = make_private_dir(config.cache_dir) if config.cache_dir else None
     try:
         async with trio.open_nursery() as nursery:
-            fs = Filesystem(backend, config, nursery)
+            fs = Filesystem(backend, config, nursery, disk_cache_dir)
             ops = FuseOperations(fs, config)
             try:
                 pyfuse3.init(ops, config.mountpoint, fuse_options(config))
@@ -236,6 +238,8 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
             log.info("unmounted %s", config.mountpoint)
         with trio.CancelScope(shield=True):
             await backend.aclose()
+        if disk_cache_dir is not None:
+            shutil.rmtree(disk_cache_dir, ignore_errors=True)  # nothing in it is valid for another mount
 
 
 async def _watch_signals(mountpoint: str, detached: list) -> None:

@@ -32,11 +32,13 @@ import itertools
 import logging
 import os
 import time
+from typing import Optional
 
 import trio
 
 from bucketfs import errors
 from bucketfs.core.blockcache import BlockCache
+from bucketfs.core.diskcache import DiskCache
 from bucketfs.core.memory import MemoryBudget
 from bucketfs.core.namespace import ROOT_INO, Namespace, Node
 from bucketfs.core.prefetch import HandleReader, Prefetcher, directory_of
@@ -66,10 +68,13 @@ class FileHandle:
 
 
 class Filesystem:
-    def __init__(self, backend, config, nursery: trio.Nursery):
-        self.backend = backend
+    def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None):
+        """`disk_cache_dir`: a directory of this mount's own for the local disk cache, if any."""
         self.config = config
         self.stats = Stats()
+        if disk_cache_dir is not None:
+            backend = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, self.stats, nursery)
+        self.backend = backend
         self.key_prefix = config.url.prefix
         self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
         self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,
@@ -271,6 +276,9 @@ class Filesystem:
             "namespace.entries": self.ns.entries_count,
             "handles.open": len(self._handles),
         })
+        if isinstance(self.backend, DiskCache):
+            stats["disk_cache.stored_bytes"] = self.backend.stored_bytes
+            stats["disk_cache.capacity_bytes"] = self.backend.capacity_bytes
         for op, count in self.backend.requests.items():
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched

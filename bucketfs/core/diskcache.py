@@ -1,0 +1,307 @@
+"""Local disk cache (`--cache-dir`): object bytes kept on a local disk, so an epoch
+after the kernel's page cache let go of them (a data set larger than RAM) reads the
+disk, not the bucket.
+
+It sits in front of the backend and speaks its read interface: a read whose chunks
+are all on disk is answered from there; any other read goes to the store, and the
+whole chunks it covers are written to disk after it.
+
+Invariants:
+- Chunks are keyed by (key, version): a changed object never reads an old chunk.
+- Every stored chunk's CRC-32 is kept in memory and checked on every read from disk:
+  a disk that hands back other bytes (a bad sector, a file changed behind our back)
+  costs a GET, never a wrong byte.
+- Only whole chunks are stored (a chunk is the block-cache block, so random reads
+  fill it too), plus an object's shorter last chunk when its size is known.
+- Disk use (the bytes of stored chunks; files are sparse) stays within
+  `capacity_bytes`: least recently used objects are deleted first.
+- The directory is this mount's alone (mount.py creates it and removes it at exit),
+  so nothing of another mount, or another version, can be read from it.
+- Disk trouble (full, I/O errors) is never a read error: the read goes to the store,
+  and the cache stops storing after `WRITE_FAILURES_MAX` failed writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import re
+import shutil
+import tempfile
+import zlib
+from typing import Optional
+
+import trio
+
+from bucketfs import errors
+
+log = logging.getLogger(__name__)
+
+_PRIVATE_DIR_RE = re.compile(r"bucketfs-(\d+)-")
+
+# Bytes handed to background writes and not on disk yet: past this a read's bytes are
+# simply not stored (a slow disk must not hold the memory of a fast network).
+PENDING_WRITES_MAX_BYTES = 64 * 1024 * 1024
+# A disk that failed this many writes (full, read-only, failing) is left alone.
+WRITE_FAILURES_MAX = 8
+
+
+class _Entry:
+    """One object version on disk: a sparse file holding the chunks in `crcs`."""
+
+    __slots__ = ("path", "crcs", "stored_bytes", "gone")
+
+    def __init__(self, path: str):
+        self.path = path
+        self.crcs: dict = {}  # chunk index -> CRC-32 of its bytes
+        self.stored_bytes = 0
+        self.gone = False  # evicted: a write still in flight must delete what it wrote
+
+
+def _write_chunks(path: str, offset: int, view, chunk_bytes: int) -> dict:
+    """Write `view` at `offset` (a chunk boundary); the CRC-32 of each chunk in it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    finally:
+        os.close(fd)
+    first = offset // chunk_bytes
+    return {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
+
+
+def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None):
+    """Bytes [start, end) of the object, read as the chunks [lo, hi) around them and
+    checked against `crcs`: as bytes, or into `into` (then their length). None if the
+    file is gone, short or does not match."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    direct = into is not None and (lo, hi) == (start, end)
+    try:
+        buf = into if direct else bytearray(hi - lo)
+        view = memoryview(buf)[: hi - lo]
+        got = 0
+        while got < hi - lo:
+            n = os.preadv(fd, [view[got:]], lo + got)
+            if n == 0:
+                return None
+            got += n
+    finally:
+        os.close(fd)
+    for n, at in enumerate(range(0, hi - lo, chunk_bytes)):
+        if zlib.crc32(view[at : at + chunk_bytes]) != crcs[n]:
+            return None
+    if direct:
+        return end - start
+    if into is not None:
+        into[: end - start] = view[start - lo : end - lo]
+        return end - start
+    return bytes(view[start - lo : end - lo])
+
+
+class DiskCache:
+    """A backend in front of `inner` whose reads are kept in `directory`."""
+
+    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery):
+        self.inner = inner
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.chunk_bytes = chunk_bytes
+        self.stats = stats
+        self.nursery = nursery
+        self.receives_into = inner.receives_into
+        self._entries: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> _Entry, LRU first
+        self._file_counter = 0
+        self.stored_bytes = 0
+        self._pending_bytes = 0
+        self._background_count = 0  # writes and deletes in flight
+        self._idle = trio.Event()  # set whenever _background_count is 0
+        self._idle.set()
+        self._write_failures = 0
+        self._io_limiter = trio.CapacityLimiter(4)  # disk threads: a few keep an SSD busy
+
+    def __getattr__(self, name):
+        # requests, bytes_fetched, caller, list_page, stat, check_bucket...: the store's.
+        return getattr(self.inner, name)
+
+    # -- reads -------------------------------------------------------------------
+    def _span(self, start: int, end: int, object_bytes: Optional[int]):
+        """The chunk-aligned span [lo, hi) around [start, end), clipped to the object."""
+        cb = self.chunk_bytes
+        return start // cb * cb, min(-(-end // cb) * cb, object_bytes)
+
+    def _on_disk(self, key: str, version: str, lo: int, hi: int) -> Optional[tuple]:
+        entry = self._entries.get((key, version))
+        if entry is None:
+            return None
+        cb = self.chunk_bytes
+        try:
+            crcs = [entry.crcs[i] for i in range(lo // cb, -(-hi // cb))]
+        except KeyError:
+            return None
+        self._entries.move_to_end((key, version))
+        return entry, crcs
+
+    async def _read_disk(self, key: str, version: str, start: int, end: int, object_bytes: Optional[int], into=None):
+        """The bytes of [start, end) from disk (into `into` if given), or None."""
+        if object_bytes is None or start >= min(end, object_bytes):
+            return None
+        end = min(end, object_bytes)
+        lo, hi = self._span(start, end, object_bytes)
+        found = self._on_disk(key, version, lo, hi)
+        if found is None:
+            self.stats["disk_cache.misses"] += 1
+            return None
+        entry, crcs = found
+        try:
+            data = await trio.to_thread.run_sync(_read_chunks, entry.path, lo, hi, crcs, self.chunk_bytes, start, end, into,
+                                                 limiter=self._io_limiter)
+        except OSError as exc:
+            log.warning("disk cache read of %s failed (%s); reading the store", entry.path, exc)
+            data = None
+        if data is None:
+            self.stats["disk_cache.bad_reads"] += 1
+            self._evict(key, version)
+            return None
+        self.stats["disk_cache.hits"] += 1
+        self.stats["disk_cache.read_bytes"] += end - start
+        return data
+
+    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+        data = await self._read_disk(key, version, start, end, object_bytes)
+        if data is not None:
+            return data
+        data = await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
+        # bytes never change: stored in the background, the reader does not wait for the disk
+        if object_bytes is not None and self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES:
+            self._pending_bytes += len(data)
+            self._in_background(self._store_pending, key, version, start, data, object_bytes)
+        return data
+
+    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
+        got = await self._read_disk(key, version, start, end, object_bytes, into=buffer)
+        if got is not None:
+            return got
+        got = await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
+        if object_bytes is not None:
+            # The buffer is reused once we return: store it now (into the page cache: ~ms per part).
+            await self._store(key, version, start, memoryview(buffer)[:got], object_bytes)
+        return got
+
+    # -- writes ------------------------------------------------------------------
+    async def _store_pending(self, key: str, version: str, start: int, data: bytes, object_bytes: int) -> None:
+        try:
+            await self._store(key, version, start, memoryview(data), object_bytes)
+        finally:
+            self._pending_bytes -= len(data)
+
+    def _in_background(self, fn, *args) -> None:
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        self._background_count += 1
+        self.nursery.start_soon(self._background, fn, args)
+
+    async def _background(self, fn, args) -> None:
+        try:
+            await fn(*args)
+        finally:
+            self._background_count -= 1
+            if not self._background_count:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until every background write and delete has finished."""
+        await self._idle.wait()
+
+    async def _store(self, key: str, version: str, start: int, view, object_bytes: int) -> None:
+        """Write the whole chunks inside `view` (bytes at `start` of the object)."""
+        if self._write_failures >= WRITE_FAILURES_MAX:
+            return
+        cb = self.chunk_bytes
+        end = start + len(view)
+        lo = -(-start // cb) * cb  # the first chunk boundary at or after start
+        hi = end if end == object_bytes else end // cb * cb  # the last one, or the object's end
+        if hi <= lo:
+            return
+        entry = self._entries.get((key, version))
+        if entry is None:
+            self._file_counter += 1
+            entry = self._entries[(key, version)] = _Entry(os.path.join(self.directory, f"{self._file_counter:010d}"))
+        try:
+            crcs = await trio.to_thread.run_sync(_write_chunks, entry.path, lo, view[lo - start : hi - start], cb,
+                                                 limiter=self._io_limiter)
+        except OSError as exc:
+            self._write_failures += 1
+            self.stats["disk_cache.write_errors"] += 1
+            log.warning("disk cache write to %s failed (%s)%s", entry.path, exc,
+                        "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
+            self._evict(key, version)
+            return
+        if entry.gone:  # evicted while we wrote: what we wrote must go too
+            self._in_background(self._unlink, entry.path)
+            return
+        for i, crc in crcs.items():
+            if i not in entry.crcs:
+                size = min(cb, object_bytes - i * cb)
+                entry.stored_bytes += size
+                self.stored_bytes += size
+            entry.crcs[i] = crc
+        self.stats["disk_cache.written_bytes"] += hi - lo
+        while self.stored_bytes > self.capacity_bytes and self._entries:
+            self._evict(*next(iter(self._entries)))
+
+    def _evict(self, key: str, version: str) -> None:
+        entry = self._entries.pop((key, version), None)
+        if entry is None:
+            return
+        entry.gone = True
+        self.stored_bytes -= entry.stored_bytes
+        self.stats["disk_cache.evictions"] += 1
+        self._in_background(self._unlink, entry.path)
+
+    async def _unlink(self, path: str) -> None:
+        try:
+            await trio.to_thread.run_sync(os.unlink, path, limiter=self._io_limiter)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("disk cache: could not delete %s (%s)", path, exc)
+
+
+# -- the directory -------------------------------------------------------------------
+def check_cache_dir(path: str) -> None:
+    """--cache-dir must be a directory this process can create files in (created if missing)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        probe = tempfile.TemporaryFile(dir=path)
+        probe.close()
+    except OSError as exc:
+        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+
+
+def make_private_dir(path: str) -> str:
+    """This mount's own directory under `path` (removed at exit). Directories that
+    mounts which died without cleaning up left behind are removed first."""
+    for name in os.listdir(path):
+        match = _PRIVATE_DIR_RE.match(name)
+        if match and not _alive(int(match.group(1))):
+            log.info("removing %s, left by a mount that is gone", os.path.join(path, name))
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    try:
+        return tempfile.mkdtemp(prefix=f"bucketfs-{os.getpid()}-", dir=path)
+    except OSError as exc:
+        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True

@@ -1,0 +1,180 @@
+"""The local disk cache (--cache-dir) on the in-memory backend: request counts prove
+that a later epoch reads the disk, and bad disks cost GETs, never wrong bytes."""
+
+import os
+import pathlib
+import random
+
+import pytest
+import trio
+
+from bucketfs.backends.memory import MemoryBackend
+from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache
+from bucketfs.core.filesystem import Filesystem
+from bucketfs.core.stats import Stats
+from tests.unit.helpers import make_config, read_all
+
+MiB = 1024 * 1024
+
+
+def blob(n_bytes: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n_bytes)
+
+
+FILES = {f"img/{i:02d}.jpg": blob(100_000 + 977 * i, i) for i in range(12)}
+FILES["shards/a.tar"] = blob(20 * MiB + 12_345, 99)  # read-ahead parts, received into pooled buffers
+
+
+def run_cached(backend, tmp_path, body, **overrides):
+    """`await body(fs)` on a Filesystem whose disk cache is `tmp_path/cache`."""
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir(exist_ok=True)
+    config = make_config(**overrides)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fs = Filesystem(backend, config, nursery, str(cache_dir))
+            with trio.fail_after(30):
+                result = await body(fs)
+                await fs.backend.wait_idle()  # background writes and deletes are done
+            nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(main)
+
+
+async def epoch(fs, files=FILES):
+    for path, expected in files.items():
+        assert await read_all(fs, path) == expected
+
+
+def forget_memory(fs):
+    """What a later epoch of a data set larger than RAM finds: nothing in the block
+    cache, nothing in the kernel's page cache."""
+    fs.cache.evict(1 << 62)
+    fs.prefetcher.pool.shed(1 << 62)
+    for node in fs.ns._nodes[1:]:
+        if node is not None:
+            node.served = False
+
+
+def cache_files(tmp_path) -> list:
+    return [p for p in (tmp_path / "cache").iterdir()]
+
+
+def test_a_later_epoch_reads_the_disk_not_the_store(tmp_path):
+    backend = MemoryBackend(FILES)
+
+    async def body(fs):
+        await epoch(fs)
+        await fs.backend.wait_idle()
+        gets_after_first = backend.requests["get"]
+        forget_memory(fs)
+        await epoch(fs)
+        return gets_after_first, backend.requests["get"], fs.stats.snapshot()
+
+    gets_after_first, gets_after_second, stats = run_cached(backend, tmp_path, body)
+    assert gets_after_first > 0
+    assert gets_after_second == gets_after_first  # the second epoch cost no request
+    assert stats["disk_cache.hits"] >= len(FILES)
+    assert stats["disk_cache.read_bytes"] == sum(map(len, FILES.values()))
+
+
+def test_a_chunk_changed_on_disk_costs_a_get_never_a_wrong_byte(tmp_path):
+    backend = MemoryBackend(FILES)
+
+    async def body(fs):
+        await epoch(fs)
+        await fs.backend.wait_idle()
+        for path in cache_files(tmp_path):  # a bad disk: one byte flipped in every file
+            with open(path, "r+b") as f:
+                f.seek(1000)
+                byte = f.read(1)
+                f.seek(1000)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        gets_before = backend.requests["get"]
+        forget_memory(fs)
+        await epoch(fs)  # byte-identical, or it fails here
+        return backend.requests["get"] - gets_before, fs.stats.snapshot()["disk_cache.bad_reads"]
+
+    gets, bad_reads = run_cached(backend, tmp_path, body)
+    assert bad_reads == len(FILES)
+    assert gets >= len(FILES)
+
+
+def test_disk_use_stays_within_the_cache_size(tmp_path):
+    files = {f"f/{i:02d}": blob(256 * 1024, i) for i in range(16)}  # 4 MiB
+    backend = MemoryBackend(files)
+    capacity_bytes = 1 * MiB
+
+    async def body(fs):
+        await epoch(fs, files)
+        await fs.backend.wait_idle()
+        return fs.backend.stored_bytes, len(fs.backend._entries)
+
+    stored_bytes, entries = run_cached(backend, tmp_path, body, cache_size_bytes=capacity_bytes)
+    assert 0 < stored_bytes <= capacity_bytes
+    assert len(cache_files(tmp_path)) == entries == 4  # the evicted objects' files are deleted
+    assert sum(p.stat().st_blocks * 512 for p in cache_files(tmp_path)) <= capacity_bytes
+
+
+def test_another_version_never_reads_the_old_chunks(tmp_path):
+    backend = MemoryBackend({"k": b"old" * 50_000})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
+            old = backend._info["k"]
+            assert await cache.read_range("k", 0, old.size_bytes, old.version, object_bytes=old.size_bytes) == b"old" * 50_000
+            await cache.wait_idle()
+            new = backend.put("k", b"new" * 50_000)
+            got = await cache.read_range("k", 0, new.size_bytes, new.version, object_bytes=new.size_bytes)
+            again_old = await cache.read_range("k", 0, old.size_bytes, old.version, object_bytes=old.size_bytes)
+            nursery.cancel_scope.cancel()
+        return got, again_old
+
+    got, again_old = trio.run(main)
+    assert got == b"new" * 50_000
+    assert again_old == b"old" * 50_000  # still on disk under its own version (the store would refuse it)
+
+
+def test_a_disk_that_fails_is_never_a_read_error(tmp_path):
+    backend = MemoryBackend(FILES)
+
+    async def body(fs):
+        os.rmdir(tmp_path / "cache")  # every write now fails (ENOENT)
+        await epoch(fs)
+        await fs.backend.wait_idle()
+        errors_first = fs.stats.snapshot()["disk_cache.write_errors"]
+        forget_memory(fs)
+        await epoch(fs)
+        await fs.backend.wait_idle()
+        return errors_first, fs.stats.snapshot()
+
+    errors_first, stats = run_cached(backend, tmp_path, body)
+    assert errors_first >= WRITE_FAILURES_MAX  # (writes already in flight fail too)
+    assert stats["disk_cache.write_errors"] == errors_first  # then it stops trying
+    assert stats.get("disk_cache.hits", 0) == 0
+
+
+@pytest.mark.parametrize("start, end", [(0, 70_000), (65_536, 131_072), (1000, 200_000), (130_000, 200_000)])
+def test_ranges_across_chunk_boundaries_read_back_exactly(tmp_path, start, end):
+    data = blob(200_000, 5)
+    backend = MemoryBackend({"k": data})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
+            info = backend._info["k"]
+            await cache.read_range("k", 0, len(data), info.version, object_bytes=len(data))
+            await cache.wait_idle()
+            gets = backend.requests["get"]
+            got = await cache.read_range("k", start, end, info.version, object_bytes=len(data))
+            buffer = bytearray(end - start)
+            got_into = await cache.read_range_into("k", start, end, info.version, buffer, object_bytes=len(data))
+            nursery.cancel_scope.cancel()
+        return got, bytes(buffer[:got_into]), backend.requests["get"] - gets
+
+    got, got_into, gets = trio.run(main)
+    assert got == got_into == data[start:end]
+    assert gets == 0
