@@ -42,6 +42,13 @@ _SIMPLE = [
     ("memory.listings_bytes", "bucketfs_memory_listings_bytes", "Bytes of the memory budget charged to listings", "gauge"),
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
     ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest buffer reservation seen", "gauge"),
+    ("disk_cache.hits", "bucketfs_disk_cache_hits", "Reads answered from the local disk cache (--cache-dir)", "counter"),
+    ("disk_cache.misses", "bucketfs_disk_cache_misses", "Reads the local disk cache could not answer", "counter"),
+    ("disk_cache.read_bytes", "bucketfs_disk_cache_read_bytes", "Bytes read from the local disk cache", "counter"),
+    ("disk_cache.written_bytes", "bucketfs_disk_cache_written_bytes", "Bytes written to the local disk cache", "counter"),
+    ("disk_cache.stored_bytes", "bucketfs_disk_cache_stored_bytes", "Bytes held by the local disk cache", "gauge"),
+    ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
+    ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
     ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
@@ -112,6 +119,10 @@ def format_stats(snapshot: dict) -> str:
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
         f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings, of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
+        *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB; "
+           f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB), misses {get('disk_cache.misses', 0)}, "
+           f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}"]
+          if "disk_cache.capacity_bytes" in snapshot else []),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
     ]
     errs = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("errors.")}

@@ -95,6 +95,13 @@ def test_bad_mountpoints(rclone_server, s3_bucket, tmp_path):
         m.close()
 
 
+def test_unusable_cache_dir(rclone_server, s3_bucket, empty_dir, tmp_path):
+    (tmp_path / "file").write_text("x")
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--cache-dir", str(tmp_path / "file" / "cache"), env=server_env(rclone_server))
+    assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "cache directory")
+
+
 def test_no_fuse(rclone_server, s3_bucket, empty_dir):
     env = server_env(rclone_server, BUCKETFS_FUSE_DEVICE="/nonexistent/fuse")
     proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)

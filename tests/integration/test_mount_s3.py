@@ -256,3 +256,35 @@ def test_ttl_mount_a_rewritten_object_is_a_new_file(rclone_server, s3_bucket, mo
             assert exc.errno == errno.ESTALE
     finally:
         os.close(fd)
+
+
+def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bucket, mount_factory, tmp_path):
+    """With --cache-dir, a second epoch over more data than --max-memory, with the
+    kernel's copy of each file dropped, reads the local disk: not one GET. The mount's
+    cache directory is gone once it is unmounted."""
+    files = {f"dc/img/{i:03d}.jpg": rnd(300_000 + i, 500 + i) for i in range(60)}  # 18 MB of small files
+    files["dc/shard-0.tar"] = rnd(24 * MiB + 5, 600)  # read-ahead parts
+    rclone_server.write_files(s3_bucket, files)
+    cache_dir = tmp_path / "cache"
+    m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
+
+    def stats():
+        return json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
+
+    def epoch():
+        for key, data in files.items():
+            with open(m.path(key[len("dc/"):]), "rb") as f:
+                assert f.read() == data, key
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the next read reaches the daemon
+
+    epoch()
+    total_bytes = sum(map(len, files.values()))
+    wait_for(lambda: stats().get("disk_cache.written_bytes", 0) >= total_bytes, 30, "disk cache writes")
+    assert len(list(cache_dir.iterdir())) == 1  # the mount's own directory
+    gets_before = stats()["backend.requests.get"]
+    epoch()
+    after = stats()
+    assert after["backend.requests.get"] == gets_before
+    assert after["disk_cache.hits"] >= len(files) // 2  # the rest were still in memory
+    m.close()
+    assert list(cache_dir.iterdir()) == []
