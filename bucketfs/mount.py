@@ -20,6 +20,7 @@ import signal
 import socket
 import stat as stat_mod
 import subprocess
+import sys
 from typing import Callable, Optional
 
 import pyfuse3
@@ -48,6 +49,7 @@ KERNEL_READ_AHEAD_KB = 4096
 # READs at a time. fusectl lets root raise it per connection after mounting.
 FUSE_MAX_BACKGROUND_MIN = 64
 FUSECTL_DIR = "/sys/fs/fuse/connections"
+DISK_CACHE_SWITCH_INTERVAL_S = 0.0005  # see serve(): lets disk-cache writes keep up
 
 
 # -- pre-flight ----------------------------------------------------------------
@@ -201,7 +203,14 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         raise errors.user_error_for(exc, str(config.url)) from None
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
-    disk_cache_dir = make_private_dir(config.cache_dir) if config.cache_dir else None
+    disk_cache_dir = None
+    if config.cache_dir:
+        disk_cache_dir = make_private_dir(config.cache_dir)
+        # Disk-cache writes run in worker threads that need the GIL back after every
+        # syscall. At the default 5 ms switch interval a busy event loop holds them off
+        # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
+        # At 0.5 ms all of it was, at the same files/s.
+        sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
     try:
         async with trio.open_nursery() as nursery:
             fs = Filesystem(backend, config, nursery, disk_cache_dir)

@@ -179,9 +179,12 @@ class DiskCache:
             return data
         data = await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
         # bytes never change: stored in the background, the reader does not wait for the disk
-        if object_bytes is not None and self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES:
-            self._pending_bytes += len(data)
-            self._in_background(self._store_pending, key, version, start, data, object_bytes)
+        if object_bytes is not None:
+            if self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES:
+                self._pending_bytes += len(data)
+                self._in_background(self._store_pending, key, version, start, data, object_bytes)
+            else:
+                self.stats["disk_cache.skipped_bytes"] += len(data)
         return data
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
