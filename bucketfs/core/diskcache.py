@@ -166,8 +166,9 @@ class DiskCache:
             log.warning("disk cache read of %s failed (%s); reading the store", entry.path, exc)
             data = None
         if data is None:
-            self.stats["disk_cache.bad_reads"] += 1
-            self._evict(key, version)
+            if not entry.gone:  # (an entry evicted while we read it just lost its file)
+                self.stats["disk_cache.bad_reads"] += 1
+                self._evict(key, version, entry)
             return None
         self.stats["disk_cache.hits"] += 1
         self.stats["disk_cache.read_bytes"] += end - start
@@ -213,6 +214,8 @@ class DiskCache:
     async def _background(self, fn, args) -> None:
         try:
             await fn(*args)
+        except Exception:  # noqa: BLE001 - a background write must never take the daemon down
+            log.exception("disk cache: %s failed", fn.__name__)
         finally:
             self._background_count -= 1
             if not self._background_count:
@@ -245,7 +248,7 @@ class DiskCache:
             self.stats["disk_cache.write_errors"] += 1
             log.warning("disk cache write to %s failed (%s)%s", entry.path, exc,
                         "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
-            self._evict(key, version)
+            self._evict(key, version, entry)
             return
         if entry.gone:  # evicted while we wrote: what we wrote must go too
             self._in_background(self._unlink, entry.path)
@@ -261,7 +264,10 @@ class DiskCache:
         while self.stored_bytes > self.capacity_bytes and self._entries:
             self._evict(*next(iter(self._entries)))
 
-    def _evict(self, key: str, version: str) -> None:
+    def _evict(self, key: str, version: str, entry: Optional[_Entry] = None) -> None:
+        """Delete the object's entry (only if it is still `entry`, when given)."""
+        if entry is not None and self._entries.get((key, version)) is not entry:
+            return
         entry = self._entries.pop((key, version), None)
         if entry is None:
             return
