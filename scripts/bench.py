@@ -18,7 +18,8 @@ The data set is generated once into --data-dir (default .bench-data/, reused):
 200 folders. --scale shrinks it.
 
 Workloads (MB = 10^6 bytes): W1 shard streaming (1 and 4 readers; webdataset +
-DataLoader), W2 ImageFolder (listing, cold epochs with 8 and 32 threads, warm epoch),
+DataLoader), W2 ImageFolder (listing, cold epochs with 8 and 32 threads, warm epoch, an
+epoch after the page cache is dropped: try --mount-args "--cache-dir DIR"),
 W3 metadata (listdir of 20k, walk+stat of 20k; cold and cached), W4 random preads in
 shards, W5 small files and shards at once (with the daemon's peak RSS).
 

@@ -299,12 +299,12 @@ def check_cache_dir(path: str) -> None:
 def make_private_dir(path: str) -> str:
     """This mount's own directory under `path` (removed at exit). Directories that
     mounts which died without cleaning up left behind are removed first."""
-    for name in os.listdir(path):
-        match = _PRIVATE_DIR_RE.match(name)
-        if match and not _alive(int(match.group(1))):
-            log.info("removing %s, left by a mount that is gone", os.path.join(path, name))
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     try:
+        for name in os.listdir(path):
+            match = _PRIVATE_DIR_RE.match(name)
+            if match and not _alive(int(match.group(1))):
+                log.info("removing %s, left by a mount that is gone", os.path.join(path, name))
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
         return tempfile.mkdtemp(prefix=f"bucketfs-{os.getpid()}-", dir=path)
     except OSError as exc:
         raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache
+from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, make_private_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
 from tests.unit.helpers import make_config, read_all
@@ -178,3 +178,16 @@ def test_ranges_across_chunk_boundaries_read_back_exactly(tmp_path, start, end):
     got, got_into, gets = trio.run(main)
     assert got == got_into == data[start:end]
     assert gets == 0
+
+
+def test_a_new_mount_removes_the_directories_of_dead_mounts_only(tmp_path):
+    pid_max = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text())
+    dead = tmp_path / f"bucketfs-{pid_max + 1}-abc"  # no process can have this pid
+    live = tmp_path / f"bucketfs-{os.getpid()}-def"  # a mount that is still running
+    other = tmp_path / "someone-elses"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "0000000001").write_bytes(b"x")
+    mine = pathlib.Path(make_private_dir(str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, mine.name])
+    assert mine.name.startswith(f"bucketfs-{os.getpid()}-") and not list(mine.iterdir())
