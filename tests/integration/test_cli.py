@@ -45,10 +45,13 @@ def test_malformed_url(url, fragment, empty_dir):
     assert not os.path.ismount(empty_dir)
 
 
-def test_missing_bucket(rclone_server, empty_dir):
-    proc = run_cli("mount", "s3://no-such-bucket-here/x", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=server_env(rclone_server))
+def test_missing_bucket(rclone_server, empty_dir, tmp_path):
+    cache_dir = tmp_path / "cache"
+    proc = run_cli("mount", "s3://no-such-bucket-here/x", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--cache-dir", str(cache_dir), env=server_env(rclone_server))
     assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
     assert not os.path.ismount(empty_dir)
+    assert list(cache_dir.iterdir()) == []  # the mount's own cache directory went with it
 
 
 def test_access_denied(rclone_server, s3_bucket, empty_dir):
