@@ -28,7 +28,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends import make_backend
-from bucketfs.core.diskcache import make_private_dir
+from bucketfs.core.diskcache import claim_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.fuse_ops import FuseOperations
 
@@ -195,27 +195,37 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
-    if not config.cache_dir:
-        return await _serve(config, None, on_ready, on_fs)
-    disk_cache_dir = make_private_dir(config.cache_dir)
-    # Disk-cache writes run in worker threads that need the GIL back after every
-    # syscall. At the default 5 ms switch interval a busy event loop holds them off
-    # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
-    # At 0.5 ms all of it was, at about the same files/s.
-    sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
-    try:
-        await _serve(config, disk_cache_dir, on_ready, on_fs)
-    finally:
-        shutil.rmtree(disk_cache_dir, ignore_errors=True)  # nothing in it is valid for another mount
-
-
-async def _serve(config, disk_cache_dir: Optional[str], on_ready: Callable[[], None], on_fs: Optional[Callable]) -> None:
     backend = make_backend(config)
     try:
         await backend.check_bucket(config.url.prefix)
     except errors.BucketfsError as exc:
         await backend.aclose()
         raise errors.user_error_for(exc, str(config.url)) from None
+    if not config.cache_dir:
+        return await _serve(config, backend, None, on_ready, on_fs)
+    try:
+        # One directory per bucket URL and endpoint, kept for the next mount of them
+        # (claimed once the bucket is known to exist: a typo leaves nothing behind).
+        disk_cache_dir, lock_fd = claim_dir(config.cache_dir, f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
+                                            f"{config.url.scheme}-{config.url.bucket}")
+    except errors.UserError:
+        await backend.aclose()
+        raise
+    # Disk-cache writes run in worker threads that need the GIL back after every
+    # syscall. At the default 5 ms switch interval a busy event loop holds them off
+    # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
+    # At 0.5 ms all of it was, at about the same files/s.
+    sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
+    try:
+        await _serve(config, backend, disk_cache_dir, on_ready, on_fs)
+    finally:
+        if lock_fd is None:
+            shutil.rmtree(disk_cache_dir, ignore_errors=True)  # a private one: no later mount will find it
+        else:
+            os.close(lock_fd)
+
+
+async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Callable[[], None], on_fs: Optional[Callable]) -> None:
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
     try:

@@ -9,14 +9,17 @@ whole chunks it covers are written to disk after it.
 Invariants:
 - Chunks are keyed by (key, version): a changed object never reads an old chunk.
 - Every stored chunk's CRC-32 is kept in memory and checked on every read from disk:
-  a disk that hands back other bytes (a bad sector, a file changed behind our back)
-  costs a GET, never a wrong byte.
+  a disk that hands back other bytes (a bad sector, a file changed behind our back,
+  a crash that kept a chunk's record but not its bytes) costs a GET, never a wrong byte.
 - Only whole chunks are stored (a chunk is the block-cache block, so random reads
   fill it too), plus an object's shorter last chunk when its size is known.
 - Disk use (the bytes of stored chunks; files are sparse) stays within
   `capacity_bytes`: least recently used objects are deleted first.
-- The directory is this mount's alone (mount.py creates it and removes it at exit),
-  so nothing of another mount, or another version, can be read from it.
+- Kept across mounts: the journal (cachejournal.py) records each object's
+  (key, version, size) and its chunks' CRCs, and is loaded at start. A later mount
+  finds a chunk only under the version its listing names, so an object changed
+  in between is fetched again. The directory is one mount's at a time (mount.py
+  holds a lock on it).
 - Disk trouble (full, I/O errors) is never a read error: the read goes to the store,
   and the cache stops storing after `WRITE_FAILURES_MAX` failed writes.
 """
@@ -25,17 +28,21 @@ from __future__ import annotations
 
 import array
 import collections
+import fcntl
+import hashlib
 import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 import zlib
 from typing import Optional
 
 import trio
 
 from bucketfs import errors
+from bucketfs.core import cachejournal
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +58,21 @@ WRITE_FAILURES_MAX = 8
 class _Entry:
     """One object version on disk: a sparse file holding the chunks marked `present`."""
 
-    __slots__ = ("path", "present", "crcs", "stored_bytes", "gone")
+    __slots__ = ("entry_no", "path", "present", "crcs", "stored_bytes", "gone", "recorded")
 
-    def __init__(self, path: str, chunks_count: int):
-        self.path = path
+    def __init__(self, entry_no: int, path: str, chunks_count: int):
+        self.entry_no, self.path = entry_no, path
         # 5 bytes per chunk (a dict would take ~100): 10 GiB of 64 KiB chunks is 800 KB.
         self.present = bytearray(chunks_count)
         self.crcs = array.array("I", bytes(4 * chunks_count))  # CRC-32 of each present chunk
         self.stored_bytes = 0
         self.gone = False  # evicted: a write still in flight must delete what it wrote
+        self.recorded = False  # the journal has its (key, version, size)
 
 
-def _write_chunks(path: str, offset: int, view, chunk_bytes: int) -> dict:
-    """Write `view` at `offset` (a chunk boundary); the CRC-32 of each chunk in it."""
+def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
+    """Write `view` at `offset` (a chunk boundary), then journal the CRC-32 of each
+    chunk in it (after `definition`, the entry's record, if not journaled yet); the CRCs."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         done = 0
@@ -72,7 +81,16 @@ def _write_chunks(path: str, offset: int, view, chunk_bytes: int) -> dict:
     finally:
         os.close(fd)
     first = offset // chunk_bytes
-    return {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
+    crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
+    journal.append(definition + cachejournal.chunks_record(entry_no, crcs))
+    return crcs
+
+
+def _delete(path: str, journal, entry_no: int) -> None:
+    try:
+        os.unlink(path)
+    finally:
+        journal.append(cachejournal.delete_record(entry_no))
 
 
 def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None):
@@ -118,7 +136,6 @@ class DiskCache:
         self.nursery = nursery
         self.receives_into = inner.receives_into
         self._entries: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> _Entry, LRU first
-        self._file_counter = 0
         self.stored_bytes = 0
         self._pending_bytes = 0
         self._background_count = 0  # writes and deletes in flight
@@ -126,6 +143,39 @@ class DiskCache:
         self._idle.set()
         self._write_failures = 0
         self._io_limiter = trio.CapacityLimiter(4)  # disk threads: a few keep an SSD busy
+        self._journal = self._load()
+        while self.stored_bytes > self.capacity_bytes and self._entries:  # a smaller --cache-size than last time
+            self._evict(*next(iter(self._entries)))
+
+    def _load(self):
+        """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
+        first, and data files no entry names removed. Runs before the mount serves."""
+        started_s = time.monotonic()
+        try:
+            journal = cachejournal.Journal(self.directory, self.chunk_bytes)
+        except OSError as exc:
+            raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+        cb = self.chunk_bytes
+        for loaded in journal.entries.values():
+            chunks_count = -(-loaded.object_bytes // cb)
+            entry = _Entry(loaded.entry_no, cachejournal.data_path(self.directory, loaded.entry_no), chunks_count)
+            entry.recorded = True
+            for i, crc in loaded.crcs.items():
+                if i < chunks_count:
+                    entry.present[i], entry.crcs[i] = 1, crc
+                    entry.stored_bytes += min(cb, loaded.object_bytes - i * cb)
+            self._entries[(loaded.key, loaded.version)] = entry
+            self.stored_bytes += entry.stored_bytes
+        try:
+            orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
+        except OSError as exc:
+            raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+        journal.entries.clear()  # (the in-memory index is _entries now)
+        self.stats["disk_cache.loaded_bytes"] = self.stored_bytes
+        if self._entries or orphans_count:
+            log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d stray files removed) in %.2f s",
+                     self.directory, len(self._entries), self.stored_bytes / 2**20, orphans_count, time.monotonic() - started_s)
+        return journal
 
     def __getattr__(self, name):
         # requests, bytes_fetched, caller, list_page, stat, check_bucket...: the store's.
@@ -237,12 +287,15 @@ class DiskCache:
             return
         entry = self._entries.get((key, version))
         if entry is None:
-            self._file_counter += 1
-            entry = self._entries[(key, version)] = _Entry(os.path.join(self.directory, f"{self._file_counter:010d}"),
+            entry_no = self._journal.next_entry_no
+            self._journal.next_entry_no += 1
+            entry = self._entries[(key, version)] = _Entry(entry_no, cachejournal.data_path(self.directory, entry_no),
                                                            -(-object_bytes // cb))
+        # Two first writes at once both define the entry: harmless, the journal keeps one.
+        definition = b"" if entry.recorded else cachejournal.entry_record(entry.entry_no, key, version, object_bytes)
         try:
             crcs = await trio.to_thread.run_sync(_write_chunks, entry.path, lo, view[lo - start : hi - start], cb,
-                                                 limiter=self._io_limiter)
+                                                 self._journal, entry.entry_no, definition, limiter=self._io_limiter)
         except OSError as exc:
             self._write_failures += 1
             self.stats["disk_cache.write_errors"] += 1
@@ -250,8 +303,9 @@ class DiskCache:
                         "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
             self._evict(key, version, entry)
             return
+        entry.recorded = True
         if entry.gone:  # evicted while we wrote: what we wrote must go too
-            self._in_background(self._unlink, entry.path)
+            self._in_background(self._delete, entry)
             return
         for i, crc in crcs.items():
             if not entry.present[i]:
@@ -274,15 +328,17 @@ class DiskCache:
         entry.gone = True
         self.stored_bytes -= entry.stored_bytes
         self.stats["disk_cache.evictions"] += 1
-        self._in_background(self._unlink, entry.path)
+        self._in_background(self._delete, entry)
 
-    async def _unlink(self, path: str) -> None:
+    async def _delete(self, entry: _Entry) -> None:
+        """Delete the entry's file and journal it (a lost record only costs a bad read
+        of the missing file at a later mount)."""
         try:
-            await trio.to_thread.run_sync(os.unlink, path, limiter=self._io_limiter)
+            await trio.to_thread.run_sync(_delete, entry.path, self._journal, entry.entry_no, limiter=self._io_limiter)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("disk cache: could not delete %s (%s)", path, exc)
+            log.warning("disk cache: could not delete %s (%s)", entry.path, exc)
 
 
 # -- the directory -------------------------------------------------------------------
@@ -294,6 +350,29 @@ def check_cache_dir(path: str) -> None:
         probe.close()
     except OSError as exc:
         raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+
+
+def claim_dir(path: str, identity: str, name_hint: str) -> tuple:
+    """(directory, lock_fd): the cache directory under `path` of the mount `identity`
+    (its bucket URL and endpoint), kept across mounts and locked while `lock_fd` is
+    open (the lock goes with the process, however it ends). If another live mount
+    holds it: (a private directory to remove at exit, None)."""
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    directory = os.path.join(path, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name_hint)[:64]}-{digest}")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        lock_fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        private = make_private_dir(path)
+        log.warning("disk cache %s is in use by another mount of %s; this one caches in %s, removed at exit",
+                    directory, identity, private)
+        return private, None
+    return directory, lock_fd
 
 
 def make_private_dir(path: str) -> str:

@@ -260,8 +260,8 @@ def test_ttl_mount_a_rewritten_object_is_a_new_file(rclone_server, s3_bucket, mo
 
 def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bucket, mount_factory, tmp_path):
     """With --cache-dir, a second epoch over more data than --max-memory, with the
-    kernel's copy of each file dropped, reads the local disk: not one GET. The mount's
-    cache directory is gone once it is unmounted."""
+    kernel's copy of each file dropped, reads the local disk: not one GET. So does
+    the next mount of the same bucket, but not for an object changed in between."""
     files = {f"dc/img/{i:03d}.jpg": rnd(300_000 + i, 500 + i) for i in range(60)}  # 18 MB of small files
     files["dc/shard-0.tar"] = rnd(24 * MiB + 5, 600)  # read-ahead parts
     rclone_server.write_files(s3_bucket, files)
@@ -280,11 +280,20 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     epoch()
     total_bytes = sum(map(len, files.values()))
     wait_for(lambda: stats().get("disk_cache.written_bytes", 0) >= total_bytes, 30, "disk cache writes")
-    assert len(list(cache_dir.iterdir())) == 1  # the mount's own directory
+    assert len(list(cache_dir.iterdir())) == 1  # the bucket's directory
     gets_before = stats()["backend.requests.get"]
     epoch()
     after = stats()
     assert after["backend.requests.get"] == gets_before
     assert after["disk_cache.hits"] >= len(files) // 2  # the rest were still in memory
     m.close()
-    assert list(cache_dir.iterdir()) == []
+    assert len(list(cache_dir.iterdir())) == 1  # kept for the next mount
+
+    files["dc/img/007.jpg"] = rnd(300_007, 1007)  # changed while nothing was mounted: same size, new bytes
+    rclone_server.write_files(s3_bucket, {"dc/img/007.jpg": files["dc/img/007.jpg"]})
+    m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
+    epoch()  # byte-identical to the bucket as it is now, or it fails here
+    after = stats()
+    assert after["backend.requests.get"] == 1  # the changed object only
+    assert after["disk_cache.loaded_bytes"] >= total_bytes
+    assert after.get("disk_cache.bad_reads", 0) == 0

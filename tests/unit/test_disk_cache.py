@@ -4,12 +4,14 @@ that a later epoch reads the disk, and bad disks cost GETs, never wrong bytes.""
 import os
 import pathlib
 import random
+import shutil
 
 import pytest
 import trio
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, make_private_dir
+from bucketfs.core import cachejournal
+from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, claim_dir, make_private_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
 from tests.unit.helpers import make_config, read_all
@@ -59,7 +61,7 @@ def forget_memory(fs):
 
 
 def cache_files(tmp_path) -> list:
-    return [p for p in (tmp_path / "cache").iterdir()]
+    return list((tmp_path / "cache" / "data").iterdir())
 
 
 def test_a_later_epoch_reads_the_disk_not_the_store(tmp_path):
@@ -142,7 +144,7 @@ def test_a_disk_that_fails_is_never_a_read_error(tmp_path):
     backend = MemoryBackend(FILES)
 
     async def body(fs):
-        os.rmdir(tmp_path / "cache")  # every write now fails (ENOENT)
+        shutil.rmtree(tmp_path / "cache")  # every write now fails (ENOENT)
         await epoch(fs)
         await fs.backend.wait_idle()
         errors_first = fs.stats.snapshot()["disk_cache.write_errors"]
@@ -191,3 +193,120 @@ def test_a_new_mount_removes_the_directories_of_dead_mounts_only(tmp_path):
     mine = pathlib.Path(make_private_dir(str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, mine.name])
     assert mine.name.startswith(f"bucketfs-{os.getpid()}-") and not list(mine.iterdir())
+
+
+# -- kept across mounts ------------------------------------------------------------
+def mount_epoch(backend, tmp_path, files=FILES, **overrides):
+    """One mount's epoch over `files`: (GETs it cost, its stats)."""
+
+    async def body(fs):
+        gets_before = backend.requests["get"]
+        await epoch(fs, files)
+        return backend.requests["get"] - gets_before, fs.stats.snapshot()
+
+    return run_cached(backend, tmp_path, body, **overrides)
+
+
+def test_a_later_mount_reads_what_an_earlier_one_stored(tmp_path):
+    backend = MemoryBackend(FILES)
+    first_gets, _ = mount_epoch(backend, tmp_path)
+    gets, stats = mount_epoch(backend, tmp_path)  # a new Filesystem and DiskCache on the same directory
+    assert first_gets >= len(FILES)
+    assert gets == 0
+    assert stats["disk_cache.loaded_bytes"] == sum(map(len, FILES.values()))
+    assert stats["disk_cache.read_bytes"] == sum(map(len, FILES.values()))
+
+
+def test_a_later_mount_fetches_an_object_changed_in_between(tmp_path):
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    changed = dict(FILES, **{"img/03.jpg": blob(100_000 + 977 * 3, 1003)})  # same key and size, new bytes
+    backend.put("img/03.jpg", changed["img/03.jpg"])
+    gets, stats = mount_epoch(backend, tmp_path, changed)  # byte-identical to the new version, or it fails here
+    assert gets == 1
+    assert stats.get("disk_cache.bad_reads", 0) == 0
+
+
+def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path):
+    """The CRCs outlive the mount: a file changed while nothing was mounted is caught."""
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    for path in cache_files(tmp_path):
+        with open(path, "r+b") as f:
+            f.seek(70_000)  # in the second chunk
+            byte = f.read(1)
+            f.seek(70_000)
+            f.write(bytes([byte[0] ^ 0x01]))
+    gets, stats = mount_epoch(backend, tmp_path)
+    assert stats["disk_cache.bad_reads"] == len(FILES)
+    assert gets >= len(FILES)
+
+
+def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path):
+    """A crash mid-append: the next mount loads what came before, cuts the tear, and
+    appends after it (a third mount finds those too)."""
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    journal = tmp_path / "cache" / "journal"
+    with open(journal, "ab") as f:
+        f.write(cachejournal.chunks_record(1, {0: 123, 1: 456})[:-3])  # a record cut short
+    gets, stats = mount_epoch(backend, tmp_path)
+    assert gets == 0
+    extra = {"more/x.bin": blob(300_000, 7)}
+    backend.put("more/x.bin", extra["more/x.bin"])
+    mount_epoch(backend, tmp_path, extra)
+    gets, _ = mount_epoch(backend, tmp_path, dict(FILES, **extra))
+    assert gets == 0
+
+
+def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
+    files = {f"f/{i:02d}": blob(256 * 1024, i) for i in range(16)}  # 4 MiB
+    backend = MemoryBackend(files)
+    mount_epoch(backend, tmp_path, files)
+
+    async def body(fs):
+        await fs.backend.wait_idle()  # the evictions done at start
+        return fs.backend.stored_bytes, [key for key, _ in fs.backend._entries]
+
+    stored_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
+    assert 0 < stored_bytes <= 1 * MiB and len(kept) == 4  # the last stored (in the journal's order)
+    assert sum(p.stat().st_blocks * 512 for p in cache_files(tmp_path)) <= 1 * MiB
+    kept_first = {key: files[key] for key in [*kept, *files]}  # (an LRU cache read in order evicts each before its turn)
+    gets, _ = mount_epoch(backend, tmp_path, kept_first, cache_size_bytes=1 * MiB)
+    assert gets == 12  # the four kept come from disk; every other one is fetched
+
+
+def test_a_later_mount_with_another_block_size_starts_empty(tmp_path):
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    gets, stats = mount_epoch(backend, tmp_path, block_size_bytes=128 * 1024)
+    assert gets >= len(FILES)
+    assert stats["disk_cache.loaded_bytes"] == 0
+    assert stats.get("disk_cache.bad_reads", 0) == 0
+
+
+def test_data_files_no_record_names_are_removed_at_start(tmp_path):
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    stray = tmp_path / "cache" / "data" / f"{10**9:012d}"  # written, then a crash before its record
+    stray.write_bytes(b"x" * 1000)
+    gets, _ = mount_epoch(backend, tmp_path)
+    assert gets == 0
+    assert not stray.exists()
+
+
+def test_one_cache_directory_per_bucket_and_one_mount_at_a_time(tmp_path):
+    directory, lock_fd = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")
+    try:
+        assert lock_fd is not None
+        busy, busy_lock = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # a second mount of the same
+        other, other_lock = claim_dir(str(tmp_path), "s3://b/val/ at x", "s3-b")  # another prefix
+        assert busy_lock is None and busy != directory
+        assert pathlib.Path(busy).name.startswith(f"bucketfs-{os.getpid()}-")  # private, removed at its exit
+        assert other_lock is not None and other != directory
+        os.close(other_lock)
+    finally:
+        os.close(lock_fd)
+    again, again_lock = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after it
+    os.close(again_lock)
+    assert again == directory

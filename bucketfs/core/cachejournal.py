@@ -1,0 +1,180 @@
+"""The disk cache's journal: what is on disk and its checksums, kept across mounts.
+
+One append-only file per cache directory. Records say "entry N is (key, version,
+size)", "these chunks of entry N are on disk with these CRC-32s" and "entry N is
+deleted". Loading it at mount gives back the cache a previous mount left.
+
+Invariants:
+- A chunk record is appended only after its bytes were written (pwrite), and every
+  chunk is checked against its CRC on every read: a crash or power loss that kept the
+  record but not the bytes costs a GET, never a wrong byte. No fsync is needed.
+- Each record carries its own CRC-32; loading stops at the first torn or bad one and
+  cuts the file there, so appends resume after the last good record.
+- Entry numbers are never reused (data files are named by them): a record can never
+  describe another object's file.
+- A chunk size other than the one the journal was written with discards the cache.
+- Writes come from worker threads: each record batch is one write() with O_APPEND,
+  so batches do not interleave. A short or failed write leaves a torn tail; the
+  journal then takes no more appends (loading would stop at the tear).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import zlib
+from typing import Optional
+
+MAGIC = b"bucketfs-cache-journal-1\n"
+_HEADER = struct.Struct("<I")  # chunk bytes
+_RECORD = struct.Struct("<II")  # payload length, CRC-32 of the payload
+_ENTRY = struct.Struct("<cQQH")  # b"E", entry number, object bytes, key length; then key, version
+_CHUNKS = struct.Struct("<cQ")  # b"C", entry number; then (chunk index, CRC-32) pairs
+_PAIR = struct.Struct("<II")
+_DELETE = struct.Struct("<cQ")  # b"D", entry number
+# Rewritten at load when it holds this many times the bytes its live records need
+# (evictions and partial writes leave dead records behind).
+COMPACT_RATIO = 2
+COMPACT_MIN_BYTES = 1024 * 1024
+
+
+class LoadedEntry:
+    __slots__ = ("entry_no", "key", "version", "object_bytes", "crcs")
+
+    def __init__(self, entry_no: int, key: str, version: str, object_bytes: int):
+        self.entry_no, self.key, self.version, self.object_bytes = entry_no, key, version, object_bytes
+        self.crcs: dict = {}  # chunk index -> CRC-32
+
+
+def _record(payload: bytes) -> bytes:
+    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def entry_record(entry_no: int, key: str, version: str, object_bytes: int) -> bytes:
+    key_b, version_b = key.encode("utf-8", "surrogateescape"), version.encode("utf-8", "surrogateescape")
+    return _record(_ENTRY.pack(b"E", entry_no, object_bytes, len(key_b)) + key_b + version_b)
+
+
+def chunks_record(entry_no: int, crcs: dict) -> bytes:
+    return _record(_CHUNKS.pack(b"C", entry_no) + b"".join(_PAIR.pack(i, crc) for i, crc in crcs.items()))
+
+
+def delete_record(entry_no: int) -> bytes:
+    return _record(_DELETE.pack(b"D", entry_no))
+
+
+def _parse(data: bytes, entries: collections.OrderedDict) -> int:
+    """Apply the records in `data` (after the header) to `entries`, least recently
+    written first; the length of the good records."""
+    at = 0
+    while at + _RECORD.size <= len(data):
+        length, crc = _RECORD.unpack_from(data, at)
+        payload = data[at + _RECORD.size : at + _RECORD.size + length]
+        if len(payload) < length or zlib.crc32(payload) != crc or not payload:
+            break
+        at += _RECORD.size + length
+        kind = payload[:1]
+        if kind == b"E":
+            _, no, object_bytes, key_len = _ENTRY.unpack_from(payload)
+            body = payload[_ENTRY.size :]
+            key = body[:key_len].decode("utf-8", "surrogateescape")
+            version = body[key_len:].decode("utf-8", "surrogateescape")
+            if no not in entries:  # (a repeated definition, from two first writes at once, keeps the chunks)
+                entries[no] = LoadedEntry(no, key, version, object_bytes)
+            entries.move_to_end(no)
+        elif kind == b"C":
+            _, no = _CHUNKS.unpack_from(payload)
+            entry = entries.get(no)
+            if entry is not None:  # (chunks of a deleted entry, from a write that raced its eviction)
+                for i, chunk_crc in _PAIR.iter_unpack(payload[_CHUNKS.size :]):
+                    entry.crcs[i] = chunk_crc
+                entries.move_to_end(no)
+        elif kind == b"D":
+            entries.pop(_DELETE.unpack_from(payload)[1], None)
+        else:
+            break
+    return at
+
+
+class Journal:
+    """The journal of the cache directory `directory`, loaded (`entries`, oldest first)
+    and open for appends."""
+
+    def __init__(self, directory: str, chunk_bytes: int):
+        self.path = os.path.join(directory, "journal")
+        self.entries: collections.OrderedDict = collections.OrderedDict()  # entry number -> LoadedEntry
+        self._broken = False
+        header = MAGIC + _HEADER.pack(chunk_bytes)
+        data = b""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            pass
+        if data.startswith(header):
+            good = _parse(data[len(header) :], self.entries)
+            live = sum(len(self._live_records(e)) for e in self.entries.values())
+            if len(header) + good < len(data) or good > COMPACT_RATIO * live + COMPACT_MIN_BYTES:
+                self._rewrite(header)  # cut a torn tail, drop dead records
+        else:
+            self.entries.clear()  # new, or another format or chunk size: nothing in it is usable
+            self._rewrite(header, discard=True)
+        self.next_entry_no = max(self.entries, default=0) + 1
+
+    @staticmethod
+    def _live_records(entry: LoadedEntry) -> bytes:
+        return entry_record(entry.entry_no, entry.key, entry.version, entry.object_bytes) + chunks_record(entry.entry_no, entry.crcs)
+
+    def _rewrite(self, header: bytes, discard: bool = False) -> None:
+        tmp_path = self.path + ".new"
+        with open(tmp_path, "wb") as f:
+            f.write(header)
+            if not discard:
+                for entry in self.entries.values():
+                    f.write(self._live_records(entry))
+            f.flush()
+            os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
+        os.replace(tmp_path, self.path)
+
+    def append(self, data: bytes) -> None:
+        """Append record bytes (from any thread); OSError if the journal takes no more."""
+        if self._broken:
+            raise OSError("the disk cache journal took a failed write; no more appends")
+        try:
+            # Opened per append (microseconds, beside the data write it follows): no
+            # descriptor outlives the cache, however the mount ends.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError:
+            self._broken = True
+            raise
+        if written != len(data):
+            self._broken = True
+            raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")
+
+
+def data_path(directory: str, entry_no: int) -> str:
+    return os.path.join(directory, "data", f"{entry_no:012d}")
+
+
+def remove_orphans(directory: str, live_entry_nos) -> int:
+    """Delete data files no live entry names (left by a crash between a write and its
+    record, or an eviction whose record was lost); how many."""
+    data_dir = os.path.join(directory, "data")
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    live = set(live_entry_nos)
+    removed = 0
+    with os.scandir(data_dir) as it:
+        for item in it:
+            number: Optional[int] = int(item.name) if item.name.isdigit() else None
+            if number not in live:
+                try:
+                    os.unlink(item.path)
+                    removed += 1
+                except OSError:
+                    pass
+    return removed
