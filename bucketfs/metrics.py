@@ -40,6 +40,7 @@ _SIMPLE = [
     ("read.wait_seconds", "bucketfs_read_wait_seconds", "Time readers spent waiting inside READ (network and queueing)", "counter"),
     ("memory.used_bytes", "bucketfs_memory_used_bytes", "Bytes of cache and read-ahead buffers reserved in the memory budget", "gauge"),
     ("memory.listings_bytes", "bucketfs_memory_listings_bytes", "Bytes of the memory budget charged to listings", "gauge"),
+    ("memory.disk_index_bytes", "bucketfs_memory_disk_index_bytes", "Bytes of the memory budget charged to the disk cache's index", "gauge"),
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
     ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest buffer reservation seen", "gauge"),
     ("disk_cache.hits", "bucketfs_disk_cache_hits", "Reads answered from the local disk cache (--cache-dir)", "counter"),
@@ -47,6 +48,7 @@ _SIMPLE = [
     ("disk_cache.read_bytes", "bucketfs_disk_cache_read_bytes", "Bytes read from the local disk cache", "counter"),
     ("disk_cache.written_bytes", "bucketfs_disk_cache_written_bytes", "Bytes written to the local disk cache", "counter"),
     ("disk_cache.stored_bytes", "bucketfs_disk_cache_stored_bytes", "Bytes held by the local disk cache", "gauge"),
+    ("disk_cache.loaded_bytes", "bucketfs_disk_cache_loaded_bytes", "Bytes of the local disk cache found at start, kept by earlier mounts", "gauge"),
     ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
     ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
     ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored because too many writes were pending (a slow disk)", "counter"),
@@ -119,9 +121,12 @@ def format_stats(snapshot: dict) -> str:
         f"{get('prefetch.warming_skipped', 0)} shards opened out of order",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
-        f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings, of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
+        f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings"
+        + (f", {get('memory.disk_index_bytes') / mib:.1f} MiB of disk cache index" if get("memory.disk_index_bytes") else "")
+        + f", of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
-        *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB; "
+        *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB "
+           f"({get('disk_cache.loaded_bytes', 0) / mib:.1f} MiB found at start); "
            f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB), misses {get('disk_cache.misses', 0)}, "
            f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
            f"not stored (disk behind) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB"]

@@ -26,7 +26,6 @@ Invariants:
 
 from __future__ import annotations
 
-import array
 import collections
 import fcntl
 import hashlib
@@ -51,23 +50,13 @@ _PRIVATE_DIR_RE = re.compile(r"bucketfs-(\d+)-")
 # Bytes handed to background writes and not on disk yet: past this a read's bytes are
 # simply not stored (a slow disk must not hold the memory of a fast network).
 PENDING_WRITES_MAX_BYTES = 64 * 1024 * 1024
+INDEX_CHARGE_STEP_BYTES = 1024 * 1024
 # A disk that failed this many writes (full, read-only, failing) is left alone.
 WRITE_FAILURES_MAX = 8
 
 
-class _Entry:
-    """One object version on disk: a sparse file holding the chunks marked `present`."""
-
-    __slots__ = ("entry_no", "path", "present", "crcs", "stored_bytes", "gone", "recorded")
-
-    def __init__(self, entry_no: int, path: str, chunks_count: int):
-        self.entry_no, self.path = entry_no, path
-        # 5 bytes per chunk (a dict would take ~100): 10 GiB of 64 KiB chunks is 800 KB.
-        self.present = bytearray(chunks_count)
-        self.crcs = array.array("I", bytes(4 * chunks_count))  # CRC-32 of each present chunk
-        self.stored_bytes = 0
-        self.gone = False  # evicted: a write still in flight must delete what it wrote
-        self.recorded = False  # the journal has its (key, version, size)
+def _index_bytes(entry) -> int:
+    return cachejournal.INDEX_ENTRY_BYTES + 4 * len(entry.crcs)
 
 
 def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
@@ -127,7 +116,8 @@ def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, star
 class DiskCache:
     """A backend in front of `inner` whose reads are kept in `directory`."""
 
-    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery):
+    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery, budget=None):
+        """`budget`: the MemoryBudget the index is charged to, if any."""
         self.inner = inner
         self.directory = directory
         self.capacity_bytes = capacity_bytes
@@ -135,7 +125,7 @@ class DiskCache:
         self.stats = stats
         self.nursery = nursery
         self.receives_into = inner.receives_into
-        self._entries: collections.OrderedDict = collections.OrderedDict()  # (key, version) -> _Entry, LRU first
+        self._entries: collections.OrderedDict = collections.OrderedDict()  # entry_id(key, version) -> Entry, LRU first
         self.stored_bytes = 0
         self._pending_bytes = 0
         self._background_count = 0  # writes and deletes in flight
@@ -143,9 +133,13 @@ class DiskCache:
         self._idle.set()
         self._write_failures = 0
         self._io_limiter = trio.CapacityLimiter(4)  # disk threads: a few keep an SSD busy
+        self._budget = budget
+        self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
+        self._charged_index_bytes = 0
         self._journal = self._load()
+        self._charge_index(force=True)
         while self.stored_bytes > self.capacity_bytes and self._entries:  # a smaller --cache-size than last time
-            self._evict(*next(iter(self._entries)))
+            self._evict(next(iter(self._entries)))
 
     def _load(self):
         """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
@@ -155,27 +149,28 @@ class DiskCache:
             journal = cachejournal.Journal(self.directory, self.chunk_bytes)
         except OSError as exc:
             raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
-        cb = self.chunk_bytes
-        for loaded in journal.entries.values():
-            chunks_count = -(-loaded.object_bytes // cb)
-            entry = _Entry(loaded.entry_no, cachejournal.data_path(self.directory, loaded.entry_no), chunks_count)
+        for entry_no, entry in journal.entries.items():
             entry.recorded = True
-            for i, crc in loaded.crcs.items():
-                if i < chunks_count:
-                    entry.present[i], entry.crcs[i] = 1, crc
-                    entry.stored_bytes += min(cb, loaded.object_bytes - i * cb)
-            self._entries[(loaded.key, loaded.version)] = entry
+            self._entries[journal.ids[entry_no]] = entry
             self.stored_bytes += entry.stored_bytes
+            self.index_bytes += _index_bytes(entry)
         try:
             orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
         except OSError as exc:
             raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
-        journal.entries.clear()  # (the in-memory index is _entries now)
+        journal.entries.clear()  # (the index is _entries now)
+        journal.ids.clear()
         self.stats["disk_cache.loaded_bytes"] = self.stored_bytes
         if self._entries or orphans_count:
             log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d stray files removed) in %.2f s",
                      self.directory, len(self._entries), self.stored_bytes / 2**20, orphans_count, time.monotonic() - started_s)
         return journal
+
+    def _charge_index(self, force: bool = False) -> None:
+        # In steps of a MiB: a store per file must not recompute the budget per file.
+        if self._budget is not None and (force or abs(self.index_bytes - self._charged_index_bytes) >= INDEX_CHARGE_STEP_BYTES):
+            self._charged_index_bytes = self.index_bytes
+            self._budget.charge_disk_index(self.index_bytes)
 
     def __getattr__(self, name):
         # requests, bytes_fetched, caller, list_page, stat, check_bucket...: the store's.
@@ -187,15 +182,15 @@ class DiskCache:
         cb = self.chunk_bytes
         return start // cb * cb, min(-(-end // cb) * cb, object_bytes)
 
-    def _on_disk(self, key: str, version: str, lo: int, hi: int) -> Optional[tuple]:
-        entry = self._entries.get((key, version))
+    def _on_disk(self, eid: bytes, lo: int, hi: int) -> Optional[tuple]:
+        entry = self._entries.get(eid)
         if entry is None:
             return None
         cb = self.chunk_bytes
         first, last = lo // cb, -(-hi // cb)
-        if not all(entry.present[first:last]):
+        if not entry.has(first, last):
             return None
-        self._entries.move_to_end((key, version))
+        self._entries.move_to_end(eid)
         return entry, entry.crcs[first:last]
 
     async def _read_disk(self, key: str, version: str, start: int, end: int, object_bytes: Optional[int], into=None):
@@ -204,21 +199,23 @@ class DiskCache:
             return None
         end = min(end, object_bytes)
         lo, hi = self._span(start, end, object_bytes)
-        found = self._on_disk(key, version, lo, hi)
+        eid = cachejournal.entry_id(key, version)
+        found = self._on_disk(eid, lo, hi)
         if found is None:
             self.stats["disk_cache.misses"] += 1
             return None
         entry, crcs = found
+        path = cachejournal.data_path(self.directory, entry.entry_no)
         try:
-            data = await trio.to_thread.run_sync(_read_chunks, entry.path, lo, hi, crcs, self.chunk_bytes, start, end, into,
+            data = await trio.to_thread.run_sync(_read_chunks, path, lo, hi, crcs, self.chunk_bytes, start, end, into,
                                                  limiter=self._io_limiter)
         except OSError as exc:
-            log.warning("disk cache read of %s failed (%s); reading the store", entry.path, exc)
+            log.warning("disk cache read of %s failed (%s); reading the store", path, exc)
             data = None
         if data is None:
             if not entry.gone:  # (an entry evicted while we read it just lost its file)
                 self.stats["disk_cache.bad_reads"] += 1
-                self._evict(key, version, entry)
+                self._evict(eid, entry)
             return None
         self.stats["disk_cache.hits"] += 1
         self.stats["disk_cache.read_bytes"] += end - start
@@ -285,60 +282,60 @@ class DiskCache:
         hi = end if end == object_bytes else end // cb * cb  # the last one, or the object's end
         if hi <= lo:
             return
-        entry = self._entries.get((key, version))
+        eid = cachejournal.entry_id(key, version)
+        entry = self._entries.get(eid)
         if entry is None:
-            entry_no = self._journal.next_entry_no
+            entry = self._entries[eid] = cachejournal.Entry(self._journal.next_entry_no, object_bytes, cb)
             self._journal.next_entry_no += 1
-            entry = self._entries[(key, version)] = _Entry(entry_no, cachejournal.data_path(self.directory, entry_no),
-                                                           -(-object_bytes // cb))
+            self.index_bytes += _index_bytes(entry)
+            self._charge_index()
+        path = cachejournal.data_path(self.directory, entry.entry_no)
         # Two first writes at once both define the entry: harmless, the journal keeps one.
         definition = b"" if entry.recorded else cachejournal.entry_record(entry.entry_no, key, version, object_bytes)
         try:
-            crcs = await trio.to_thread.run_sync(_write_chunks, entry.path, lo, view[lo - start : hi - start], cb,
+            crcs = await trio.to_thread.run_sync(_write_chunks, path, lo, view[lo - start : hi - start], cb,
                                                  self._journal, entry.entry_no, definition, limiter=self._io_limiter)
         except OSError as exc:
             self._write_failures += 1
             self.stats["disk_cache.write_errors"] += 1
-            log.warning("disk cache write to %s failed (%s)%s", entry.path, exc,
+            log.warning("disk cache write to %s failed (%s)%s", path, exc,
                         "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
-            self._evict(key, version, entry)
+            self._evict(eid, entry)
             return
         entry.recorded = True
         if entry.gone:  # evicted while we wrote: what we wrote must go too
             self._in_background(self._delete, entry)
             return
         for i, crc in crcs.items():
-            if not entry.present[i]:
-                size = min(cb, object_bytes - i * cb)
-                entry.stored_bytes += size
-                self.stored_bytes += size
-            entry.crcs[i] = crc
-            entry.present[i] = 1
+            self.stored_bytes += entry.add(i, crc, cb)
         self.stats["disk_cache.written_bytes"] += hi - lo
         while self.stored_bytes > self.capacity_bytes and self._entries:
-            self._evict(*next(iter(self._entries)))
+            self._evict(next(iter(self._entries)))
 
-    def _evict(self, key: str, version: str, entry: Optional[_Entry] = None) -> None:
+    def _evict(self, eid: bytes, entry: Optional[cachejournal.Entry] = None) -> None:
         """Delete the object's entry (only if it is still `entry`, when given)."""
-        if entry is not None and self._entries.get((key, version)) is not entry:
+        if entry is not None and self._entries.get(eid) is not entry:
             return
-        entry = self._entries.pop((key, version), None)
+        entry = self._entries.pop(eid, None)
         if entry is None:
             return
         entry.gone = True
         self.stored_bytes -= entry.stored_bytes
+        self.index_bytes -= _index_bytes(entry)
+        self._charge_index()
         self.stats["disk_cache.evictions"] += 1
         self._in_background(self._delete, entry)
 
-    async def _delete(self, entry: _Entry) -> None:
+    async def _delete(self, entry: cachejournal.Entry) -> None:
         """Delete the entry's file and journal it (a lost record only costs a bad read
         of the missing file at a later mount)."""
+        path = cachejournal.data_path(self.directory, entry.entry_no)
         try:
-            await trio.to_thread.run_sync(_delete, entry.path, self._journal, entry.entry_no, limiter=self._io_limiter)
+            await trio.to_thread.run_sync(_delete, path, self._journal, entry.entry_no, limiter=self._io_limiter)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.warning("disk cache: could not delete %s (%s)", entry.path, exc)
+            log.warning("disk cache: could not delete %s (%s)", path, exc)
 
 
 # -- the directory -------------------------------------------------------------------

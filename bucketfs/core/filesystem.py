@@ -72,11 +72,12 @@ class Filesystem:
         """`disk_cache_dir`: a directory of this mount's own for the local disk cache, if any."""
         self.config = config
         self.stats = Stats()
+        self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
         if disk_cache_dir is not None:
-            backend = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, self.stats, nursery)
+            backend = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, self.stats, nursery,
+                                self.budget)
         self.backend = backend
         self.key_prefix = config.url.prefix
-        self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
         self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,
                             time.time_ns(), self.budget)
         self.ns.start_background(nursery)
@@ -272,6 +273,7 @@ class Filesystem:
             "memory.peak_bytes": self.budget.peak_bytes,
             "memory.budget_bytes": self.budget.budget_bytes,
             "memory.listings_bytes": self.budget.listings_bytes,
+            "memory.disk_index_bytes": self.budget.disk_index_bytes,
             "cache.bytes": self.cache.cached_bytes,
             "namespace.entries": self.ns.entries_count,
             "handles.open": len(self._handles),

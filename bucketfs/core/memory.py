@@ -1,11 +1,13 @@
 """One global memory budget (`--max-memory`) for what the daemon holds: the listing
-cache, the block cache and every prefetch buffer.
+cache, the disk cache's index, the block cache and every prefetch buffer.
 
 Invariants:
-- Listings are charged first (`charge_listings`): they cannot be evicted, since the
-  kernel holds their inode numbers. Buffers get the rest, `capacity_bytes`, which
-  never falls below a quarter of the budget so reads keep working however much is
-  listed (past that, RSS exceeds the budget by the excess: logged once).
+- Listings and the disk cache's index are charged first (`charge_listings`,
+  `charge_disk_index`): listings cannot be evicted, since the kernel holds their
+  inode numbers, and the index is bounded by --cache-size instead. Buffers get the
+  rest, `capacity_bytes`, which never falls below a quarter of the budget so reads
+  keep working however much is listed (past that, RSS exceeds the budget by the
+  excess: logged once).
 - `used_bytes` counts every reserved buffer; it never exceeds `capacity_bytes`
   except by one demand request larger than the whole budget (let through alone so
   a reader is never deadlocked), or for a moment after listings grow while buffers
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 # Longer than any healthy GET (the read timeout is 30 s by default); a reader is
 # never made to wait on memory past this.
 DEMAND_WAIT_MAX_S = 60.0
-# Listings may take up to this share of the budget; the rest always stays for buffers.
+# Listings and the disk cache's index may take up to this share of the budget; the
+# rest always stays for buffers.
 LISTINGS_SHARE_MAX = 0.75
 
 
@@ -38,6 +41,7 @@ class MemoryBudget:
     def __init__(self, budget_bytes: int, stats, demand_headroom_bytes: int | None = None):
         self.budget_bytes = budget_bytes
         self.listings_bytes = 0
+        self.disk_index_bytes = 0
         self._headroom_fixed = demand_headroom_bytes is not None
         self.demand_headroom_bytes = demand_headroom_bytes
         self._set_capacity(budget_bytes)
@@ -61,16 +65,26 @@ class MemoryBudget:
         """The listing cache now holds `listings_bytes`: buffers get what is left,
         and evictable buffers beyond that are given back at once."""
         self.listings_bytes = listings_bytes
-        listings_cap_bytes = int(self.budget_bytes * LISTINGS_SHARE_MAX)
-        self._set_capacity(self.budget_bytes - min(listings_bytes, listings_cap_bytes))
+        self._recharge()
+
+    def charge_disk_index(self, index_bytes: int) -> None:
+        """The disk cache's index now holds `index_bytes` (as for listings)."""
+        self.disk_index_bytes = index_bytes
+        self._recharge()
+
+    def _recharge(self) -> None:
+        fixed_bytes = self.listings_bytes + self.disk_index_bytes
+        fixed_cap_bytes = int(self.budget_bytes * LISTINGS_SHARE_MAX)
+        self._set_capacity(self.budget_bytes - min(fixed_bytes, fixed_cap_bytes))
         over_bytes = self.used_bytes - self.capacity_bytes
         if over_bytes > 0:
             self._reclaim(over_bytes, max_priority=1 << 30)
-        if listings_bytes > listings_cap_bytes and not self._listings_over_logged:
+        if fixed_bytes > fixed_cap_bytes and not self._listings_over_logged:
             self._listings_over_logged = True
-            log.warning("listings hold ~%d MiB, more than %d%% of the %d MiB memory budget: the daemon "
-                        "will exceed --max-memory by the difference (raise it, or mount a narrower prefix)",
-                        listings_bytes >> 20, LISTINGS_SHARE_MAX * 100, self.budget_bytes >> 20)
+            log.warning("listings (%d MiB) and the disk cache index (%d MiB) hold more than %d%% of the %d MiB memory "
+                        "budget: the daemon will exceed --max-memory by the difference (raise it, mount a narrower "
+                        "prefix, or lower --cache-size)", self.listings_bytes >> 20, self.disk_index_bytes >> 20,
+                        LISTINGS_SHARE_MAX * 100, self.budget_bytes >> 20)
 
     def add_reclaimer(self, priority: int, reclaim: Callable[[int], int]) -> None:
         """Register something that can free memory; lower priority is reclaimed first."""

@@ -266,7 +266,8 @@ def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
 
     async def body(fs):
         await fs.backend.wait_idle()  # the evictions done at start
-        return fs.backend.stored_bytes, [key for key, _ in fs.backend._entries]
+        return fs.backend.stored_bytes, [key for key in files
+                                         if cachejournal.entry_id(key, backend._info[key].version) in fs.backend._entries]
 
     stored_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
     assert 0 < stored_bytes <= 1 * MiB and len(kept) == 4  # the last stored (in the journal's order)
@@ -310,3 +311,18 @@ def test_one_cache_directory_per_bucket_and_one_mount_at_a_time(tmp_path):
     again, again_lock = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after it
     os.close(again_lock)
     assert again == directory
+
+
+def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(tmp_path):
+    """A cache of many objects found at start takes its share of --max-memory at once:
+    the budget holds the daemon's memory, not just its buffers."""
+    backend = MemoryBackend(FILES)
+    mount_epoch(backend, tmp_path)
+    chunks_count = sum(-(-len(data) // (64 * 1024)) for data in FILES.values())
+
+    async def body(fs):
+        return fs.budget.disk_index_bytes, fs.budget.capacity_bytes, fs.budget.budget_bytes
+
+    index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
+    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + 4 * chunks_count
+    assert capacity_bytes == budget_bytes - index_bytes
