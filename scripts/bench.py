@@ -19,12 +19,14 @@ The data set is generated once into --data-dir (default .bench-data/, reused):
 
 Workloads (MB = 10^6 bytes): W1 shard streaming (1 and 4 readers; webdataset +
 DataLoader), W2 ImageFolder (listing, cold epochs with 8 and 32 threads, warm epoch, an
-epoch after the page cache is dropped: try --mount-args "--cache-dir DIR"),
+epoch after the page cache is dropped, and with --mount-args "--cache-dir DIR" an epoch
+on a new mount that finds the disk cache the last one left),
 W3 metadata (listdir of 20k, walk+stat of 20k; cold and cached), W4 random preads in
 shards, W5 small files and shards at once (with the daemon's peak RSS).
 
 Cold runs: page cache dropped (`echo 3 > /proc/sys/vm/drop_caches`, root) and, for
-bucketfs, a fresh mount. Before remote runs the server's metadata is primed by
+bucketfs, a fresh mount (with --cache-dir DIR in --mount-args: bucketfs's cache
+directories in DIR are deleted first, so cold is cold). Before remote runs the server's metadata is primed by
 listing directly (not through the proxy): rclone computes MD5 ETags by reading whole
 files the first time it lists or serves them, which a real store does not do.
 Every byte read is verified against the data set (xxh3 or crc32 digests): a wrong
@@ -1042,6 +1044,25 @@ class Row:
     met: Optional[bool] = None
 
 
+def _option_value(argv: list, option: str) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _empty_disk_cache(cache_dir: str) -> None:
+    """Delete what bucketfs cached in `cache_dir` (its own directories only: the ones
+    with a journal, or a mount's private one)."""
+    if not os.path.isdir(cache_dir):
+        return
+    for entry in os.scandir(cache_dir):
+        if entry.is_dir() and (os.path.exists(os.path.join(entry.path, "journal")) or re.match(r"bucketfs-\d+-", entry.name)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 class Bench:
     def __init__(self, args, dataset: Dataset, backend, work_dir: str):
         self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
@@ -1052,6 +1073,7 @@ class Bench:
         os.makedirs(self.mountpoint)
         self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir,
                            [*backend.mount_extra_args, *shlex.split(args.mount_args)])
+        self.cache_dir = _option_value(shlex.split(args.mount_args), "--cache-dir")
         self.local_root = str(dataset.bucket_dir)
         self.systems = SYSTEMS + ((RCLONE_MOUNT,) if args.alternatives else ())
         self.rclone_mountpoint = os.path.join(work_dir, "rclone-mnt")
@@ -1081,6 +1103,8 @@ class Bench:
             self.backend.prime(self.ds.bucket, ["shards/", "imagefolder/", "flat/", "tree/"])
         self.dropped_ok = drop_caches() and self.dropped_ok
         if system == "bucketfs":
+            if self.cache_dir:
+                _empty_disk_cache(self.cache_dir)
             self.mount.start()
         elif system == RCLONE_MOUNT:
             self.rclone_mount.start()
@@ -1282,6 +1306,8 @@ class Bench:
             self.row(f"W2.warm{threads}", f"W2 epoch warm, {threads} threads", "files/s", True, ">= 6000 files/s")
         # A data set larger than RAM: the next epoch finds no page cache (try --mount-args "--cache-dir DIR").
         self.row("W2.evicted32", "W2 epoch, page cache dropped, 32t", "files/s", True, "-")
+        if self.cache_dir:  # the disk cache outlives the mount: the next one starts from it
+            self.row("W2.remount32", "W2 epoch, new mount, disk cache kept, 32t", "files/s", True, "-")
         for system in self.systems:
             for threads in (8, 32):
                 self.cold(system)
@@ -1297,9 +1323,13 @@ class Bench:
                 passes = ("cold", "warm") if system != "direct" else ("cold",)
                 if system != "direct" and threads == 32:
                     passes += ("evicted",)
+                    if system == "bucketfs" and self.cache_dir:
+                        passes += ("remount",)
                 for temp in passes:
                     if temp == "evicted":
                         drop_caches()  # the same mount: its block cache and --cache-dir stay
+                    elif temp == "remount":
+                        self.mount.remount()  # a new daemon; --cache-dir is kept
                     if system == "direct":
                         run = self.measure(f"W2 epoch {temp} {threads}t", system,
                                            lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)))

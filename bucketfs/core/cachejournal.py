@@ -16,6 +16,9 @@ Invariants:
 - Writes come from worker threads: each record batch is one write() with O_APPEND,
   so batches do not interleave. A short or failed write leaves a torn tail; the
   journal then takes no more appends (loading would stop at the tear).
+- Bounded: once it holds COMPACT_RATIO times what its live entries need (evictions
+  leave dead records), it is rewritten from the index (`compact`, at load or while
+  mounted), appends held meanwhile. Each Entry keeps its definition record for this.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import collections
 import hashlib
 import os
 import struct
+import threading
 import zlib
 from typing import Optional
 
@@ -39,8 +43,9 @@ _DELETE = struct.Struct("<cQ")  # b"D", entry number
 # (evictions and partial writes leave dead records behind).
 COMPACT_RATIO = 2
 COMPACT_MIN_BYTES = 1024 * 1024
-# Memory an Entry and its place in the index take, past 4 bytes a chunk: 406 bytes
-# traced for a 2-chunk object (scripts: a 200,000-entry index), plus allocator slack.
+# Memory an Entry and its place in the index take, past its definition record and 4
+# bytes a chunk: 406 bytes traced for a 2-chunk object (a 200,000-entry index), plus
+# allocator slack.
 INDEX_ENTRY_BYTES = 440
 
 
@@ -54,10 +59,11 @@ class Entry:
     """One object version in the cache: which chunks of its data file hold its bytes,
     and their CRC-32s. INDEX_ENTRY_BYTES of memory plus 4 bytes a chunk."""
 
-    __slots__ = ("entry_no", "object_bytes", "present", "crcs", "stored_bytes", "gone", "recorded")
+    __slots__ = ("entry_no", "object_bytes", "definition", "present", "crcs", "stored_bytes", "gone", "recorded")
 
-    def __init__(self, entry_no: int, object_bytes: int, chunk_bytes: int):
+    def __init__(self, entry_no: int, object_bytes: int, chunk_bytes: int, definition: bytes):
         self.entry_no, self.object_bytes = entry_no, object_bytes
+        self.definition = definition  # its E record, to rewrite the journal without key strings in memory
         self.present = 0  # bit i: chunk i is on disk (an int: 28 bytes for a small file)
         self.crcs = array.array("I", bytes(4 * -(-object_bytes // chunk_bytes)))  # CRC-32 of each present chunk
         self.stored_bytes = 0
@@ -82,12 +88,25 @@ class Entry:
     def chunk_crcs(self) -> dict:
         return {i: crc for i, crc in enumerate(self.crcs) if self.present >> i & 1}
 
+    def records(self) -> bytes:
+        """What the journal needs to know of it: its definition and its chunks."""
+        return self.definition + chunks_record(self.entry_no, self.chunk_crcs())
+
+    def record_bytes(self) -> int:
+        """len(records()), counting every chunk (an estimate of what a rewrite keeps)."""
+        return len(self.definition) + _RECORD.size + _CHUNKS.size + _PAIR.size * len(self.crcs)
+
+    def index_bytes(self) -> int:
+        return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs)
+
 
 def _record(payload: bytes) -> bytes:
     return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def entry_record(entry_no: int, key: str, version: str, object_bytes: int) -> bytes:
+    """The definition record: entry number, size, key and version (one UTF-8 encoding,
+    the one entry_id hashes)."""
     key_b, version_b = key.encode("utf-8", "surrogateescape"), version.encode("utf-8", "surrogateescape")
     return _record(_ENTRY.pack(b"E", entry_no, object_bytes, len(key_b)) + key_b + version_b)
 
@@ -100,12 +119,11 @@ def delete_record(entry_no: int) -> bytes:
     return _record(_DELETE.pack(b"D", entry_no))
 
 
-def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict, definitions: dict) -> int:
-    """Apply the records in `data` (after the header): `entries` (entry number ->
-    Entry, least recently written first), `ids` (entry number -> entry_id) and
-    `definitions` (entry number -> (offset, length) of its definition record in
-    `data`); the length of the good records."""
-    at = 0
+def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
+    """Apply the records in `data` (after the header) to `entries` (entry number ->
+    Entry, least recently written first) and `ids` (entry number -> entry_id):
+    (the length of the good records, the highest entry number seen)."""
+    at = highest_no = 0
     while at + _RECORD.size <= len(data):
         length, crc = _RECORD.unpack_from(data, at)
         start = at + _RECORD.size
@@ -116,12 +134,12 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
         kind = bytes(payload[:1])
         if kind == b"E":
             _, no, object_bytes, key_len = _ENTRY.unpack_from(payload)
-            body = bytes(payload[_ENTRY.size :])
+            highest_no = max(highest_no, no)
             if no not in entries:  # (a repeated definition, from two first writes at once, keeps the chunks)
-                key = body[:key_len].decode("utf-8", "surrogateescape")
-                entries[no] = Entry(no, object_bytes, chunk_bytes)
-                ids[no] = entry_id(key, body[key_len:].decode("utf-8", "surrogateescape"))
-                definitions[no] = (start - _RECORD.size, _RECORD.size + length)
+                body = bytes(payload[_ENTRY.size :])
+                entries[no] = Entry(no, object_bytes, chunk_bytes, bytes(data[start - _RECORD.size : at]))
+                # the id straight from the bytes: entry_id's encoding of the decoded strings
+                ids[no] = hashlib.blake2b(body[:key_len] + b"\0" + body[key_len:], digest_size=16).digest()
             entries.move_to_end(no)
         elif kind == b"C":
             _, no = _CHUNKS.unpack_from(payload)
@@ -135,10 +153,10 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
         elif kind == b"D":
             no = _DELETE.unpack_from(payload)[1]
             if entries.pop(no, None) is not None:
-                del ids[no], definitions[no]
+                del ids[no]
         else:
             break
-    return at
+    return at, highest_no
 
 
 class Journal:
@@ -151,57 +169,65 @@ class Journal:
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.ids: dict = {}
         self._broken = False
-        header = MAGIC + _HEADER.pack(chunk_bytes)
+        self._lock = threading.Lock()  # appends against a rewrite
+        self._header = MAGIC + _HEADER.pack(chunk_bytes)
         data = b""
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             pass
-        if data.startswith(header):
-            definitions: dict = {}
-            body = memoryview(data)[len(header) :]
-            good = _parse(body, chunk_bytes, self.entries, self.ids, definitions)
-            live_bytes = sum(length + _RECORD.size + _CHUNKS.size + _PAIR.size * len(e.crcs)
-                             for (_, length), e in zip(definitions.values(), self.entries.values()))
-            if len(header) + good < len(data) or good > COMPACT_RATIO * live_bytes + COMPACT_MIN_BYTES:
-                # cut a torn tail, drop dead records
-                self._rewrite(header, (bytes(body[at : at + length]) + chunks_record(no, self.entries[no].chunk_crcs())
-                                       for no, (at, length) in ((no, definitions[no]) for no in self.entries)))
-            del definitions, body
+        highest_no = 0
+        if data.startswith(self._header):
+            good, highest_no = _parse(memoryview(data)[len(self._header) :], chunk_bytes, self.entries, self.ids)
+            self.size_bytes = len(self._header) + good
+            if self.size_bytes < len(data) or self.needs_compacting(sum(e.record_bytes() for e in self.entries.values())):
+                self.compact(self.entries.values())  # cut a torn tail, drop dead records
         else:
-            self._rewrite(header, ())  # new, or another format or chunk size: nothing in it is usable
+            self.compact(())  # new, or another format or chunk size: nothing in it is usable
         del data
-        self.next_entry_no = max(self.entries, default=0) + 1
+        self.next_entry_no = highest_no + 1  # never an earlier number, even a deleted one's
 
-    def _rewrite(self, header: bytes, records) -> None:
-        tmp_path = self.path + ".new"
-        with open(tmp_path, "wb") as f:
-            f.write(header)
-            for record in records:
-                f.write(record)
-            f.flush()
-            os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
-        os.replace(tmp_path, self.path)
+    def needs_compacting(self, live_record_bytes: int) -> bool:
+        return self.size_bytes > COMPACT_RATIO * live_record_bytes + COMPACT_MIN_BYTES
+
+    def compact(self, entries) -> None:
+        """Rewrite the journal as the records of `entries` (an iterable evaluated with
+        appends held: a callable's result, for a snapshot taken then)."""
+        with self._lock:
+            if callable(entries):
+                entries = entries()
+            tmp_path = self.path + ".new"
+            with open(tmp_path, "wb") as f:
+                f.write(self._header)
+                for entry in entries:
+                    f.write(entry.records())
+                f.flush()
+                os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
+                size_bytes = f.tell()
+            os.replace(tmp_path, self.path)
+            self.size_bytes = size_bytes
 
     def append(self, data: bytes) -> None:
         """Append record bytes (from any thread); OSError if the journal takes no more."""
-        if self._broken:
-            raise OSError("the disk cache journal took a failed write; no more appends")
-        try:
-            # Opened per append (microseconds, beside the data write it follows): no
-            # descriptor outlives the cache, however the mount ends.
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        with self._lock:
+            if self._broken:
+                raise OSError("the disk cache journal took a failed write; no more appends")
             try:
-                written = os.write(fd, data)
-            finally:
-                os.close(fd)
-        except OSError:
-            self._broken = True
-            raise
-        if written != len(data):
-            self._broken = True
-            raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")
+                # Opened per append (microseconds, beside the data write it follows): no
+                # descriptor outlives the cache, however the mount ends.
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                try:
+                    written = os.write(fd, data)
+                finally:
+                    os.close(fd)
+            except OSError:
+                self._broken = True
+                raise
+            self.size_bytes += written
+            if written != len(data):
+                self._broken = True
+                raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")
 
 
 def data_path(directory: str, entry_no: int) -> str:

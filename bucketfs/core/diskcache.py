@@ -55,10 +55,6 @@ INDEX_CHARGE_STEP_BYTES = 1024 * 1024
 WRITE_FAILURES_MAX = 8
 
 
-def _index_bytes(entry) -> int:
-    return cachejournal.INDEX_ENTRY_BYTES + 4 * len(entry.crcs)
-
-
 def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
     """Write `view` at `offset` (a chunk boundary), then journal the CRC-32 of each
     chunk in it (after `definition`, the entry's record, if not journaled yet); the CRCs."""
@@ -132,7 +128,12 @@ class DiskCache:
         self._idle = trio.Event()  # set whenever _background_count is 0
         self._idle.set()
         self._write_failures = 0
-        self._io_limiter = trio.CapacityLimiter(4)  # disk threads: a few keep an SSD busy
+        # Disk threads: a few keep an SSD busy. Reads have their own, so that writes
+        # (and a journal rewrite holding them) never stand between a reader and the disk.
+        self._read_limiter = trio.CapacityLimiter(4)
+        self._write_limiter = trio.CapacityLimiter(4)
+        self._live_record_bytes = 0  # what a rewritten journal would hold
+        self._compacting = False
         self._budget = budget
         self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
         self._charged_index_bytes = 0
@@ -153,7 +154,8 @@ class DiskCache:
             entry.recorded = True
             self._entries[journal.ids[entry_no]] = entry
             self.stored_bytes += entry.stored_bytes
-            self.index_bytes += _index_bytes(entry)
+            self.index_bytes += entry.index_bytes()
+            self._live_record_bytes += entry.record_bytes()
         try:
             orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
         except OSError as exc:
@@ -208,7 +210,7 @@ class DiskCache:
         path = cachejournal.data_path(self.directory, entry.entry_no)
         try:
             data = await trio.to_thread.run_sync(_read_chunks, path, lo, hi, crcs, self.chunk_bytes, start, end, into,
-                                                 limiter=self._io_limiter)
+                                                 limiter=self._read_limiter)
         except OSError as exc:
             log.warning("disk cache read of %s failed (%s); reading the store", path, exc)
             data = None
@@ -276,6 +278,9 @@ class DiskCache:
         """Write the whole chunks inside `view` (bytes at `start` of the object)."""
         if self._write_failures >= WRITE_FAILURES_MAX:
             return
+        if self._compacting:  # (a write would wait for the rewrite: this one is skipped)
+            self.stats["disk_cache.skipped_bytes"] += len(view)
+            return
         cb = self.chunk_bytes
         end = start + len(view)
         lo = -(-start // cb) * cb  # the first chunk boundary at or after start
@@ -285,16 +290,19 @@ class DiskCache:
         eid = cachejournal.entry_id(key, version)
         entry = self._entries.get(eid)
         if entry is None:
-            entry = self._entries[eid] = cachejournal.Entry(self._journal.next_entry_no, object_bytes, cb)
+            entry_no = self._journal.next_entry_no
             self._journal.next_entry_no += 1
-            self.index_bytes += _index_bytes(entry)
+            entry = self._entries[eid] = cachejournal.Entry(entry_no, object_bytes, cb,
+                                                            cachejournal.entry_record(entry_no, key, version, object_bytes))
+            self.index_bytes += entry.index_bytes()
+            self._live_record_bytes += entry.record_bytes()
             self._charge_index()
         path = cachejournal.data_path(self.directory, entry.entry_no)
         # Two first writes at once both define the entry: harmless, the journal keeps one.
-        definition = b"" if entry.recorded else cachejournal.entry_record(entry.entry_no, key, version, object_bytes)
+        definition = b"" if entry.recorded else entry.definition
         try:
             crcs = await trio.to_thread.run_sync(_write_chunks, path, lo, view[lo - start : hi - start], cb,
-                                                 self._journal, entry.entry_no, definition, limiter=self._io_limiter)
+                                                 self._journal, entry.entry_no, definition, limiter=self._write_limiter)
         except OSError as exc:
             self._write_failures += 1
             self.stats["disk_cache.write_errors"] += 1
@@ -311,6 +319,26 @@ class DiskCache:
         self.stats["disk_cache.written_bytes"] += hi - lo
         while self.stored_bytes > self.capacity_bytes and self._entries:
             self._evict(next(iter(self._entries)))
+        if not self._compacting and self._journal.needs_compacting(self._live_record_bytes):
+            self._compacting = True
+            self._in_background(self._compact)
+
+    async def _compact(self) -> None:
+        """Rewrite the journal from the index, as it is once appends are held."""
+        started_s, before_bytes = time.monotonic(), self._journal.size_bytes
+
+        def snapshot():  # (in the rewriting thread, appends held: the index as of now, from the trio thread)
+            return trio.from_thread.run_sync(lambda: list(self._entries.values()))
+        try:
+            await trio.to_thread.run_sync(self._journal.compact, snapshot)
+            self.stats["disk_cache.journal_rewrites"] += 1
+            log.info("disk cache journal rewritten: %.1f -> %.1f MiB in %.2f s", before_bytes / 2**20,
+                     self._journal.size_bytes / 2**20, time.monotonic() - started_s)
+        except OSError as exc:
+            self._write_failures = WRITE_FAILURES_MAX  # what is on disk may no longer match the journal
+            log.warning("disk cache journal rewrite failed (%s); no more writes to the disk cache", exc)
+        finally:
+            self._compacting = False
 
     def _evict(self, eid: bytes, entry: Optional[cachejournal.Entry] = None) -> None:
         """Delete the object's entry (only if it is still `entry`, when given)."""
@@ -321,7 +349,8 @@ class DiskCache:
             return
         entry.gone = True
         self.stored_bytes -= entry.stored_bytes
-        self.index_bytes -= _index_bytes(entry)
+        self.index_bytes -= entry.index_bytes()
+        self._live_record_bytes -= entry.record_bytes()
         self._charge_index()
         self.stats["disk_cache.evictions"] += 1
         self._in_background(self._delete, entry)
@@ -331,7 +360,7 @@ class DiskCache:
         of the missing file at a later mount)."""
         path = cachejournal.data_path(self.directory, entry.entry_no)
         try:
-            await trio.to_thread.run_sync(_delete, path, self._journal, entry.entry_no, limiter=self._io_limiter)
+            await trio.to_thread.run_sync(_delete, path, self._journal, entry.entry_no, limiter=self._write_limiter)
         except FileNotFoundError:
             pass
         except OSError as exc:

@@ -324,5 +324,33 @@ def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(t
         return fs.budget.disk_index_bytes, fs.budget.capacity_bytes, fs.budget.budget_bytes
 
     index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
-    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + 4 * chunks_count
+    definitions_bytes = sum(len(cachejournal.entry_record(1, key, backend._info[key].version, len(data)))
+                            for key, data in FILES.items())
+    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count
     assert capacity_bytes == budget_bytes - index_bytes
+
+
+def test_the_journal_is_rewritten_while_mounted_and_stays_bounded(tmp_path, monkeypatch):
+    """A cache smaller than the data set evicts on every epoch, and each eviction
+    leaves dead records: the journal is rewritten from the index while mounted, and
+    the next mount still finds every object that was kept."""
+    monkeypatch.setattr(cachejournal, "COMPACT_MIN_BYTES", 4096)
+    files = {f"f/{i:03d}": blob(70_000 + i, i) for i in range(120)}  # 8.4 MB through a 1 MiB cache
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        for _ in range(3):
+            await epoch(fs, files)
+            await fs.backend.wait_idle()
+            forget_memory(fs)
+        cache = fs.backend
+        kept = [key for key in files if cachejournal.entry_id(key, backend._info[key].version) in cache._entries]
+        return fs.stats.snapshot(), cache._journal.size_bytes, cache._live_record_bytes, kept
+
+    stats, journal_bytes, live_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
+    assert stats["disk_cache.journal_rewrites"] >= 1
+    assert journal_bytes == os.path.getsize(tmp_path / "cache" / "journal")
+    assert journal_bytes <= 2 * live_bytes + 4096 + 10_000  # (+ the appends since the last rewrite began)
+    assert kept
+    gets, _ = mount_epoch(backend, tmp_path, {key: files[key] for key in kept}, cache_size_bytes=1 * MiB)
+    assert gets == 0
