@@ -43,6 +43,11 @@ _DELETE = struct.Struct("<cQ")  # b"D", entry number
 # (evictions and partial writes leave dead records behind).
 COMPACT_RATIO = 2
 COMPACT_MIN_BYTES = 1024 * 1024
+LOAD_BLOCK_BYTES = 8 * 1024 * 1024
+# Chunk records hold at most this many chunks (a 100 GB object has 1.6 M), so no
+# record is long: a length field past RECORD_MAX_BYTES is a torn one.
+CHUNKS_PER_RECORD_MAX = 8192
+RECORD_MAX_BYTES = 1024 * 1024
 # Memory an Entry and its place in the index take, past its definition record and 4
 # bytes a chunk: 406 bytes traced for a 2-chunk object (a 200,000-entry index), plus
 # allocator slack.
@@ -90,7 +95,9 @@ class Entry:
 
     def records(self) -> bytes:
         """What the journal needs to know of it: its definition and its chunks."""
-        return self.definition + chunks_record(self.entry_no, self.chunk_crcs())
+        pairs = list(self.chunk_crcs().items())
+        return self.definition + b"".join(chunks_record(self.entry_no, dict(pairs[at : at + CHUNKS_PER_RECORD_MAX]))
+                                          for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX))
 
     def record_bytes(self) -> int:
         """len(records()), counting every chunk (an estimate of what a rewrite keeps)."""
@@ -120,16 +127,20 @@ def delete_record(entry_no: int) -> bytes:
 
 
 def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
-    """Apply the records in `data` (after the header) to `entries` (entry number ->
+    """Apply the whole records at the start of `data` to `entries` (entry number ->
     Entry, least recently written first) and `ids` (entry number -> entry_id):
-    (the length of the good records, the highest entry number seen)."""
+    (their length, the highest entry number seen, whether a bad record stopped it)."""
     at = highest_no = 0
     while at + _RECORD.size <= len(data):
         length, crc = _RECORD.unpack_from(data, at)
         start = at + _RECORD.size
         payload = data[start : start + length]
-        if len(payload) < length or not length or zlib.crc32(payload) != crc:
-            break
+        if length > RECORD_MAX_BYTES:
+            return at, highest_no, True  # a torn length field: do not read on for it
+        if len(payload) < length:
+            break  # (cut by the end of `data`: the next block may hold the rest)
+        if not length or zlib.crc32(payload) != crc:
+            return at, highest_no, True
         at = start + length
         kind = bytes(payload[:1])
         if kind == b"E":
@@ -155,8 +166,32 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
             if entries.pop(no, None) is not None:
                 del ids[no]
         else:
-            break
-    return at, highest_no
+            return at, highest_no, True
+    return at, highest_no, False
+
+
+def _load(path: str, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
+    """Read the journal at `path` in blocks (a journal of a million objects is
+    hundreds of MB: never all of it in memory at once): (the length of its good
+    prefix, its total length, the highest entry number seen), or None if it is
+    missing or does not start with `header`."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        if f.read(len(header)) != header:
+            return None
+        good, highest_no, pending = len(header), 0, b""
+        while True:
+            block = f.read(LOAD_BLOCK_BYTES)
+            data = pending + block
+            used, highest, bad = _parse(memoryview(data), chunk_bytes, entries, ids)
+            good += used
+            highest_no = max(highest_no, highest)
+            pending = data[used:]
+            if bad or not block:
+                return good, good + len(pending) + len(f.read()), highest_no
 
 
 class Journal:
@@ -171,21 +206,15 @@ class Journal:
         self._broken = False
         self._lock = threading.Lock()  # appends against a rewrite
         self._header = MAGIC + _HEADER.pack(chunk_bytes)
-        data = b""
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            pass
+        loaded = _load(self.path, self._header, chunk_bytes, self.entries, self.ids)
         highest_no = 0
-        if data.startswith(self._header):
-            good, highest_no = _parse(memoryview(data)[len(self._header) :], chunk_bytes, self.entries, self.ids)
-            self.size_bytes = len(self._header) + good
-            if self.size_bytes < len(data) or self.needs_compacting(sum(e.record_bytes() for e in self.entries.values())):
+        if loaded is not None:
+            self.size_bytes, file_bytes, highest_no = loaded
+            if self.size_bytes < file_bytes or self.needs_compacting(sum(e.record_bytes() for e in self.entries.values())):
                 self.compact(self.entries.values())  # cut a torn tail, drop dead records
         else:
+            self.entries.clear()
             self.compact(())  # new, or another format or chunk size: nothing in it is usable
-        del data
         self.next_entry_no = highest_no + 1  # never an earlier number, even a deleted one's
 
     def needs_compacting(self, live_record_bytes: int) -> bool:

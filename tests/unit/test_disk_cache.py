@@ -207,7 +207,9 @@ def mount_epoch(backend, tmp_path, files=FILES, **overrides):
     return run_cached(backend, tmp_path, body, **overrides)
 
 
-def test_a_later_mount_reads_what_an_earlier_one_stored(tmp_path):
+@pytest.mark.parametrize("load_block_bytes", [8 * MiB, 97])  # 97: every record straddles a block
+def test_a_later_mount_reads_what_an_earlier_one_stored(tmp_path, monkeypatch, load_block_bytes):
+    monkeypatch.setattr(cachejournal, "LOAD_BLOCK_BYTES", load_block_bytes)
     backend = MemoryBackend(FILES)
     first_gets, _ = mount_epoch(backend, tmp_path)
     gets, stats = mount_epoch(backend, tmp_path)  # a new Filesystem and DiskCache on the same directory
@@ -242,14 +244,20 @@ def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path)
     assert gets >= len(FILES)
 
 
-def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path):
+@pytest.mark.parametrize("tear", [
+    cachejournal.chunks_record(1, {0: 123, 1: 456})[:-3],  # a record cut short
+    b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
+    cachejournal.chunks_record(1, {0: 123})[:-1] + b"!",  # a record whose CRC does not match
+])
+def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path, monkeypatch, tear):
     """A crash mid-append: the next mount loads what came before, cuts the tear, and
     appends after it (a third mount finds those too)."""
+    monkeypatch.setattr(cachejournal, "LOAD_BLOCK_BYTES", 1000)
     backend = MemoryBackend(FILES)
     mount_epoch(backend, tmp_path)
     journal = tmp_path / "cache" / "journal"
     with open(journal, "ab") as f:
-        f.write(cachejournal.chunks_record(1, {0: 123, 1: 456})[:-3])  # a record cut short
+        f.write(tear)
     gets, stats = mount_epoch(backend, tmp_path)
     assert gets == 0
     extra = {"more/x.bin": blob(300_000, 7)}
