@@ -36,7 +36,7 @@ Targets missed are reported, not failures.
 Per run it reports the requests (LIST/GET/HEAD) and response bytes the proxy saw, the
 CPU seconds of the daemon, of this script, of the proxy and of the server, and those
 of processes that are not part of the benchmark (the machine may be shared: numbers
-taken while others' CPU is high are noise). Diagnostics: --py-spy DIR profiles the
+taken while others' CPU or the host's steal time is high are noise). Diagnostics: --py-spy DIR profiles the
 daemon in each bucketfs run (collapsed stacks, GIL holders only); --proxy-log FILE
 records every request with its byte range, with a `# start RUN` line per run.
 Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset torch py-spy.
@@ -736,6 +736,14 @@ def machine_cpu_s() -> tuple[float, float]:
     return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), idle / os.sysconf("SC_CLK_TCK")
 
 
+def steal_s() -> float:
+    """CPU seconds the hypervisor gave other guests while this VM wanted them (all CPUs,
+    `steal` in /proc/stat): a slow host that no process here accounts for."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
 def self_cpu_s() -> float:
     """This process's CPU seconds, with its children that were waited for (webdataset runs)."""
     t = os.times()
@@ -1130,6 +1138,7 @@ class Bench:
             daemon_before = proc_cpu_s(self.rclone_mount.pid)
             self.rclone_mount.label += ("; " if self.rclone_mount.label else "") + label
         self_before = self_cpu_s()
+        steal_before = steal_s()
         self.census.others_s()
         server_before = self.backend.server_cpu_s()
         proxy_before = self.backend.proxy_cpu_s()
@@ -1169,6 +1178,7 @@ class Bench:
             verifier.fail(f"rclone mount died during the run: {self.rclone_mount._tail(800)}")
         # CPU used by processes that are not part of this benchmark (a shared machine): noise.
         run["foreign_cpu_s"] = round(self.census.others_s(), 2)
+        run["steal_s"] = round(steal_s() - steal_before, 2)
         if remote:
             after = self.backend.stats()
             requests = collections.Counter(after["requests"])
@@ -1190,7 +1200,8 @@ class Bench:
                 extra += f" daemon_cpu {run['daemon_cpu_s']:.2f}s"
             extra += f" proxy_cpu {run['proxy_cpu_s']:.2f}s"
         log(f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"
-            + (f" (other processes: {run['foreign_cpu_s']:.1f} CPU s)" if run["foreign_cpu_s"] >= 0.5 else ""))
+            + (f" (other processes: {run['foreign_cpu_s']:.1f} CPU s)" if run["foreign_cpu_s"] >= 0.5 else "")
+            + (f" (host steal: {run['steal_s']:.1f} CPU s)" if run["steal_s"] >= 0.5 else ""))
         if verifier.errors:
             self.failures.append(f"{label} [{system}]: {len(verifier.errors)} error(s), first: {verifier.errors[0]}")
             print(f"\n!!!!!!!! FAIL {label} [{system}]: {len(verifier.errors)} error(s)", flush=True)
@@ -1656,7 +1667,7 @@ class Bench:
 
     def cost_table(self) -> str:
         header = ("run", "system", "wall s", "LIST", "GET", "HEAD", "other req", "fetched MB", "daemon CPU s", "client CPU s",
-                  "proxy CPU s", "server CPU s", "others' CPU s")
+                  "proxy CPU s", "server CPU s", "others' CPU s", "steal s")
         lines = []
         for run in self.runs:
             req = dict(run.get("requests", {}))
@@ -1665,7 +1676,7 @@ class Bench:
                           other, f"{run.get('fetched_bytes', 0) / MB:.1f}",
                           "-" if run.get("daemon_cpu_s") is None else f"{run['daemon_cpu_s']:.2f}",
                           f"{run['client_cpu_s']:.2f}", f"{run.get('proxy_cpu_s', 0):.2f}", f"{run['server_cpu_s']:.2f}",
-                          f"{run['foreign_cpu_s']:.1f}"))
+                          f"{run['foreign_cpu_s']:.1f}", f"{run.get('steal_s', 0):.1f}"))
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
         out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
         out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
@@ -1840,7 +1851,8 @@ def main(argv=None) -> int:
     print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
     print(bench.cost_table())
     print("(client CPU = this script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
-          " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time)")
+          " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time;\n"
+          " steal = CPU time the hypervisor gave other guests while this VM wanted it: a slow host)")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     print()
     print(TARGETS)
