@@ -258,6 +258,11 @@ async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Calla
             log.info("FUSE loop ended; unmounting %s", config.mountpoint)
             sd_notify("STOPPING=1")
             nursery.cancel_scope.cancel()
+    except* errors.UserError as group:
+        # A problem the user must fix, found inside the nursery (an unreadable disk
+        # cache, a mount the kernel refused): trio wraps it in a group; the CLI wants
+        # the one line it carries.
+        raise group.exceptions[0] from None
     finally:
         if mounted:
             pyfuse3.close(unmount=not detached)

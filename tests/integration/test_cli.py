@@ -105,6 +105,20 @@ def test_unusable_cache_dir(rclone_server, s3_bucket, empty_dir, tmp_path):
     assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "cache directory")
 
 
+def test_unreadable_disk_cache_journal(rclone_server, s3_bucket, empty_dir, tmp_path):
+    """A cache directory an earlier mount left, whose journal cannot be read: one line,
+    exit 9, nothing mounted (not a traceback from inside the running daemon)."""
+    cache_dir = tmp_path / "cache"
+    args = ("--endpoint-url", rclone_server.endpoint_url, "--cache-dir", str(cache_dir))
+    Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), args).close()
+    (kept,) = cache_dir.iterdir()
+    (kept / "journal").unlink()
+    (kept / "journal").mkdir()  # open() of it fails: IsADirectoryError
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, *args, env=server_env(rclone_server))
+    assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "cache directory")
+    assert not os.path.ismount(empty_dir)
+
+
 def test_no_fuse(rclone_server, s3_bucket, empty_dir):
     env = server_env(rclone_server, BUCKETFS_FUSE_DEVICE="/nonexistent/fuse")
     proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
