@@ -39,8 +39,8 @@ _ENTRY = struct.Struct("<cQQH")  # b"E", entry number, object bytes, key length;
 _CHUNKS = struct.Struct("<cQ")  # b"C", entry number; then (chunk index, CRC-32) pairs
 _PAIR = struct.Struct("<II")
 _DELETE = struct.Struct("<cQ")  # b"D", entry number
-# Rewritten at load when it holds this many times the bytes its live records need
-# (evictions and partial writes leave dead records behind).
+# Rewritten (at load, or while mounted) once it holds this many times the bytes its
+# live records need, plus COMPACT_MIN_BYTES (evictions leave dead records behind).
 COMPACT_RATIO = 2
 COMPACT_MIN_BYTES = 1024 * 1024
 LOAD_BLOCK_BYTES = 8 * 1024 * 1024
@@ -62,7 +62,7 @@ def entry_id(key: str, version: str) -> bytes:
 
 class Entry:
     """One object version in the cache: which chunks of its data file hold its bytes,
-    and their CRC-32s. INDEX_ENTRY_BYTES of memory plus 4 bytes a chunk."""
+    and their CRC-32s. Memory: `index_bytes()`."""
 
     __slots__ = ("entry_no", "object_bytes", "definition", "present", "crcs", "stored_bytes", "gone", "recorded")
 
@@ -90,13 +90,10 @@ class Entry:
         self.stored_bytes += size
         return size
 
-    def chunk_crcs(self) -> dict:
-        return {i: crc for i, crc in enumerate(self.crcs) if self.present >> i & 1}
-
     def records(self) -> bytes:
         """What the journal needs to know of it: its definition and its chunks."""
-        pairs = list(self.chunk_crcs().items())
-        return self.definition + b"".join(chunks_record(self.entry_no, dict(pairs[at : at + CHUNKS_PER_RECORD_MAX]))
+        pairs = [(i, crc) for i, crc in enumerate(self.crcs) if self.present >> i & 1]
+        return self.definition + b"".join(chunks_record(self.entry_no, pairs[at : at + CHUNKS_PER_RECORD_MAX])
                                           for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX))
 
     def record_bytes(self) -> int:
@@ -104,6 +101,7 @@ class Entry:
         return len(self.definition) + _RECORD.size + _CHUNKS.size + _PAIR.size * len(self.crcs)
 
     def index_bytes(self) -> int:
+        """The memory it takes, as charged to the budget."""
         return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs)
 
 
@@ -118,8 +116,9 @@ def entry_record(entry_no: int, key: str, version: str, object_bytes: int) -> by
     return _record(_ENTRY.pack(b"E", entry_no, object_bytes, len(key_b)) + key_b + version_b)
 
 
-def chunks_record(entry_no: int, crcs: dict) -> bytes:
-    return _record(_CHUNKS.pack(b"C", entry_no) + b"".join(_PAIR.pack(i, crc) for i, crc in crcs.items()))
+def chunks_record(entry_no: int, pairs) -> bytes:
+    """The record of (chunk index, CRC-32) `pairs` of an entry."""
+    return _record(_CHUNKS.pack(b"C", entry_no) + b"".join(_PAIR.pack(i, crc) for i, crc in pairs))
 
 
 def delete_record(entry_no: int) -> bytes:

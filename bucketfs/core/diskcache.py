@@ -67,7 +67,7 @@ def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry
         os.close(fd)
     first = offset // chunk_bytes
     crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
-    journal.append(definition + cachejournal.chunks_record(entry_no, crcs))
+    journal.append(definition + cachejournal.chunks_record(entry_no, crcs.items()))
     return crcs
 
 
@@ -139,8 +139,7 @@ class DiskCache:
         self._charged_index_bytes = 0
         self._journal = self._load()
         self._charge_index(force=True)
-        while self.stored_bytes > self.capacity_bytes and self._entries:  # a smaller --cache-size than last time
-            self._evict(next(iter(self._entries)))
+        self._evict_to_capacity()  # (a smaller --cache-size than last time)
 
     def _load(self):
         """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
@@ -148,18 +147,15 @@ class DiskCache:
         started_s = time.monotonic()
         try:
             journal = cachejournal.Journal(self.directory, self.chunk_bytes)
+            orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
         except OSError as exc:
-            raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+            raise _dir_error(self.directory, exc) from None
         for entry_no, entry in journal.entries.items():
             entry.recorded = True
             self._entries[journal.ids[entry_no]] = entry
             self.stored_bytes += entry.stored_bytes
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
-        try:
-            orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
-        except OSError as exc:
-            raise errors.UserError(f"cache directory {self.directory}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
         journal.entries.clear()  # (the index is _entries now)
         journal.ids.clear()
         self.stats["disk_cache.loaded_bytes"] = self.stored_bytes
@@ -317,8 +313,7 @@ class DiskCache:
         for i, crc in crcs.items():
             self.stored_bytes += entry.add(i, crc, cb)
         self.stats["disk_cache.written_bytes"] += hi - lo
-        while self.stored_bytes > self.capacity_bytes and self._entries:
-            self._evict(next(iter(self._entries)))
+        self._evict_to_capacity()
         if not self._compacting and self._journal.needs_compacting(self._live_record_bytes):
             self._compacting = True
             self._in_background(self._compact)
@@ -335,10 +330,14 @@ class DiskCache:
             log.info("disk cache journal rewritten: %.1f -> %.1f MiB in %.2f s", before_bytes / 2**20,
                      self._journal.size_bytes / 2**20, time.monotonic() - started_s)
         except OSError as exc:
-            self._write_failures = WRITE_FAILURES_MAX  # what is on disk may no longer match the journal
+            self._write_failures = WRITE_FAILURES_MAX  # a disk that cannot take the rewrite (full, failing)
             log.warning("disk cache journal rewrite failed (%s); no more writes to the disk cache", exc)
         finally:
             self._compacting = False
+
+    def _evict_to_capacity(self) -> None:
+        while self.stored_bytes > self.capacity_bytes and self._entries:
+            self._evict(next(iter(self._entries)))  # the least recently used
 
     def _evict(self, eid: bytes, entry: Optional[cachejournal.Entry] = None) -> None:
         """Delete the object's entry (only if it is still `entry`, when given)."""
@@ -375,7 +374,11 @@ def check_cache_dir(path: str) -> None:
         probe = tempfile.TemporaryFile(dir=path)
         probe.close()
     except OSError as exc:
-        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+        raise _dir_error(path, exc) from None
+
+
+def _dir_error(path: str, exc: OSError) -> errors.UserError:
+    return errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR)
 
 
 def claim_dir(path: str, identity: str, name_hint: str) -> tuple:
@@ -389,7 +392,7 @@ def claim_dir(path: str, identity: str, name_hint: str) -> tuple:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         lock_fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+        raise _dir_error(path, exc) from None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -412,7 +415,7 @@ def make_private_dir(path: str) -> str:
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
         return tempfile.mkdtemp(prefix=f"bucketfs-{os.getpid()}-", dir=path)
     except OSError as exc:
-        raise errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR) from None
+        raise _dir_error(path, exc) from None
 
 
 def _alive(pid: int) -> bool:

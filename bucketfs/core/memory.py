@@ -141,8 +141,9 @@ class MemoryBudget:
             self.stats["memory.demand_waits"] += 1
             if not self._pressure_logged:
                 self._pressure_logged = True
-                log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings); reads wait for buffers to drain",
-                            self.capacity_bytes >> 20, self.listings_bytes >> 20)
+                log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
+                            "reads wait for buffers to drain", self.capacity_bytes >> 20,
+                            (self.listings_bytes + self.disk_index_bytes) >> 20)
             with trio.move_on_at(deadline_s) as scope:
                 await self._freed.wait()  # state re-check after: others may have taken the freed bytes
             if scope.cancelled_caught:

@@ -245,9 +245,9 @@ def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path)
 
 
 @pytest.mark.parametrize("tear", [
-    cachejournal.chunks_record(1, {0: 123, 1: 456})[:-3],  # a record cut short
+    cachejournal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
     b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
-    cachejournal.chunks_record(1, {0: 123})[:-1] + b"!",  # a record whose CRC does not match
+    cachejournal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
 ])
 def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path, monkeypatch, tear):
     """A crash mid-append: the next mount loads what came before, cuts the tear, and
