@@ -72,7 +72,7 @@ EXIT_ENDPOINT_UNREACHABLE = 5
 EXIT_BAD_MOUNTPOINT = 6
 EXIT_NO_FUSE = 7
 EXIT_MOUNT_FAILED = 8  # the kernel refused the mount or the mount never answered
-EXIT_BAD_CACHE_DIR = 9  # --cache-dir cannot be created or written
+EXIT_BAD_CACHE_DIR = 9  # --cache-dir cannot be created, written or read
 
 
 class UserError(Exception):
