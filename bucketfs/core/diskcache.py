@@ -42,6 +42,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core import cachejournal
+from bucketfs.core import nowait
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ PENDING_WRITES_MAX_BYTES = 64 * 1024 * 1024
 INDEX_CHARGE_STEP_BYTES = 1024 * 1024
 # A disk that failed this many writes (full, read-only, failing) is left alone.
 WRITE_FAILURES_MAX = 8
+# Hits up to this size whose file is in the page cache are read on the event loop
+# (no-wait reads): a copy and a CRC, ~0.1 ms per 100 KB, instead of a worker thread's
+# hand-offs. Larger ones go to a thread, where their copy and CRC do not hold the loop.
+LOOP_READ_MAX_BYTES = 1024 * 1024
 
 
 def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
@@ -78,24 +83,35 @@ def _delete(path: str, journal, entry_no: int) -> None:
         journal.append(cachejournal.delete_record(entry_no))
 
 
-def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None):
+_WOULD_BLOCK = object()  # (a no-wait read that needs the disk)
+
+
+def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None,
+                 on_loop: bool = False):
     """Bytes [start, end) of the object, read as the chunks [lo, hi) around them and
     checked against `crcs`: as bytes, or into `into` (then their length). None if the
-    file is gone, short or does not match."""
+    file is gone, short or does not match. `on_loop` (on the event loop, no waiting):
+    _WOULD_BLOCK if the file's name or bytes are not all in the kernel's caches."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = nowait.open_cached(path) if on_loop else os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    if fd is None:
+        return _WOULD_BLOCK
     direct = into is not None and (lo, hi) == (start, end)
     try:
         buf = into if direct else bytearray(hi - lo)
         view = memoryview(buf)[: hi - lo]
-        got = 0
-        while got < hi - lo:
-            n = os.preadv(fd, [view[got:]], lo + got)
-            if n == 0:
-                return None
-            got += n
+        if on_loop:
+            if not nowait.pread_cached(fd, view, lo):
+                return _WOULD_BLOCK
+        else:
+            got = 0
+            while got < hi - lo:
+                n = os.preadv(fd, [view[got:]], lo + got)
+                if n == 0:
+                    return None
+                got += n
     finally:
         os.close(fd)
     for n, at in enumerate(range(0, hi - lo, chunk_bytes)):
@@ -131,6 +147,7 @@ class DiskCache:
         # Disk threads: a few keep an SSD busy. Reads have their own, so that writes
         # (and a journal rewrite holding them) never stand between a reader and the disk.
         self._read_limiter = trio.CapacityLimiter(4)
+        self._loop_reads = nowait.available()
         self._write_limiter = trio.CapacityLimiter(4)
         self._live_record_bytes = 0  # what a rewritten journal would hold
         self._compacting = False
@@ -205,8 +222,14 @@ class DiskCache:
         entry, crcs = found
         path = cachejournal.data_path(self.directory, entry.entry_no)
         try:
-            data = await trio.to_thread.run_sync(_read_chunks, path, lo, hi, crcs, self.chunk_bytes, start, end, into,
-                                                 limiter=self._read_limiter)
+            data = _WOULD_BLOCK
+            if self._loop_reads and hi - lo <= LOOP_READ_MAX_BYTES:
+                data = _read_chunks(path, lo, hi, crcs, self.chunk_bytes, start, end, into, on_loop=True)
+                if data is not _WOULD_BLOCK:
+                    self.stats["disk_cache.loop_reads"] += 1
+            if data is _WOULD_BLOCK:
+                data = await trio.to_thread.run_sync(_read_chunks, path, lo, hi, crcs, self.chunk_bytes, start, end, into,
+                                                     limiter=self._read_limiter)
         except OSError as exc:
             log.warning("disk cache read of %s failed (%s); reading the store", path, exc)
             data = None

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core import cachejournal
+from bucketfs.core import cachejournal, diskcache, nowait
 from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, claim_dir, make_private_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
@@ -102,6 +102,87 @@ def test_a_chunk_changed_on_disk_costs_a_get_never_a_wrong_byte(tmp_path):
     gets, bad_reads = run_cached(backend, tmp_path, body)
     assert bad_reads == len(FILES)
     assert gets >= len(FILES)
+
+
+SMALL_FILES = {path: data for path, data in FILES.items() if path.startswith("img/")}
+needs_no_wait = pytest.mark.skipif(not nowait.available(), reason="no openat2 RESOLVE_CACHED / RWF_NOWAIT here")
+
+
+def drop_from_page_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # (only clean pages can be dropped)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def file_system_type(path) -> str:
+    """The type of the file system `path` is on (the longest mount point above it)."""
+    path, best = os.path.realpath(path), ("", "")
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mount_point, fs_type = fields[4], fields[fields.index("-") + 1]
+            if (path + "/").startswith(mount_point.rstrip("/") + "/") and len(mount_point) >= len(best[0]):
+                best = (mount_point, fs_type)
+    return best[1]
+
+
+@needs_no_wait
+def test_a_hit_in_the_page_cache_is_read_on_the_loop_and_one_on_disk_in_a_thread(tmp_path):
+    """A cached file whose pages the kernel still holds is read on the event loop (no
+    thread hand-off); one whose pages it dropped (a data set larger than RAM) waits for
+    the disk in a thread. Both are checked against their CRCs; neither costs a GET."""
+    backend = MemoryBackend(SMALL_FILES)
+
+    async def body(fs):
+        await epoch(fs, SMALL_FILES)
+        await fs.backend.wait_idle()
+        if file_system_type(tmp_path) in ("tmpfs", "ramfs"):
+            pytest.skip("a file's pages are its storage here: they cannot be dropped")
+        dropped = sorted(cache_files(tmp_path))[::2]
+        for path in dropped:
+            drop_from_page_cache(path)
+        forget_memory(fs)
+        before = fs.stats.snapshot()
+        gets_before = backend.requests["get"]
+        await epoch(fs, SMALL_FILES)  # byte-identical, or it fails here
+        after = fs.stats.snapshot()
+        return len(dropped), backend.requests["get"] - gets_before, {k: after.get(k, 0) - before.get(k, 0) for k in after}
+
+    dropped_count, gets, delta = run_cached(backend, tmp_path, body)
+    assert gets == 0
+    assert delta["disk_cache.hits"] == len(SMALL_FILES)
+    # Every file whose pages were kept is read on the loop; the dropped ones in a thread.
+    # Now and then one of those is read on the loop too: the kernel kept its pages, or
+    # the read-ahead that a no-wait read starts had finished when the read looked.
+    assert len(SMALL_FILES) - dropped_count <= delta["disk_cache.loop_reads"] < len(SMALL_FILES)
+
+
+def test_hits_go_to_a_thread_where_reads_cannot_promise_not_to_wait(tmp_path, monkeypatch):
+    """An older kernel (no openat2 RESOLVE_CACHED or RWF_NOWAIT), or a file whose name
+    is not in the dentry cache: the thread reads it, with the same checks."""
+    backend = MemoryBackend(SMALL_FILES)
+    first_gets, _ = mount_epoch(backend, tmp_path, SMALL_FILES)
+    monkeypatch.setattr(nowait, "available", lambda: False)
+    gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
+    assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
+    monkeypatch.undo()
+    monkeypatch.setattr(nowait, "open_cached", lambda path: None)  # (the name would need a directory read)
+    gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
+    assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
+    assert first_gets == len(SMALL_FILES)
+
+
+@needs_no_wait
+def test_a_large_hit_is_never_read_on_the_loop(tmp_path):
+    """Past LOOP_READ_MAX_BYTES a hit's copy and CRC would hold every other request."""
+    big = {"big/a.bin": blob(3 * diskcache.LOOP_READ_MAX_BYTES + 5, 7)}
+    backend = MemoryBackend(big)
+    mount_epoch(backend, tmp_path, big, small_file_bytes=8 * MiB)
+    gets, stats = mount_epoch(backend, tmp_path, big, small_file_bytes=8 * MiB)
+    assert (gets, stats["disk_cache.hits"], stats.get("disk_cache.loop_reads", 0)) == (0, 1, 0)
 
 
 def test_disk_use_stays_within_the_cache_size(tmp_path):

@@ -1,0 +1,87 @@
+"""File reads that never wait for a disk: they succeed from the kernel's caches or say
+they would block. The disk cache uses them on the event-loop thread: a hit whose file
+is in the page cache then costs a copy and a CRC there (~0.1 ms per 100 KB object)
+instead of a worker thread's hand-offs, whose GIL waits held a 100 KB hit ~18 ms with
+32 readers. A new mount read 4,000 cached 100 KB files at ~2,150 files/s against
+~1,250 through threads (0.44 against 0.85 ms of daemon CPU per file, ad hoc).
+
+- `open_cached(path)`: openat2(2) with RESOLVE_CACHED (Linux 5.12+): the path is
+  resolved from the dentry cache only, EAGAIN otherwise (a lookup that would read a
+  directory block from disk).
+- `pread_cached(fd, view, offset)`: preadv2(2) with RWF_NOWAIT: EAGAIN (or a short
+  count) when the pages are not all in the page cache. Such a miss starts the file's
+  read-ahead without waiting for it, so the blocking read that follows finds the
+  disk already at work.
+
+`available()` is False where either is missing (another kernel or architecture):
+callers then use their blocking path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+from typing import Optional
+
+# openat2 has one number on x86_64 and arm64 (the shared table of new syscalls).
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(platform.machine())
+_AT_FDCWD = -100
+_RESOLVE_CACHED = 0x20
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_HOW = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
+_HOW_SIZE = ctypes.sizeof(_HOW)
+_HOW_REF = ctypes.byref(_HOW)
+
+
+def open_cached(path: str) -> Optional[int]:
+    """A read-only fd of `path`, or None if resolving it would wait for the disk.
+    FileNotFoundError if it does not exist (known from the cache)."""
+    fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), _HOW_REF, _HOW_SIZE)
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err == errno.EAGAIN:
+        return None
+    raise OSError(err, os.strerror(err), path)
+
+
+def pread_cached(fd: int, view, offset: int) -> bool:
+    """Fill `view` from `offset` if its bytes are all in the page cache; False if not,
+    or if the file system cannot tell (nothing is to be assumed about `view` then)."""
+    try:
+        return os.preadv(fd, [view], offset, os.RWF_NOWAIT) == len(view)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.EOPNOTSUPP:
+            return False
+        raise
+
+
+def _probe() -> bool:
+    if _SYS_OPENAT2 is None or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    try:
+        fd = open_cached("/")
+    except OSError:  # ENOSYS (before 5.6), EINVAL (RESOLVE_CACHED before 5.12)
+        return False
+    if fd is not None:
+        os.close(fd)
+    return True
+
+
+_AVAILABLE = _probe()
+
+
+def available() -> bool:
+    return _AVAILABLE
