@@ -890,9 +890,10 @@ class Mount(_MountProcess):
                      or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", line))
                     and not any(known in line for known in self.backend.expected_log_lines))
 
-    def remount(self) -> None:
+    def remount(self, drop: bool = True) -> None:
         self.stop()
-        drop_caches()
+        if drop:
+            drop_caches()
         self.start()
 
 
@@ -1318,7 +1319,9 @@ class Bench:
         # A data set larger than RAM: the next epoch finds no page cache (try --mount-args "--cache-dir DIR").
         self.row("W2.evicted32", "W2 epoch, page cache dropped, 32t", "files/s", True, "-")
         if self.cache_dir:  # the disk cache outlives the mount: the next one starts from it
+            # after a reboot (its files on disk only), and in a new job (its files still in the page cache)
             self.row("W2.remount32", "W2 epoch, new mount, disk cache kept, 32t", "files/s", True, "-")
+            self.row("W2.rejob32", "W2 epoch, new mount, disk cache in page cache, 32t", "files/s", True, "-")
         for system in self.systems:
             for threads in (8, 32):
                 self.cold(system)
@@ -1335,12 +1338,14 @@ class Bench:
                 if system != "direct" and threads == 32:
                     passes += ("evicted",)
                     if system == "bucketfs" and self.cache_dir:
-                        passes += ("remount",)
+                        passes += ("remount", "rejob")
                 for temp in passes:
                     if temp == "evicted":
                         drop_caches()  # the same mount: its block cache and --cache-dir stay
                     elif temp == "remount":
-                        self.mount.remount()  # a new daemon; --cache-dir is kept
+                        self.mount.remount()  # a new daemon; --cache-dir is kept, the page cache dropped
+                    elif temp == "rejob":
+                        self.mount.remount(drop=False)  # the last epoch left the cache's files in the page cache
                     if system == "direct":
                         run = self.measure(f"W2 epoch {temp} {threads}t", system,
                                            lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)))
