@@ -44,6 +44,7 @@ _SIMPLE = [
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
     ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest buffer reservation seen", "gauge"),
     ("disk_cache.hits", "bucketfs_disk_cache_hits", "Reads answered from the local disk cache (--cache-dir)", "counter"),
+    ("disk_cache.loop_reads", "bucketfs_disk_cache_loop_reads", "Disk cache hits read on the event loop (their file was in the page cache)", "counter"),
     ("disk_cache.misses", "bucketfs_disk_cache_misses", "Reads the local disk cache could not answer", "counter"),
     ("disk_cache.read_bytes", "bucketfs_disk_cache_read_bytes", "Bytes read from the local disk cache", "counter"),
     ("disk_cache.written_bytes", "bucketfs_disk_cache_written_bytes", "Bytes written to the local disk cache", "counter"),
@@ -127,7 +128,8 @@ def format_stats(snapshot: dict) -> str:
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
         *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB "
            f"({get('disk_cache.loaded_bytes', 0) / mib:.1f} MiB found at start); "
-           f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB), misses {get('disk_cache.misses', 0)}, "
+           f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB; "
+           f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
            f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
            f"not stored (disk busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB"]
           if "disk_cache.capacity_bytes" in snapshot else []),
