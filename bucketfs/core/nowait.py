@@ -38,6 +38,8 @@ class _OpenHow(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
+# Every argument a full register wide (syscall(2) is variadic): number, dirfd, path, how, size.
+_syscall.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
 _HOW = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
 _HOW_SIZE = ctypes.sizeof(_HOW)
 _HOW_REF = ctypes.byref(_HOW)
