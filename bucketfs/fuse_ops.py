@@ -42,8 +42,11 @@ def errno_for(exc: BaseException) -> int:
 def fuse_errors(fn):
     """Run a handler; turn every failure into FUSEError(errno), count it, never crash."""
 
+    op_key = f"fuse.{fn.__name__}"  # requests by operation: what a workload costs the daemon
+
     @functools.wraps(fn)
     async def wrapper(self, *args):
+        self.fs.stats[op_key] += 1
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:

@@ -81,6 +81,11 @@ class _Collector:
                 failures.add_metric([key.split(".")[2]], value)
         yield failures
         yield CounterMetricFamily("bucketfs_backend_retries", "Retried store requests (throttling, 5xx, resets)", value=snap.get("backend.retries", 0))
+        ops = CounterMetricFamily("bucketfs_fuse_requests", "Requests from the kernel by FUSE operation", labels=["op"])
+        for key, value in snap.items():
+            if key.startswith("fuse."):
+                ops.add_metric([key.split(".", 1)[1]], value)
+        yield ops
         errs = CounterMetricFamily("bucketfs_errors", "Errors returned to the kernel by errno", labels=["errno"])
         for key, value in snap.items():
             if key.startswith("errors."):
@@ -135,6 +140,8 @@ def format_stats(snapshot: dict) -> str:
           if "disk_cache.capacity_bytes" in snapshot else []),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
     ]
+    ops = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("fuse.")}
+    lines.append(f"kernel asked  {', '.join(f'{k} {v}' for k, v in sorted(ops.items())) or 'nothing'}")
     errs = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("errors.")}
     lines.append(f"errors        {', '.join(f'{k} {v}' for k, v in sorted(errs.items())) or 'none'}")
     return "\n".join(lines)

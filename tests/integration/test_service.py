@@ -123,6 +123,7 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
         out = subprocess.run(bucketfs_cmd("stats", m.mountpoint), capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert "requests" in out.stdout and "get 1" in out.stdout
+        assert "open 1," in out.stdout  # the kernel's requests by operation
         raw = json.loads(subprocess.run(bucketfs_cmd("stats", m.mountpoint, "--json"), capture_output=True, text=True, timeout=30).stdout)
         assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
         assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
@@ -130,6 +131,7 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
         assert 'bucketfs_backend_requests_total{result="ok",type="get"} 1.0' in body
         assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
         assert "bucketfs_backend_queued_requests_total 0.0" in body  # one GET never waits for a connection
+        assert 'bucketfs_fuse_requests_total{op="open"} 1.0' in body  # the one open above
     finally:
         m.close()
     bad = subprocess.run(bucketfs_cmd("stats", str(tmp_path)), capture_output=True, text=True, timeout=30)
