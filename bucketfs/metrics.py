@@ -50,6 +50,7 @@ _SIMPLE = [
     ("disk_cache.written_bytes", "bucketfs_disk_cache_written_bytes", "Bytes written to the local disk cache", "counter"),
     ("disk_cache.stored_bytes", "bucketfs_disk_cache_stored_bytes", "Bytes held by the local disk cache", "gauge"),
     ("disk_cache.loaded_bytes", "bucketfs_disk_cache_loaded_bytes", "Bytes of the local disk cache found at start, kept by earlier mounts", "gauge"),
+    ("disk_cache.read_ahead_bytes", "bucketfs_disk_cache_read_ahead_bytes", "Bytes of the local disk cache the kernel was asked at start to read into the page cache", "gauge"),
     ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
     ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
     ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored: too many writes pending (a slow disk), or the journal being rewritten", "counter"),

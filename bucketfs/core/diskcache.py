@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import zlib
 from typing import Optional
@@ -42,7 +43,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core import cachejournal
-from bucketfs.core import nowait
+from bucketfs.core import pagecache
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ WRITE_FAILURES_MAX = 8
 # (no-wait reads): a copy and a CRC, ~0.1 ms per 100 KB, instead of a worker thread's
 # hand-offs. Larger ones go to a thread, where their copy and CRC do not hold the loop.
 LOOP_READ_MAX_BYTES = 1024 * 1024
+# At start, the most recently used files are read ahead into the page cache up to this
+# share of the memory available: the kernel's to give back, but an epoch after a reboot
+# finds them there.
+WARM_MEMORY_FRACTION = 0.5
 
 
 def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
@@ -93,7 +98,7 @@ def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, star
     file is gone, short or does not match. `on_loop` (on the event loop, no waiting):
     _WOULD_BLOCK if the file's name or bytes are not all in the kernel's caches."""
     try:
-        fd = nowait.open_cached(path) if on_loop else os.open(path, os.O_RDONLY)
+        fd = pagecache.open_cached(path) if on_loop else os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     if fd is None:
@@ -103,7 +108,7 @@ def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, star
         buf = into if direct else bytearray(hi - lo)
         view = memoryview(buf)[: hi - lo]
         if on_loop:
-            if not nowait.pread_cached(fd, view, lo):
+            if not pagecache.pread_cached(fd, view, lo):
                 return _WOULD_BLOCK
         else:
             got = 0
@@ -147,7 +152,7 @@ class DiskCache:
         # Disk threads: a few keep an SSD busy. Reads have their own, so that writes
         # (and a journal rewrite holding them) never stand between a reader and the disk.
         self._read_limiter = trio.CapacityLimiter(4)
-        self._loop_reads = nowait.available()
+        self._loop_reads = pagecache.no_wait_reads()
         self._write_limiter = trio.CapacityLimiter(4)
         self._live_record_bytes = 0  # what a rewritten journal would hold
         self._compacting = False
@@ -157,6 +162,7 @@ class DiskCache:
         self._journal = self._load()
         self._charge_index(force=True)
         self._evict_to_capacity()  # (a smaller --cache-size than last time)
+        self._start_warming()
 
     def _load(self):
         """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
@@ -180,6 +186,31 @@ class DiskCache:
             log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d stray files removed) in %.2f s",
                      self.directory, len(self._entries), self.stored_bytes / 2**20, orphans_count, time.monotonic() - started_s)
         return journal
+
+    def _start_warming(self) -> None:
+        """Ask the kernel to read the most recently used files into the page cache, up
+        to a share of the memory available (after a reboot a cached epoch then reads
+        on the event loop, not through threads)."""
+        budget_bytes = min(self.stored_bytes, int(pagecache.available_memory_bytes() * WARM_MEMORY_FRACTION))
+        paths, total_bytes = [], 0
+        for entry in reversed(self._entries.values()):
+            if total_bytes >= budget_bytes:
+                break
+            paths.append(cachejournal.data_path(self.directory, entry.entry_no))
+            total_bytes += entry.stored_bytes
+        self.stats["disk_cache.read_ahead_bytes"] = total_bytes
+        if paths:
+            self.nursery.start_soon(self._warm, paths, total_bytes)
+
+    async def _warm(self, paths: list, total_bytes: int) -> None:
+        stop = threading.Event()
+        started_s = time.monotonic()
+        try:
+            await trio.to_thread.run_sync(pagecache.read_ahead, paths, stop, abandon_on_cancel=True)
+            log.info("disk cache: asked the kernel to read %d files (%.1f MiB) ahead in %.2f s", len(paths),
+                     total_bytes / 2**20, time.monotonic() - started_s)
+        finally:
+            stop.set()  # (an unmount does not wait for the rest)
 
     def _charge_index(self, force: bool = False) -> None:
         # In steps of a MiB: a store per file must not recompute the budget per file.

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from bucketfs.core import nowait
+from bucketfs.core import pagecache
 from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects, wait_for)
 from tests.servers import rclone_s3_server
@@ -297,6 +297,7 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     after = stats()
     assert after["backend.requests.get"] == 1  # the changed object only
     assert after["disk_cache.loaded_bytes"] >= total_bytes
+    assert after["disk_cache.read_ahead_bytes"] == after["disk_cache.loaded_bytes"]  # (42 MB: within half the free memory)
     assert after.get("disk_cache.bad_reads", 0) == 0
-    if nowait.available():  # files the last mount wrote are in the page cache: read on the event loop
+    if pagecache.no_wait_reads():  # files the last mount wrote are in the page cache: read on the event loop
         assert after.get("disk_cache.loop_reads", 0) >= len(files) // 2

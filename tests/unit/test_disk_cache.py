@@ -5,12 +5,13 @@ import os
 import pathlib
 import random
 import shutil
+import threading
 
 import pytest
 import trio
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core import cachejournal, diskcache, nowait
+from bucketfs.core import cachejournal, diskcache, pagecache
 from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, claim_dir, make_private_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
@@ -105,7 +106,7 @@ def test_a_chunk_changed_on_disk_costs_a_get_never_a_wrong_byte(tmp_path):
 
 
 SMALL_FILES = {path: data for path, data in FILES.items() if path.startswith("img/")}
-needs_no_wait = pytest.mark.skipif(not nowait.available(), reason="no openat2 RESOLVE_CACHED / RWF_NOWAIT here")
+needs_no_wait = pytest.mark.skipif(not pagecache.no_wait_reads(), reason="no openat2 RESOLVE_CACHED / RWF_NOWAIT here")
 
 
 def drop_from_page_cache(path) -> None:
@@ -165,11 +166,11 @@ def test_hits_go_to_a_thread_where_reads_cannot_promise_not_to_wait(tmp_path, mo
     is not in the dentry cache: the thread reads it, with the same checks."""
     backend = MemoryBackend(SMALL_FILES)
     first_gets, _ = mount_epoch(backend, tmp_path, SMALL_FILES)
-    monkeypatch.setattr(nowait, "available", lambda: False)
+    monkeypatch.setattr(pagecache, "no_wait_reads", lambda: False)
     gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
     assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
     monkeypatch.undo()
-    monkeypatch.setattr(nowait, "open_cached", lambda path: None)  # (the name would need a directory read)
+    monkeypatch.setattr(pagecache, "open_cached", lambda path: None)  # (the name would need a directory read)
     gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
     assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
     assert first_gets == len(SMALL_FILES)
@@ -298,6 +299,50 @@ def test_a_later_mount_reads_what_an_earlier_one_stored(tmp_path, monkeypatch, l
     assert gets == 0
     assert stats["disk_cache.loaded_bytes"] == sum(map(len, FILES.values()))
     assert stats["disk_cache.read_bytes"] == sum(map(len, FILES.values()))
+
+
+def test_a_later_mount_reads_its_most_recent_files_ahead_within_half_the_free_memory(tmp_path, monkeypatch):
+    """After a reboot the kept files are on disk only: the next mount asks the kernel to
+    read the most recently used ones into the page cache (so its epoch reads them on
+    the event loop), newest first, up to half the memory available."""
+    backend = MemoryBackend(SMALL_FILES)
+
+    async def one_by_one(fs):  # stored in a known order: 00 first, 11 last (most recent)
+        for path, expected in SMALL_FILES.items():
+            assert await read_all(fs, path) == expected
+            await fs.backend.wait_idle()
+
+    run_cached(backend, tmp_path, one_by_one)
+    asked = []
+    real_read_ahead = pagecache.read_ahead
+    monkeypatch.setattr(pagecache, "read_ahead", lambda paths, stop: (asked.extend(paths), real_read_ahead(paths, stop)))
+    half_of_free_bytes = 350_000
+    monkeypatch.setattr(pagecache, "available_memory_bytes", lambda: 2 * half_of_free_bytes)
+    gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
+
+    by_content = {data: path for path, data in SMALL_FILES.items()}
+    asked_keys = [by_content[pathlib.Path(p).read_bytes()] for p in asked]
+    newest_first = list(SMALL_FILES)[::-1]
+    sizes = [len(SMALL_FILES[key]) for key in newest_first]
+    count = next(n for n in range(1, len(sizes) + 1) if sum(sizes[:n]) >= half_of_free_bytes)
+    assert asked_keys == newest_first[:count]
+    assert stats["disk_cache.read_ahead_bytes"] == sum(sizes[:count])
+    assert gets == 0
+
+
+def test_an_unmount_does_not_wait_for_the_read_ahead(tmp_path, monkeypatch):
+    backend = MemoryBackend(SMALL_FILES)
+    mount_epoch(backend, tmp_path, SMALL_FILES)
+    stopped, returned = [], threading.Event()
+
+    def read_ahead(paths, stop):  # longer than the mount lasts: told to stop when it ends
+        stopped.append(stop.wait(10))
+        returned.set()
+
+    monkeypatch.setattr(pagecache, "read_ahead", read_ahead)
+    mount_epoch(backend, tmp_path, SMALL_FILES)  # would take the 10 s if the mount waited for it
+    assert returned.wait(10)
+    assert stopped == [True]
 
 
 def test_a_later_mount_fetches_an_object_changed_in_between(tmp_path):

@@ -1,9 +1,11 @@
-"""File reads that never wait for a disk: they succeed from the kernel's caches or say
-they would block. The disk cache uses them on the event-loop thread: a hit whose file
-is in the page cache then costs a copy and a CRC there (~0.1 ms per 100 KB object)
-instead of a worker thread's hand-offs, whose GIL waits held a 100 KB hit ~18 ms with
-32 readers. A new mount read 4,000 cached 100 KB files at ~2,150 files/s against
-~1,250 through threads (0.44 against 0.85 ms of daemon CPU per file, ad hoc).
+"""The kernel's page cache, as the disk cache uses it.
+
+Reads that never wait for a disk: they succeed from the kernel's caches or say they
+would block. The disk cache uses them on the event-loop thread: a hit whose file is in
+the page cache then costs a copy and a CRC there (~0.1 ms per 100 KB object) instead
+of a worker thread's hand-offs, whose GIL waits held a 100 KB hit ~18 ms with 32
+readers. A new mount read 4,000 cached 100 KB files at ~2,150 files/s against ~1,250
+through threads (0.44 against 0.85 ms of daemon CPU per file, ad hoc).
 
 - `open_cached(path)`: openat2(2) with RESOLVE_CACHED (Linux 5.12+): the path is
   resolved from the dentry cache only, EAGAIN otherwise (a lookup that would read a
@@ -13,8 +15,12 @@ instead of a worker thread's hand-offs, whose GIL waits held a 100 KB hit ~18 ms
   read-ahead without waiting for it, so the blocking read that follows finds the
   disk already at work.
 
-`available()` is False where either is missing (another kernel or architecture):
+`no_wait_reads()` is False where either is missing (another kernel or architecture):
 callers then use their blocking path.
+
+And the other way round: `read_ahead(paths)` asks the kernel to read whole files into
+the page cache without waiting for them (after a reboot, the disk cache's most
+recently used files, so that its first epoch reads them on the event loop).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ctypes
 import errno
 import os
 import platform
+import threading
 from typing import Optional
 
 # openat2 has one number on x86_64 and arm64 (the shared table of new syscalls).
@@ -85,5 +92,35 @@ def _probe() -> bool:
 _AVAILABLE = _probe()
 
 
-def available() -> bool:
+def no_wait_reads() -> bool:
     return _AVAILABLE
+
+
+def read_ahead(paths: list, stop: threading.Event) -> None:
+    """POSIX_FADV_WILLNEED on each file in turn (blocking: run it in a thread), until
+    `stop` is set. Files that are gone are skipped."""
+    for path in paths:
+        if stop.is_set():
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # (evicted meanwhile)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # (a file system that cannot: nothing is read ahead)
+        finally:
+            os.close(fd)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable: what the kernel could hand out without swapping (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
