@@ -196,6 +196,8 @@ class DiskCache:
         for entry in reversed(self._entries.values()):
             if total_bytes >= budget_bytes:
                 break
+            if entry.stored_bytes != entry.object_bytes:
+                continue  # (a sparse file: reading it whole would fill the page cache with its holes)
             paths.append(cachejournal.data_path(self.directory, entry.entry_no))
             total_bytes += entry.stored_bytes
         self.stats["disk_cache.read_ahead_bytes"] = total_bytes
