@@ -20,6 +20,10 @@ Invariants:
   finds a chunk only under the version its listing names, so an object changed
   in between is fetched again. The directory is one mount's at a time (mount.py
   holds a lock on it).
+- A hit whose file the kernel holds in its page cache is read on the event loop with
+  reads that cannot wait for a disk (pagecache.py); any other goes to a disk thread.
+  At start, the newest kept objects are read ahead into the page cache (after a
+  reboot they are on disk only).
 - Disk trouble (full, I/O errors) is never a read error: the read goes to the store,
   and the cache stops storing after `WRITE_FAILURES_MAX` failed writes.
 """
@@ -62,7 +66,7 @@ LOOP_READ_MAX_BYTES = 1024 * 1024
 # At start, the most recently used files are read ahead into the page cache up to this
 # share of the memory available: the kernel's to give back, but an epoch after a reboot
 # finds them there.
-WARM_MEMORY_FRACTION = 0.5
+READ_AHEAD_MEMORY_FRACTION = 0.5
 
 
 def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
@@ -162,7 +166,7 @@ class DiskCache:
         self._journal = self._load()
         self._charge_index(force=True)
         self._evict_to_capacity()  # (a smaller --cache-size than last time)
-        self._start_warming()
+        self._start_read_ahead()
 
     def _load(self):
         """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
@@ -187,11 +191,11 @@ class DiskCache:
                      self.directory, len(self._entries), self.stored_bytes / 2**20, orphans_count, time.monotonic() - started_s)
         return journal
 
-    def _start_warming(self) -> None:
+    def _start_read_ahead(self) -> None:
         """Ask the kernel to read the most recently used files into the page cache, up
         to a share of the memory available (after a reboot a cached epoch then reads
         on the event loop, not through threads)."""
-        budget_bytes = min(self.stored_bytes, int(pagecache.available_memory_bytes() * WARM_MEMORY_FRACTION))
+        budget_bytes = min(self.stored_bytes, int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION))
         paths, total_bytes = [], 0
         for entry in reversed(self._entries.values()):
             if total_bytes >= budget_bytes:
@@ -202,9 +206,9 @@ class DiskCache:
             total_bytes += entry.stored_bytes
         self.stats["disk_cache.read_ahead_bytes"] = total_bytes
         if paths:
-            self.nursery.start_soon(self._warm, paths, total_bytes)
+            self.nursery.start_soon(self._read_ahead, paths, total_bytes)
 
-    async def _warm(self, paths: list, total_bytes: int) -> None:
+    async def _read_ahead(self, paths: list, total_bytes: int) -> None:
         stop = threading.Event()
         started_s = time.monotonic()
         try:
