@@ -98,9 +98,9 @@ _WOULD_BLOCK = object()  # (a no-wait read that needs the disk)
 def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None,
                  on_loop: bool = False):
     """Bytes [start, end) of the object, read as the chunks [lo, hi) around them and
-    checked against `crcs`: as bytes, or into `into` (then their length). None if the
-    file is gone, short or does not match. `on_loop` (on the event loop, no waiting):
-    _WOULD_BLOCK if the file's name or bytes are not all in the kernel's caches."""
+    checked against `crcs`: as a bytes-like object, or into `into` (then their length).
+    None if the file is gone, short or does not match. `on_loop` (on the event loop, no
+    waiting): _WOULD_BLOCK if the file's name or bytes are not all in the kernel's caches."""
     try:
         fd = pagecache.open_cached(path) if on_loop else os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -131,6 +131,8 @@ def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, star
     if into is not None:
         into[: end - start] = view[start - lo : end - lo]
         return end - start
+    if (lo, hi) == (start, end):
+        return buf  # (a whole small file, the usual hit: no second copy of it)
     return bytes(view[start - lo : end - lo])
 
 
@@ -245,13 +247,13 @@ class DiskCache:
         self._entries.move_to_end(eid)
         return entry, entry.crcs[first:last]
 
-    async def _read_disk(self, key: str, version: str, start: int, end: int, object_bytes: Optional[int], into=None):
-        """The bytes of [start, end) from disk (into `into` if given), or None."""
+    async def _read_disk(self, eid: bytes, start: int, end: int, object_bytes: Optional[int], into=None):
+        """The bytes of [start, end) of the object version `eid` from disk (into `into`
+        if given), or None."""
         if object_bytes is None or start >= min(end, object_bytes):
             return None
         end = min(end, object_bytes)
         lo, hi = self._span(start, end, object_bytes)
-        eid = cachejournal.entry_id(key, version)
         found = self._on_disk(eid, lo, hi)
         if found is None:
             self.stats["disk_cache.misses"] += 1
@@ -280,7 +282,8 @@ class DiskCache:
         return data
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
-        data = await self._read_disk(key, version, start, end, object_bytes)
+        eid = cachejournal.entry_id(key, version)  # (once: a miss stores under it too)
+        data = await self._read_disk(eid, start, end, object_bytes)
         if data is not None:
             return data
         data = await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
@@ -288,25 +291,26 @@ class DiskCache:
         if object_bytes is not None:
             if self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES:
                 self._pending_bytes += len(data)
-                self._in_background(self._store_pending, key, version, start, data, object_bytes)
+                self._in_background(self._store_pending, eid, key, version, start, data, object_bytes)
             else:
                 self.stats["disk_cache.skipped_bytes"] += len(data)
         return data
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
-        got = await self._read_disk(key, version, start, end, object_bytes, into=buffer)
+        eid = cachejournal.entry_id(key, version)
+        got = await self._read_disk(eid, start, end, object_bytes, into=buffer)
         if got is not None:
             return got
         got = await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
         if object_bytes is not None:
             # The buffer is reused once we return: store it now (into the page cache: ~ms per part).
-            await self._store(key, version, start, memoryview(buffer)[:got], object_bytes)
+            await self._store(eid, key, version, start, memoryview(buffer)[:got], object_bytes)
         return got
 
     # -- writes ------------------------------------------------------------------
-    async def _store_pending(self, key: str, version: str, start: int, data: bytes, object_bytes: int) -> None:
+    async def _store_pending(self, eid: bytes, key: str, version: str, start: int, data: bytes, object_bytes: int) -> None:
         try:
-            await self._store(key, version, start, memoryview(data), object_bytes)
+            await self._store(eid, key, version, start, memoryview(data), object_bytes)
         finally:
             self._pending_bytes -= len(data)
 
@@ -330,8 +334,9 @@ class DiskCache:
         """Until every background write and delete has finished."""
         await self._idle.wait()
 
-    async def _store(self, key: str, version: str, start: int, view, object_bytes: int) -> None:
-        """Write the whole chunks inside `view` (bytes at `start` of the object)."""
+    async def _store(self, eid: bytes, key: str, version: str, start: int, view, object_bytes: int) -> None:
+        """Write the whole chunks inside `view` (bytes at `start` of the object version
+        `eid`, that is entry_id(key, version))."""
         if self._write_failures >= WRITE_FAILURES_MAX:
             return
         if self._compacting:  # (a write would wait for the rewrite: this one is skipped)
@@ -343,7 +348,6 @@ class DiskCache:
         hi = end if end == object_bytes else end // cb * cb  # the last one, or the object's end
         if hi <= lo:
             return
-        eid = cachejournal.entry_id(key, version)
         entry = self._entries.get(eid)
         if entry is None:
             entry_no = self._journal.next_entry_no
