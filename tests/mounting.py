@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -24,6 +25,7 @@ import time
 
 import pytest
 
+from bucketfs.metrics import STATS_XATTR
 from tests.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -47,6 +49,13 @@ def wait_for(predicate, deadline_s: float, what: str, proc=None) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"{what}: not within {deadline_s} s")
         time.sleep(0.02)  # polling interval of a condition wait, not synchronisation
+
+
+def daemon_stats(path_in_mount: str) -> dict:
+    """The daemon's counters (`bucketfs stats --json`), read through the mount's root."""
+    while not os.path.ismount(path_in_mount):
+        path_in_mount = os.path.dirname(path_in_mount)
+    return json.loads(os.getxattr(path_in_mount, STATS_XATTR))
 
 
 def _is_dead_mount(mountpoint: str) -> bool:
@@ -115,6 +124,9 @@ class Mount:
 
     def path(self, *parts) -> str:
         return os.path.join(self.mountpoint, *parts)
+
+    def stats(self) -> dict:
+        return daemon_stats(self.mountpoint)
 
     def terminate(self, sig=signal.SIGTERM, timeout_s: float = 30) -> int:
         self.proc.send_signal(sig)

@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT
+from tests.mounting import daemon_stats
 
 try:  # a missing dependency fails every test via conftest's autouse fixture, with the install line
     import torch
@@ -143,13 +144,6 @@ def test_two_distributed_sampler_ranks_partition_the_dataset(shared_mount, sampl
     assert paths[0] | paths[1] == seeded, "together the ranks do not cover the dataset"
 
 
-def _daemon_stats(path_in_mount: str) -> dict:
-    """The daemon's counters (`bucketfs stats --json`), read through the mount's root."""
-    while not os.path.ismount(path_in_mount):
-        path_in_mount = os.path.dirname(path_in_mount)
-    return json.loads(os.getxattr(path_in_mount, "user.bucketfs.stats"))
-
-
 @pytest.mark.timeout(180)
 def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
     """Immutable default: the second epoch is served by the kernel page cache (keep_cache)."""
@@ -164,11 +158,11 @@ def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
     for key in sample_data.objects:  # the proxy really is in the path, and saw every object
         assert any(path.endswith("/" + key) for path in fetched), f"epoch 1 never fetched {key}"
 
-    daemon_before = _daemon_stats(fresh_mount.root)
+    daemon_before = daemon_stats(fresh_mount.root)
     assert len(_imagefolder_epoch(dataset)) == len(dataset)
     assert len(_wds_epoch(pattern, shardshuffle=False)) == len(sample_data.wds_sha256)
     epoch2 = proxy.requests[len(epoch1):]
-    daemon_after = _daemon_stats(fresh_mount.root)
+    daemon_after = daemon_stats(fresh_mount.root)
     assert daemon_after.get("fuse.read", 0) == daemon_before.get("fuse.read", 0), "epoch 2's bytes reached the daemon"
     assert daemon_after["fuse.open"] > daemon_before["fuse.open"]  # (the counters do count: every open still reaches it)
 

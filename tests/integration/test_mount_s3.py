@@ -2,7 +2,6 @@
 
 import errno
 import hashlib
-import json
 import mmap
 import os
 import random
@@ -53,7 +52,7 @@ def test_shards_read_in_order_fetch_each_byte_once(rclone_server, s3_bucket, mou
             while chunk := f.read(1 * MiB):
                 digest.update(chunk)
         assert digest.hexdigest() == sha(data), key
-    stats = json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
+    stats = m.stats()
     assert stats["prefetch.heads_warmed"] == 2  # shards 1 and 2; none after the last
     assert stats["prefetch.heads_used"] == 2
     assert stats.get("prefetch.bytes_wasted", 0) == 0
@@ -206,9 +205,6 @@ def test_ttl_mount_drops_vanished_objects_under_churn(rclone_server, s3_bucket, 
     client = rclone_server.client
     files_count, rounds, previous = 40, 3, []
 
-    def stats():
-        return json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
-
     for round_ in range(rounds):
         names = [f"r{round_}-{i:03d}.bin" for i in range(files_count)]
         for i, name in enumerate(names):
@@ -221,8 +217,8 @@ def test_ttl_mount_drops_vanished_objects_under_churn(rclone_server, s3_bucket, 
         previous = names
     # Nobody touched the vanished names again: the invalidations alone let them go.
     # Left: the root, churn/ and the last round.
-    wait_for(lambda: stats()["namespace.entries"] == 2 + files_count, 20, "vanished nodes dropped")
-    after = stats()
+    wait_for(lambda: m.stats()["namespace.entries"] == 2 + files_count, 20, "vanished nodes dropped")
+    after = m.stats()
     assert after["namespace.nodes_dropped"] == (rounds - 1) * files_count
     assert after["namespace.invalidations"] == (rounds - 1) * files_count
     with pytest.raises(FileNotFoundError):
@@ -269,9 +265,6 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     cache_dir = tmp_path / "cache"
     m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
 
-    def stats():
-        return json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
-
     def epoch():
         for key, data in files.items():
             with open(m.path(key[len("dc/"):]), "rb") as f:
@@ -280,11 +273,11 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
 
     epoch()
     total_bytes = sum(map(len, files.values()))
-    wait_for(lambda: stats().get("disk_cache.written_bytes", 0) >= total_bytes, 30, "disk cache writes")
+    wait_for(lambda: m.stats().get("disk_cache.written_bytes", 0) >= total_bytes, 30, "disk cache writes")
     assert len(list(cache_dir.iterdir())) == 1  # the bucket's directory
-    gets_before = stats()["backend.requests.get"]
+    gets_before = m.stats()["backend.requests.get"]
     epoch()
-    after = stats()
+    after = m.stats()
     assert after["backend.requests.get"] == gets_before
     assert after["disk_cache.hits"] >= len(files) // 2  # the rest were still in memory
     m.close()
@@ -294,7 +287,7 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     rclone_server.write_files(s3_bucket, {"dc/img/007.jpg": files["dc/img/007.jpg"]})
     m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
     epoch()  # byte-identical to the bucket as it is now, or it fails here
-    after = stats()
+    after = m.stats()
     assert after["backend.requests.get"] == 1  # the changed object only
     assert after["disk_cache.loaded_bytes"] >= total_bytes
     assert after["disk_cache.read_ahead_bytes"] == after["disk_cache.loaded_bytes"]  # (42 MB: within half the free memory)

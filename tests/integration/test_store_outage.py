@@ -11,7 +11,6 @@ case than a refused connection, which fails at once).
 
 import errno
 import hashlib
-import json
 import os
 import random
 import queue
@@ -149,5 +148,5 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
     for key, data in files.items():
         assert sha(read_all(m.path(key))) == sha(data), key
     assert m.proc.poll() is None, "the daemon died"
-    stats = json.loads(os.getxattr(m.mountpoint, "user.bucketfs.stats"))
+    stats = m.stats()
     assert stats["errors.EIO"] >= 3  # the small file, the stream, the listing
