@@ -1515,8 +1515,7 @@ class Bench:
                 amp = run["fetched_bytes"] / read_bytes
                 run["fetched_over_read"] = round(amp, 3)
                 self.record("W4.amp", system, round(amp, 3))
-                log(f"  W4 {system}: fetched {run['fetched_bytes'] / MB:.1f} MB through the proxy for {read_bytes / MB:.1f} MB read = {amp:.2f}x"
-                    + (" (daemon counters are not exposed by bucketfs: proxy count only)" if system == "bucketfs" else ""))
+                log(f"  W4 {system}: fetched {run['fetched_bytes'] / MB:.1f} MB through the proxy for {read_bytes / MB:.1f} MB read = {amp:.2f}x")
 
     # -- W5 mixed -------------------------------------------------------------------
     def w5(self) -> None:
