@@ -131,9 +131,10 @@ class BlockCache:
         return [(i, flight) for i in run]
 
     async def _fetch(self, key, version, object_bytes, start, end, run, flight: Flight) -> None:
-        reserved_bytes = end - start
+        reserved_bytes = 0  # set once reserved: a reserve cancelled at unmount released nothing
         try:
-            await self.budget.reserve(reserved_bytes)
+            await self.budget.reserve(end - start)
+            reserved_bytes = end - start
             data = await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)
             if len(data) != end - start:
                 raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")

@@ -261,6 +261,11 @@ class Prefetcher:
                     raise errors.ObjectChanged(f"{key}: expected {size_bytes} bytes at {part.start}, got {got_bytes}")
                 part.data = data
                 self.stats["prefetch.fetched_bytes"] += got_bytes
+            if part.cancel_scope.cancel_called:
+                # Dropped while its GET ran. A GET thread is not abandoned on cancel, so
+                # trio hands back its result without raising Cancelled: the part must
+                # still let go of its memory here, as nobody will take its bytes.
+                part.data = None
             if part.data is None and part.error is None:
                 part.error = PartCancelled()
         except errors.BucketfsError as exc:

@@ -2,6 +2,7 @@
 
 import os
 import random
+import threading
 
 import pytest
 import trio
@@ -651,3 +652,60 @@ def test_a_backend_that_only_copies_into_buffers_streams_without_them():
     fetched_bytes = run_fs(backend, body, small_file_bytes=1 * MiB)
     assert fetched_bytes >= 32 * MiB  # the read went through read-ahead parts
     assert backend.into_calls == 0
+
+
+class ThreadedGetBackend(MemoryBackend):
+    """Receives a GET's body in a worker thread that is not abandoned on cancel, as
+    S3Backend does. A GET past the object's start waits on `gate`, so a test can drop
+    its part while it is in flight; `idle` is set when no such GET is left."""
+
+    def __init__(self, objects):
+        super().__init__(objects)
+        self.gate = threading.Event()
+        self.in_flight_count = 0
+        self.idle = trio.Event()
+
+    async def read_range(self, key, start, end, version, object_bytes=None):
+        data = await super().read_range(key, start, end, version, object_bytes)
+        if start == 0:
+            return data
+        self.in_flight_count += 1
+        try:
+            # As in S3Backend: trio returns the thread's result even if cancelled meanwhile.
+            await trio.to_thread.run_sync(self.gate.wait, 10)
+        finally:
+            self.in_flight_count -= 1
+            if not self.in_flight_count:
+                self.idle.set()
+        return data
+
+
+def test_a_part_dropped_while_its_get_runs_in_a_thread_gives_its_memory_back():
+    """A shard opened, sampled and closed (or a seek, or shedding) drops read-ahead parts
+    in flight. Their GET threads still return bytes (no Cancelled is raised), and those
+    parts' memory must go back: it once stayed reserved by nobody, 64 MiB per shard, until
+    read-ahead starved on an idle mount."""
+    shards = {f"shard-{i}.tar": blob(40 * MiB, i) for i in range(4)}
+    backend = ThreadedGetBackend(shards)
+
+    async def body(fs):
+        for name in list(shards)[:3]:
+            node = await resolve(fs, name)
+            fh = await fs.open(node.ino, os.O_RDONLY)
+            assert await fs.read(fh, 0, 128 * 1024) == shards[name][: 128 * 1024]
+            await trio.testing.wait_all_tasks_blocked()  # its read-ahead GETs are out, waiting at the gate
+            fs.release(fh)  # drops them in flight
+        assert backend.in_flight_count > 0
+        backend.gate.set()
+        await backend.idle.wait()
+        await trio.testing.wait_all_tasks_blocked()  # each part's task has run its cleanup
+        held = (fs.budget.used_bytes, fs.prefetcher.pool.pooled_bytes, fs.cache.cached_bytes)
+        # An idle mount then reads a new shard ahead as far as before.
+        node = await resolve(fs, "shard-3.tar")
+        fh = await fs.open(node.ino, os.O_RDONLY)
+        assert await fs.read(fh, 0, 128 * 1024) == shards["shard-3.tar"][: 128 * 1024]
+        return held, fs._handles[fh].reader.stream.fetch_end
+
+    (used, pooled, cached), fetch_end = run_fs(backend, body, list_ahead_count=0, max_memory_bytes=256 * MiB)
+    assert used == pooled + cached, f"{(used - pooled - cached) / MiB:.0f} MiB reserved by nobody"
+    assert fetch_end >= 32 * MiB
