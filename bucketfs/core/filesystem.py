@@ -127,7 +127,9 @@ class Filesystem:
             await self.ns.refresh_file(node)
         key = self.key_prefix + node.path
         fh = next(self._fh_counter)
-        if node.size_bytes <= self.config.small_file_bytes:
+        # A short shard (a data set's last) whose head the previous shard's window warmed
+        # is read as a shard, from that head: as a small file it would be fetched again.
+        if node.size_bytes <= self.config.small_file_bytes and not self.prefetcher.is_warming(key, node.version):
             reader = None
             if not node.served:
                 self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)

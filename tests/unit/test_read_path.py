@@ -709,3 +709,22 @@ def test_a_part_dropped_while_its_get_runs_in_a_thread_gives_its_memory_back():
     (used, pooled, cached), fetch_end = run_fs(backend, body, list_ahead_count=0, max_memory_bytes=256 * MiB)
     assert used == pooled + cached, f"{(used - pooled - cached) / MiB:.0f} MiB reserved by nobody"
     assert fetch_end >= 32 * MiB
+
+
+def test_a_short_last_shard_is_read_from_its_warmed_head_not_fetched_again():
+    """A data set's last shard is often shorter than --small-file-bytes. The previous
+    shard's window warms its head all the same; opening it must take that head (it was
+    once fetched a second time as a small file, and the head stayed held)."""
+    shards = {"w/shard-000.tar": blob(40 * MiB, 0), "w/shard-001.tar": blob(5 * MiB, 1)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        assert await read_all(fs, "w/shard-000.tar", 1 * MiB) == shards["w/shard-000.tar"]
+        node = await resolve(fs, "w/shard-001.tar")
+        assert fs.prefetcher.is_warming("w/shard-001.tar", node.version)
+        assert await read_all(fs, "w/shard-001.tar", 1 * MiB) == shards["w/shard-001.tar"]
+        return fs.stats["prefetch.heads_used"], len(fs.prefetcher._heads)
+
+    heads_used, heads_left = run_fs(backend, body, list_ahead_count=0)
+    assert (heads_used, heads_left) == (1, 0)
+    assert backend.bytes_fetched == 45 * MiB  # each shard once
