@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dir-mode", type=parse_mode, default=0o555, help="permission bits of directories, octal (default 0555)")
     g = m.add_argument_group("caching and prefetch")
     g.add_argument("--metadata-ttl", type=parse_seconds, default=math.inf, metavar="S", help="seconds listings and attributes stay valid; 'inf' (default) for data that does not change while mounted")
-    g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing (default: the metadata TTL)")
+    g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing, below --metadata-ttl (default: the metadata TTL)")
     g.add_argument("--max-memory", type=parse_size, default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), the block cache and all prefetch buffers (default 1G)")
     g.add_argument("--small-file-bytes", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open (default 8M)")
     g.add_argument("--block-size", type=parse_size, default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads (default 64K)")
@@ -114,6 +114,10 @@ def config_from_args(args) -> Config:
         url = parse_bucket_url(args.url)
     except ValueError as exc:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
+    if args.negative_ttl is not None and math.isinf(args.metadata_ttl) and not math.isinf(args.negative_ttl):
+        # Silently ignoring it would leave a user waiting for names that never appear.
+        raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
+                               "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
     return Config(
         url=url,

@@ -192,8 +192,13 @@ class FuseOperations(pyfuse3.Operations):
     async def readdir(self, fh, start_id, token):
         counting = self._count_lookups
         for i, node in enumerate(self.fs.readdir(fh, start_id), start=start_id + 1):
-            if counting and not self._ns.is_live(node):
-                continue  # vanished and dropped since this handle's snapshot: its number must not reach the kernel again
+            if counting:
+                # Re-listed since this handle's snapshot? Send what the name is now (a
+                # rewritten file's new node: the old one may be dropped, and its number
+                # must not reach the kernel again), or skip a name that is gone.
+                node = self._ns.current(node)
+                if node is None:
+                    continue
             if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(node), i):
                 return
             if counting:

@@ -79,7 +79,7 @@ class Filesystem:
         self.backend = backend
         self.key_prefix = config.url.prefix
         self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,
-                            time.time_ns(), self.budget)
+                            time.time_ns(), self.budget, config.negative_ttl_s)
         self.ns.start_background(nursery)
         self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes, nursery)
         self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery, config.part_size_bytes)

@@ -23,7 +23,12 @@ Invariants:
   it (its lookup count, which entry replies raise and FORGET lowers, is zero), so
   memory follows what is listed, not every object ever seen. Every entry of a live
   directory's current listing is a live node.
-- Concurrent misses on one directory share one listing (single flight).
+- Concurrent misses on one directory share one listing (single flight), even at a
+  TTL of 0: a waiter takes the listing it waited for.
+- With a TTL, a name missing from a listing older than `negative_ttl_s` is looked
+  for in a new listing, so a short negative TTL works inside a longer metadata TTL.
+- A directory dropped while its listing is in flight gets no listing (NotFound):
+  children attached to an unreachable node could never be dropped.
 """
 
 from __future__ import annotations
@@ -103,11 +108,12 @@ class Listing:
 class _Loading:
     """A listing in flight: its waiters share `done`; `urgent` once a reader waits on it."""
 
-    __slots__ = ("done", "urgent")
+    __slots__ = ("done", "urgent", "listing")
 
     def __init__(self, urgent: bool):
         self.done = trio.Event()
         self.urgent = urgent
+        self.listing: Optional[Listing] = None  # the result, for waiters (it may already be stale at TTL 0)
 
 
 def valid_component(name: str) -> bool:
@@ -121,12 +127,14 @@ def valid_component(name: str) -> bool:
 
 class Namespace:
     def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float = math.inf, list_ahead_count: int = 8,
-                 mount_time_ns: int = 0, budget=None):
+                 mount_time_ns: int = 0, budget=None, negative_ttl_s: float = math.inf):
         self.backend = backend
         self.budget = budget  # the MemoryBudget that listings are charged to, if any
         self.key_prefix = key_prefix
         self.stats = stats
         self.metadata_ttl_s = metadata_ttl_s
+        # Only with a TTL: the immutable default never lists a directory twice.
+        self.negative_ttl_s = negative_ttl_s if negative_ttl_s < metadata_ttl_s < math.inf else math.inf
         self.mount_time_ns = mount_time_ns
         # Indexed by inode number (dense from 1): a list costs 8 bytes per entry, a dict ~50.
         self._nodes: list = [None, Node(ROOT_INO, "", None, True, mtime_ns=mount_time_ns)]
@@ -167,6 +175,9 @@ class Namespace:
     async def lookup(self, parent_ino: int, name: str) -> Node:
         listing = await self.listing(parent_ino)
         ino = listing.children.get(name)
+        if ino is None and self._older_than(listing, self.negative_ttl_s):
+            listing = await self.listing(parent_ino, self.negative_ttl_s)  # the name may exist by now
+            ino = listing.children.get(name)
         if ino is None:
             self.stats["namespace.negative_lookups"] += 1
             raise errors.NotFound(name)
@@ -186,13 +197,15 @@ class Namespace:
             raise errors.ObjectChanged(f"{node.path}: changed or gone since it was looked up")
         return node
 
-    async def listing(self, ino: int) -> Listing:
+    async def listing(self, ino: int, max_age_s: Optional[float] = None) -> Listing:
+        """The directory's listing, loaded again if older than the metadata TTL (or `max_age_s`)."""
         node = self.node(ino)
         if not node.is_dir:
             raise errors.BucketfsError(f"{node.path} is not a directory")
+        max_age_s = self.metadata_ttl_s if max_age_s is None else max_age_s
         while True:
             listing = node.listing
-            if listing is not None and not self._expired(listing):
+            if listing is not None and not self._older_than(listing, max_age_s):
                 self.stats["namespace.listing_hits"] += 1
                 self._note_walk(node, listing)
                 return listing
@@ -204,9 +217,12 @@ class Namespace:
             # state re-check: the shared listing may have failed or been replaced
             if ino in self._load_errors:
                 raise self._load_errors[ino]
+            if loading.listing is not None and loading.listing is node.listing:
+                return loading.listing  # fresh when this call began waiting, whatever the TTL
 
-    def _expired(self, listing: Listing) -> bool:
-        return not math.isinf(self.metadata_ttl_s) and trio.current_time() - listing.loaded_at_s > self.metadata_ttl_s
+    @staticmethod
+    def _older_than(listing: Listing, max_age_s: float) -> bool:
+        return not math.isinf(max_age_s) and trio.current_time() - listing.loaded_at_s > max_age_s
 
     # -- loading -------------------------------------------------------------
     async def _load(self, node: Node, demanded: bool = True) -> Listing:
@@ -217,8 +233,12 @@ class Namespace:
         self._load_errors.pop(node.ino, None)
         try:
             objects, prefixes = await self._fetch_all_pages(self.key_prefix + node.path)
+            # state re-check: a re-listing of the parent may have dropped this directory
+            if not self.is_live(node):
+                raise errors.NotFound(f"{node.path}: gone while it was listed")
             listing = self._build(node, objects, prefixes)
             node.listing = listing
+            loading.listing = listing
             self._charge_listings()
             if demanded:
                 self._note_walk(node, listing)
@@ -306,6 +326,15 @@ class Namespace:
         node.lookups = max(0, node.lookups - count)  # never below zero, whatever the kernel sends
         if node.lookups == 0 and not self._listed(node):
             self._drop(node)
+
+    def current(self, node: Node) -> Optional[Node]:
+        """The node now listed under `node`'s name (itself, a newer version, or None if
+        the name is gone): what a directory handle's snapshot entry stands for now."""
+        listing = node.parent.listing  # None once the parent was dropped
+        if listing is None:
+            return None
+        ino = listing.children.get(node.name)
+        return None if ino is None else self._nodes[ino]
 
     @staticmethod
     def _listed(node: Node) -> bool:

@@ -202,3 +202,10 @@ def test_new_mount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir):
     finally:
         m2.close()
         m.close()
+
+
+def test_a_negative_ttl_without_a_metadata_ttl_is_refused(empty_dir):
+    """It would be ignored: the default mode keeps every listing for the mount's life."""
+    proc = run_cli("mount", "s3://bucket/x", empty_dir, "--negative-ttl", "5")
+    assert_one_line_error(proc, errors.EXIT_USAGE, "--negative-ttl needs --metadata-ttl")
+    assert not os.path.ismount(empty_dir)

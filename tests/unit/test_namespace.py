@@ -380,3 +380,79 @@ def test_memory_per_listed_entry_is_bounded():
     # ~413 today (Node 120, name, ETag, size, mtime, inode number, table slots); ~516
     # when every file kept its own path string and the inode table was a dict.
     assert per_entry_bytes < 450, per_entry_bytes
+
+
+def test_at_ttl_zero_concurrent_lookups_still_share_one_listing():
+    """A waiter takes the listing it waited for: at --metadata-ttl 0 it is already
+    'expired' when it lands, and each waiter once listed again (10 lookups, 10 LISTs)."""
+    backend = MemoryBackend({f"d/f{i}": b"x" for i in range(10)}, delay_s=0.01)
+
+    async def body(fs):
+        d = await resolve(fs, "d")
+        before = backend.requests["list"]
+        async with trio.open_nursery() as nursery:
+            for i in range(10):
+                nursery.start_soon(fs.lookup, d.ino, f"f{i}")
+        return backend.requests["list"] - before
+
+    assert run_fs(backend, body, metadata_ttl_s=0, list_ahead_count=0) == 1  # real clock: time passes during the LIST
+
+
+def test_a_negative_ttl_shorter_than_the_metadata_ttl_finds_a_new_name():
+    """--metadata-ttl 60 --negative-ttl 1: a name created after a miss is found once the
+    negative TTL has passed (the kernel asks again then), from a new listing; within the
+    negative TTL a miss costs no LIST."""
+    backend = MemoryBackend({"d/a": b"a"})
+
+    async def body(fs):
+        d = await resolve(fs, "d")
+        with pytest.raises(errors.NotFound):
+            await fs.lookup(d.ino, "new")
+        lists_before = backend.requests["list"]
+        backend.put("d/new", b"n")
+        with pytest.raises(errors.NotFound):
+            await fs.lookup(d.ino, "new")  # within the negative TTL: the cached listing answers
+        assert backend.requests["list"] == lists_before
+        await trio.sleep(5)  # past the negative TTL, well within the metadata TTL
+        found = await fs.lookup(d.ino, "new")
+        assert (await fs.lookup(d.ino, "a")).size_bytes == 1  # a hit never re-lists
+        return found.size_bytes, backend.requests["list"] - lists_before
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                  metadata_ttl_s=60, negative_ttl_s=1, list_ahead_count=0) == (1, 1)
+
+
+def test_a_directory_dropped_while_its_listing_is_in_flight_gets_no_children():
+    """A directory that vanished (and the kernel let go of) while a listing ahead of the
+    walk was fetching its pages: attaching that listing made children nothing could
+    reach or ever drop (entries and their memory leaked)."""
+    backend = MemoryBackend({"D/x1": b"1", "D/x2": b"2", "E/y": b"3"})
+    gate = trio.Event()
+    list_page = backend.list_page
+
+    async def gated_list_page(prefix, token=None):
+        page = await list_page(prefix, token)
+        if prefix == "D/":
+            await gate.wait()  # D's LIST has answered; hold it before it is built
+        return page
+
+    backend.list_page = gated_list_page
+
+    async def body(fs):
+        ns = fs.ns
+        await ns.list_dir(1)
+        d = await fs.lookup(1, "D")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns._list_ahead, d)
+            await trio.testing.wait_all_tasks_blocked()
+            backend.delete("D/x1")
+            backend.delete("D/x2")
+            await trio.sleep(2)  # past the TTL
+            await ns.list_dir(1)  # the root re-listed without D, which nothing holds: dropped
+            assert not ns.is_live(d)
+            gate.set()
+        return ns.entries_count, fs.budget.listings_bytes
+
+    entries, charged_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=1)
+    assert entries == 2  # the root and E
+    assert charged_bytes == 2 * LISTED_ENTRY_BYTES
