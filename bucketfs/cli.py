@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import urllib.parse
 
 from bucketfs import __version__, errors
 from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
@@ -24,6 +25,24 @@ log = logging.getLogger("bucketfs")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
 
 
+KiB, MiB = 1024, 1024 * 1024
+# Below these a value is nonsense rather than a choice: a block or part smaller than a
+# page costs one GET per 4 KiB read; a 64 KiB part keeps a stream's request count sane.
+BLOCK_SIZE_MIN_BYTES = 4 * KiB
+PART_SIZE_MIN_BYTES = 64 * KiB
+SMALL_FILE_MIN_BYTES = 4 * KiB
+# The budget must hold a default 8 MiB part beside the reads a caller waits on.
+MAX_MEMORY_MIN_BYTES = 16 * MiB
+CACHE_SIZE_MIN_BYTES = 1 * MiB
+# Each connection is a worker thread: thousands would be threads, not throughput.
+MAX_CONNECTIONS_MAX = 1024
+LIST_AHEAD_MAX = 1024
+RETRIES_MAX = 100
+ID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel: not an owner
+PORT_MAX = 65535
+MODE_MAX = 0o7777
+
+
 def parse_size(text: str) -> int:
     """'64M', '1GiB', '512k', '1048576' -> bytes (binary multiples)."""
     m = _SIZE_RE.match(text)
@@ -32,28 +51,79 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
 
 
-def parse_seconds(text: str) -> float:
-    if text.lower() in ("inf", "forever", "never"):
-        return math.inf
+def _human_bytes(n_bytes: int) -> str:
+    for unit, factor in (("G", 1024**3), ("M", MiB), ("K", KiB)):
+        if n_bytes % factor == 0:
+            return f"{n_bytes // factor}{unit}"
+    return str(n_bytes)
+
+
+def size_at_least(min_bytes: int):
+    """An argparse type: a size of at least `min_bytes` (0 would break the daemon)."""
+    def parse(text: str) -> int:
+        value = parse_size(text)
+        if value < min_bytes:
+            raise argparse.ArgumentTypeError(f"{text!r} is below the minimum of {_human_bytes(min_bytes)}")
+        return value
+    return parse
+
+
+def int_between(low: int, high: int, what: str = "a whole number"):
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is outside {low}..{high}")
+        return value
+    return parse
+
+
+def _float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (or 'inf')") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """A TTL: >= 0 seconds, or 'inf'."""
+    if text.lower() in ("inf", "forever", "never"):
+        return math.inf
+    value = _float(text)
     if value < 0:
-        raise argparse.ArgumentTypeError("seconds must be >= 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0 (or 'inf')")
+    return value
+
+
+def parse_timeout(text: str) -> float:
+    """A network timeout: finite and > 0 (0 fails every request, inf hangs a reader)."""
+    value = _float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and finite")
     return value
 
 
 def parse_mode(text: str) -> int:
     try:
-        return int(text, 8) & 0o7777
+        value = int(text, 8)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0444") from None
+    if not 0 <= value <= MODE_MAX:
+        # Masking would turn -1 into 0o7777 plus a file-type bit: refuse instead.
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0..7777 (octal)")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(errors.EXIT_USAGE, f"bucketfs: {message} (see bucketfs {self.prog.split()[-1]} --help)\n")
+        # self.prog is "bucketfs" or "bucketfs mount": the command to ask for help.
+        self.exit(errors.EXIT_USAGE, f"bucketfs: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,33 +141,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket (S3 and GCS)")
     g.add_argument("--key-file", help="GCS service-account JSON key (default: Application Default Credentials)")
     g.add_argument("--addressing-style", choices=("path", "virtual"), help="S3 addressing (default: path with --endpoint-url, virtual otherwise)")
-    g.add_argument("--max-connections", type=int, default=32, metavar="N", help="parallel requests and pooled connections (default 32)")
-    g.add_argument("--retries", type=int, default=5, metavar="N", help="attempts for throttling, 5xx, resets and timeouts before EIO (default 5)")
-    g.add_argument("--connect-timeout", type=float, default=10.0, metavar="S", help="seconds to connect (default 10)")
-    g.add_argument("--read-timeout", type=float, default=30.0, metavar="S", help="seconds a response may stall (default 30)")
+    g.add_argument("--max-connections", type=int_between(1, MAX_CONNECTIONS_MAX), default=32, metavar="N", help=f"parallel requests and pooled connections, 1..{MAX_CONNECTIONS_MAX} (default 32)")
+    g.add_argument("--retries", type=int_between(1, RETRIES_MAX), default=5, metavar="N", help=f"attempts for throttling, 5xx, resets and timeouts before EIO, 1..{RETRIES_MAX} (default 5)")
+    g.add_argument("--connect-timeout", type=parse_timeout, default=10.0, metavar="S", help="seconds to connect, > 0 (default 10)")
+    g.add_argument("--read-timeout", type=parse_timeout, default=30.0, metavar="S", help="seconds a response may stall, > 0 (default 30)")
     g = m.add_argument_group("presentation")
     g.add_argument("--allow-other", action="store_true", help="let other users access the mount (needs user_allow_other in /etc/fuse.conf for non-root)")
-    g.add_argument("--uid", type=int, help="owner of every file (default: the mounting user)")
-    g.add_argument("--gid", type=int, help="group of every file (default: the mounting user's group)")
-    g.add_argument("--file-mode", type=parse_mode, default=0o444, help="permission bits of files, octal (default 0444)")
-    g.add_argument("--dir-mode", type=parse_mode, default=0o555, help="permission bits of directories, octal (default 0555)")
+    g.add_argument("--uid", type=int_between(0, ID_MAX), help="owner of every file (default: the mounting user)")
+    g.add_argument("--gid", type=int_between(0, ID_MAX), help="group of every file (default: the mounting user's group)")
+    g.add_argument("--file-mode", type=parse_mode, default=0o444, help="permission bits of files, octal 0..7777 (default 0444)")
+    g.add_argument("--dir-mode", type=parse_mode, default=0o555, help="permission bits of directories, octal 0..7777 (default 0555)")
     g = m.add_argument_group("caching and prefetch")
     g.add_argument("--metadata-ttl", type=parse_seconds, default=math.inf, metavar="S", help="seconds listings and attributes stay valid; 'inf' (default) for data that does not change while mounted")
     g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing, below --metadata-ttl (default: the metadata TTL)")
-    g.add_argument("--max-memory", type=parse_size, default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), the block cache and all prefetch buffers (default 1G)")
-    g.add_argument("--small-file-bytes", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open (default 8M)")
-    g.add_argument("--block-size", type=parse_size, default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads (default 64K)")
-    g.add_argument("--part-size", type=parse_size, default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead (default 8M)")
-    g.add_argument("--readahead-max", type=parse_size, default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader (default 128M)")
+    g.add_argument("--max-memory", type=size_at_least(MAX_MEMORY_MIN_BYTES), default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), the block cache and all prefetch buffers; at least 16M (default 1G)")
+    g.add_argument("--small-file-bytes", type=size_at_least(SMALL_FILE_MIN_BYTES), default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open; 4K up to half of --max-memory (default 8M)")
+    g.add_argument("--block-size", type=size_at_least(BLOCK_SIZE_MIN_BYTES), default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads; 4K up to half of --max-memory (default 64K)")
+    g.add_argument("--part-size", type=size_at_least(PART_SIZE_MIN_BYTES), default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead; 64K up to half of --max-memory (default 8M)")
+    g.add_argument("--readahead-max", type=size_at_least(PART_SIZE_MIN_BYTES), default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader; at least 64K, raised to --part-size if below (default 128M)")
     g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
     g.add_argument("--cache-dir", metavar="DIR", help="keep fetched bytes on this local disk too, for epochs the page cache cannot hold and for later mounts (default: off)")
-    g.add_argument("--cache-size", type=parse_size, default=parse_size("10G"), metavar="SIZE", help="most bytes --cache-dir may hold (default 10G)")
-    g.add_argument("--list-ahead", type=int, default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
+    g.add_argument("--cache-size", type=size_at_least(CACHE_SIZE_MIN_BYTES), default=parse_size("10G"), metavar="SIZE", help="most bytes --cache-dir may hold; at least 1M (default 10G)")
+    g.add_argument("--list-ahead", type=int_between(0, LIST_AHEAD_MAX), default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
     g = m.add_argument_group("process")
     g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
     g.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level (default INFO)")
     g.add_argument("--log-file", help="log file when daemonised (default: syslog)")
-    g.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics")
+    g.add_argument("--metrics-port", type=int_between(1, PORT_MAX, "a port number"), metavar="PORT", help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics, 1..65535 (default: off)")
 
     u = sub.add_parser("unmount", help="unmount MOUNTPOINT", description="Unmount a bucketfs mount (also recovers a mountpoint left by a crashed daemon).")
     u.add_argument("mountpoint")
@@ -109,6 +179,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# botocore's own rule for region names; checked here so a typo is a usage error.
+_REGION_RE = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+
+
+def _check_endpoint_url(url: str) -> None:
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise errors.UserError(f"--endpoint-url {url!r} is not an http:// or https:// URL with a host", errors.EXIT_USAGE)
+
+
+def _check_cross_limits(args) -> None:
+    """Buffers of one request must fit the budget twice over: a bigger one is let
+    through alone past the budget (so a reader never deadlocks), i.e. unbounded RSS."""
+    half_budget_bytes = args.max_memory // 2
+    for option, value_bytes in (("--block-size", args.block_size), ("--part-size", args.part_size),
+                                ("--small-file-bytes", args.small_file_bytes)):
+        if value_bytes > half_budget_bytes:
+            raise errors.UserError(f"{option} {_human_bytes(value_bytes)} is more than half of --max-memory "
+                                   f"{_human_bytes(args.max_memory)}", errors.EXIT_USAGE)
+
+
 def config_from_args(args) -> Config:
     try:
         url = parse_bucket_url(args.url)
@@ -118,15 +213,23 @@ def config_from_args(args) -> Config:
         # Silently ignoring it would leave a user waiting for names that never appear.
         raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
                                "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
+    _check_cross_limits(args)
+    if args.endpoint_url is not None:
+        _check_endpoint_url(args.endpoint_url)
+    if args.region is not None and not _REGION_RE.match(args.region):
+        raise errors.UserError(f"--region {args.region!r} is not a region name (such as us-east-1)", errors.EXIT_USAGE)
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
     return Config(
         url=url,
-        mountpoint=os.path.abspath(args.mountpoint),
+        # realpath, not abspath: the kernel records the resolved path, and the signal
+        # handler's ismount() and check_mountpoint must look at that one. Absolute
+        # also because the daemon changes its directory to /.
+        mountpoint=os.path.realpath(args.mountpoint),
         endpoint_url=args.endpoint_url,
         region=args.region,
         profile=args.profile,
         no_sign_request=args.no_sign_request,
-        key_file=args.key_file,
+        key_file=os.path.abspath(args.key_file) if args.key_file else None,
         path_style=path_style,
         max_connections_count=args.max_connections,
         retry_attempts_count=max(1, args.retries),
@@ -150,7 +253,7 @@ def config_from_args(args) -> Config:
         cache_size_bytes=args.cache_size,
         foreground=args.foreground,
         log_level=args.log_level,
-        log_file=args.log_file,
+        log_file=os.path.abspath(args.log_file) if args.log_file else None,
         metrics_port=args.metrics_port,
     )
 
@@ -188,7 +291,19 @@ def run_mount(config: Config) -> int:
     if config.foreground:
         setup_logging(config, daemon=False)
         return _serve_here(config, on_ready=lambda: mount.sd_notify("READY=1"))
+    if config.log_file:
+        check_log_file(config.log_file)
     return _daemonise(config)
+
+
+def check_log_file(path: str) -> None:
+    """Open --log-file here, before forking: the daemon's stderr is /dev/null, so its
+    failure to open it would only show as "the daemon exited"."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise errors.UserError(f"--log-file {path}: {exc.strerror}", errors.EXIT_USAGE) from None
 
 
 def _serve_here(config: Config, on_ready) -> int:
@@ -208,6 +323,9 @@ def _daemonise(config: Config) -> int:
     if pid == 0:  # child
         os.close(read_fd)
         os.setsid()
+        # Do not pin the filesystem we were started from (it could not be unmounted
+        # while the mount lives). Every path in config is absolute already.
+        os.chdir("/")
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
@@ -250,6 +368,7 @@ def print_stats(mountpoint: str, as_json: bool) -> int:
 
     from bucketfs.metrics import STATS_XATTR, format_stats
 
+    mountpoint = os.path.realpath(mountpoint)
     try:
         raw = os.getxattr(mountpoint, STATS_XATTR)
     except OSError as exc:
@@ -267,7 +386,8 @@ def main(argv=None) -> int:
         if args.command == "unmount":
             from bucketfs import mount
 
-            mount.unmount(os.path.abspath(args.mountpoint), lazy=args.lazy)
+            # realpath: mountinfo lists the resolved path, whatever symlink led to it.
+            mount.unmount(os.path.realpath(args.mountpoint), lazy=args.lazy)
             return errors.EXIT_OK
         if args.command == "stats":
             return print_stats(args.mountpoint, args.json)
@@ -275,7 +395,7 @@ def main(argv=None) -> int:
         print(f"bucketfs: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return errors.EXIT_INTERRUPTED
     return errors.EXIT_USAGE
 
 

@@ -41,9 +41,14 @@ def parse_bucket_url(url: str) -> BucketURL:
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET_RE.match(bucket):
         raise ValueError(f"{bucket!r} is not a valid bucket name")
-    prefix = prefix.strip("/")
-    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+    # One trailing slash is the usual spelling of a prefix; any other empty component
+    # ('//double', 'a//b', 'a//') names keys no mount can show: refuse them all alike.
+    parts = prefix.split("/")
+    if prefix.endswith("/"):
+        parts.pop()
+    if prefix and any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"prefix {prefix!r} has an empty, '.' or '..' component")
+    prefix = "/".join(parts)
     return BucketURL(scheme, bucket, prefix + "/" if prefix else "")
 
 

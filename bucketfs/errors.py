@@ -62,6 +62,12 @@ class EndpointUnreachable(BucketfsError):
     errno_value = errno.EIO
 
 
+class InvalidOption(BucketfsError):
+    """The SDK refused an option value (an endpoint URL, a region) while building a client."""
+
+    errno_value = errno.EINVAL
+
+
 # Exit codes of the CLI: one per class of user error, so scripts can tell them apart.
 EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected failure (a bug): logged with its traceback
@@ -73,6 +79,15 @@ EXIT_BAD_MOUNTPOINT = 6
 EXIT_NO_FUSE = 7
 EXIT_MOUNT_FAILED = 8  # the kernel refused the mount or the mount never answered
 EXIT_BAD_CACHE_DIR = 9  # --cache-dir cannot be created, written or read
+EXIT_METRICS_PORT = 10  # --metrics-port cannot be bound (in use, or not allowed)
+EXIT_INTERRUPTED = 130  # Ctrl-C before the mount answered (128 + SIGINT, as shells report it)
+
+# Codes no restart can fix without a change by the user: systemd's unit lists them in
+# RestartPreventExitStatus= (tests check it matches). An unreachable endpoint (5), a
+# mount the kernel refused (8) or a port still held by the instance before (10) may
+# clear by themselves, so those are retried.
+PERMANENT_EXIT_CODES = (EXIT_USAGE, EXIT_BUCKET_NOT_FOUND, EXIT_ACCESS_DENIED, EXIT_BAD_MOUNTPOINT, EXIT_NO_FUSE,
+                        EXIT_BAD_CACHE_DIR)
 
 
 class UserError(Exception):
@@ -84,11 +99,21 @@ class UserError(Exception):
 
 
 def user_error_for(exc: BucketfsError, what: str) -> UserError:
-    """Turn a backend error met while checking the bucket into a UserError."""
+    """Turn a backend error met while building the backend or checking the bucket
+    (`what` is the bucket URL) into a UserError."""
+    if isinstance(exc, InvalidOption):
+        return UserError(f"{what}: {exc}", EXIT_USAGE)
     if isinstance(exc, BucketNotFound):
         return UserError(f"{what}: bucket does not exist", EXIT_BUCKET_NOT_FOUND)
     if isinstance(exc, AccessDenied):
         return UserError(f"{what}: access denied ({exc})", EXIT_ACCESS_DENIED)
     if isinstance(exc, (EndpointUnreachable, TransientError)):
         return UserError(f"{what}: endpoint unreachable ({exc})", EXIT_ENDPOINT_UNREACHABLE)
+    if isinstance(exc, (NotFound, BackendError)):
+        # A store names a missing bucket (NoSuchBucket: BucketNotFound above); a plain
+        # 404 or an answer that is no listing at all comes from something else at
+        # that address (a web server, a wrong path): the endpoint is wrong.
+        kind = "a GCS" if what.startswith("gs://") else "an S3"
+        return UserError(f"{what}: the endpoint's answer is not a bucket listing ({exc}): is --endpoint-url "
+                         f"{kind} endpoint?", EXIT_ENDPOINT_UNREACHABLE)
     return UserError(f"{what}: {exc}", EXIT_FAILURE)

@@ -1,0 +1,108 @@
+"""Option values the daemon cannot work with are refused by the CLI, before anything
+is mounted or forked: exit 2 and one line naming the option. Also the URL rules and
+the help hint. In-process: the mountpoint does not exist, so an option let through
+by mistake ends at the mountpoint check (exit 6), never at a mount."""
+
+import pytest
+
+from bucketfs import cli, errors
+from bucketfs.config import parse_bucket_url
+
+MISSING_MOUNTPOINT = "/nonexistent/bucketfs-test-mountpoint"
+
+
+def run_main(capsys, *argv):
+    """(exit code, stderr) of `bucketfs ARGV` run in this process."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse exits from inside parse_args
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def assert_usage_error(capsys, argv, *fragments):
+    code, err = run_main(capsys, *argv)
+    assert code == errors.EXIT_USAGE, (code, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bucketfs: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--part-size", "0"), ("--part-size", "4K"),
+    ("--block-size", "0"), ("--block-size", "1K"),
+    ("--max-memory", "0"), ("--max-memory", "1M"),
+    ("--small-file-bytes", "0"),
+    ("--readahead-max", "0"),
+    ("--cache-size", "0"),
+    ("--max-connections", "0"), ("--max-connections", "-1"), ("--max-connections", "100000"),
+    ("--retries", "0"), ("--retries", "-3"),
+    ("--connect-timeout", "0"), ("--connect-timeout", "-1"), ("--connect-timeout", "nan"), ("--connect-timeout", "inf"),
+    ("--read-timeout", "0"), ("--read-timeout", "nan"),
+    ("--metadata-ttl", "nan"), ("--metadata-ttl", "-1"),
+    ("--negative-ttl", "nan"), ("--negative-ttl", "-5"),
+    ("--uid", "-1"), ("--uid", str(2**32 - 1)), ("--gid", "-1"), ("--gid", str(2**32)),
+    ("--file-mode", "-1"), ("--file-mode", "10000"), ("--dir-mode", "17777"), ("--file-mode", "9"),
+    ("--metrics-port", "0"), ("--metrics-port", "65536"), ("--metrics-port", "-1"),
+    ("--list-ahead", "-1"),
+])
+def test_a_value_the_daemon_cannot_use_is_refused(capsys, option, value):
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, option, value], option)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--part-size", "64K"), ("--block-size", "4K"), ("--max-memory", "16M"), ("--max-connections", "1"),
+    ("--retries", "1"), ("--connect-timeout", "0.5"), ("--metadata-ttl", "0"), ("--uid", "0"), ("--gid", str(2**32 - 2)),
+    ("--file-mode", "7777"), ("--dir-mode", "0"), ("--metrics-port", "65535"), ("--list-ahead", "0"),
+    ("--cache-size", "1M"), ("--small-file-bytes", "4K"), ("--readahead-max", "64K"),
+])
+def test_the_smallest_sensible_values_pass(capsys, option, value):
+    code, err = run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, option, value)
+    assert code in (errors.EXIT_BAD_MOUNTPOINT, errors.EXIT_NO_FUSE), err
+
+
+@pytest.mark.parametrize("option", ["--part-size", "--block-size", "--small-file-bytes"])
+def test_a_buffer_larger_than_half_the_budget_is_refused(capsys, option):
+    # A demand larger than the budget is let through alone: RSS would have no bound.
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--max-memory", "16M", option, "9M"],
+                       option, "half of --max-memory")
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://", "ftp://host", "http://host:99999", "http://[::1"])
+def test_an_endpoint_url_that_is_no_url_is_refused(capsys, url):
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--endpoint-url", url], "--endpoint-url")
+
+
+def test_a_region_that_is_no_region_name_is_refused(capsys):
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--region", "bad!region"], "--region")
+
+
+def test_the_help_hint_names_the_command(capsys):
+    code, err = run_main(capsys)
+    assert code == errors.EXIT_USAGE
+    assert "(see bucketfs --help)" in err and "bucketfs bucketfs" not in err
+    _, err = run_main(capsys, "mount")
+    assert "(see bucketfs mount --help)" in err
+
+
+@pytest.mark.parametrize("url", ["s3://bkt//double", "s3://bkt/a//b", "s3://bkt//", "s3://bkt/a//", "gs://bkt/a/./b"])
+def test_an_empty_prefix_component_is_refused_wherever_it_is(url):
+    with pytest.raises(ValueError, match="empty, '.' or '..' component"):
+        parse_bucket_url(url)
+
+
+@pytest.mark.parametrize("url, prefix", [("s3://bkt", ""), ("s3://bkt/", ""), ("s3://bkt/a", "a/"), ("s3://bkt/a/", "a/"),
+                                         ("gs://bkt/a/b/", "a/b/")])
+def test_one_trailing_slash_is_fine(url, prefix):
+    assert parse_bucket_url(url).prefix == prefix
+
+
+def test_errors_of_a_non_s3_answer_name_the_endpoint_and_a_missing_bucket_stays_3():
+    not_s3 = errors.user_error_for(errors.NotFound("ListObjectsV2: 404 Not Found"), "s3://bkt/")
+    assert not_s3.exit_code == errors.EXIT_ENDPOINT_UNREACHABLE and "is --endpoint-url an S3 endpoint?" in str(not_s3)
+    other = errors.user_error_for(errors.BackendError("ListObjectsV2: 501 Unsupported method"), "s3://bkt/")
+    assert other.exit_code == errors.EXIT_ENDPOINT_UNREACHABLE
+    missing = errors.user_error_for(errors.BucketNotFound("NoSuchBucket"), "s3://bkt/")
+    assert missing.exit_code == errors.EXIT_BUCKET_NOT_FOUND
+    assert errors.user_error_for(errors.InvalidOption("Invalid endpoint"), "s3://bkt/").exit_code == errors.EXIT_USAGE
