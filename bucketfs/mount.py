@@ -15,6 +15,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,6 +40,18 @@ READY_TIMEOUT_S = 30.0
 # to finish (the kernel keeps a detached mount alive while files are open) before
 # the daemon stops serving them. Below systemd's default 90 s stop timeout.
 SHUTDOWN_GRACE_S = 30.0
+# Once the loop is told to stop (second signal, or the grace period over), pyfuse3
+# still waits for every handler in flight, and one blocked on a store that stopped
+# answering returns only after --read-timeout x --retries (150 s by default), past the
+# unit's TimeoutStopSec=45. Past this deadline the process exits at once: the kernel
+# then fails the blocked reads (ENOTCONN) rather than the daemon lingering.
+# 30 + 3 s stays within TimeoutStopSec.
+STOP_DEADLINE_S = 3.0
+# fusermount3 -uz normally takes milliseconds; bounded so a hard stop stays prompt.
+UNMOUNT_DEADLINE_S = 5.0
+# What fuse_options names our mounts in /proc/self/mountinfo.
+FUSE_TYPE = "fuse.bucketfs"
+FSNAME_PREFIX = "bucketfs:"
 # Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
@@ -102,8 +115,44 @@ def check_mountpoint(path: str) -> None:
         raise errors.UserError(f"mountpoint {path}: permission denied", errors.EXIT_BAD_MOUNTPOINT) from None
 
 
-def unmount(path: str, lazy: bool = False) -> None:
+def _unescape_mountinfo(field: str) -> str:
+    # The kernel writes space, tab, newline and backslash as \ooo octal escapes.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_entry(path: str) -> Optional[tuple]:
+    """(fstype, source) of the topmost mount on `path` (a resolved path), or None.
+
+    Read from /proc/self/mountinfo rather than by stat: a stat of a mount this very
+    process serves could wait on itself, and a dead one fails."""
+    entry = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            separator = fields.index("-")
+            if _unescape_mountinfo(fields[4]) == path:
+                entry = (fields[separator + 1], _unescape_mountinfo(fields[separator + 2]))  # later lines are on top
+    return entry
+
+
+def check_ours_to_unmount(path: str) -> None:
+    """Only a bucketfs mount, or a dead FUSE mount (a crashed daemon), may be unmounted:
+    `bucketfs unmount` on a path holding some other filesystem must not detach it."""
+    entry = mount_entry(path)
+    if entry is None:
+        raise errors.UserError(f"{path} is not mounted", errors.EXIT_BAD_MOUNTPOINT)
+    fstype, source = entry
+    if fstype == FUSE_TYPE or source.startswith(FSNAME_PREFIX):
+        return
+    if fstype.split(".")[0] in ("fuse", "fuseblk") and _is_dead_mount(path):
+        return
+    raise errors.UserError(f"{path} is not a bucketfs mount (it is {fstype} from {source}); not unmounting it",
+                           errors.EXIT_BAD_MOUNTPOINT)
+
+
+def unmount(path: str, lazy: bool = False, timeout_s: float = 30) -> None:
     """Detach a mount (ours or a dead one); raises UserError if it cannot."""
+    check_ours_to_unmount(path)
     tool = fusermount_path()
     if tool is not None:
         cmd = [tool, "-u"] + (["-z"] if lazy else []) + [path]
@@ -111,7 +160,10 @@ def unmount(path: str, lazy: bool = False) -> None:
         cmd = ["umount"] + (["-l"] if lazy else []) + [path]
     else:
         raise errors.UserError("cannot unmount: fusermount3 not found on PATH", errors.EXIT_NO_FUSE)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise errors.UserError(f"unmount {path}: {cmd[0]} did not finish within {timeout_s:.0f} s", errors.EXIT_BAD_MOUNTPOINT) from None
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
         detail = msg[-1] if msg else f"exit {proc.returncode}"
@@ -184,7 +236,7 @@ def raise_fuse_background(dev: int, max_background: int) -> None:
 # -- serving ----------------------------------------------------------------------
 def fuse_options(config) -> set:
     options = set(pyfuse3.default_options)
-    options |= {"ro", f"fsname=bucketfs:{config.url}".replace(",", "_"), "subtype=bucketfs"}
+    options |= {"ro", f"fsname={FSNAME_PREFIX}{config.url}".replace(",", "_"), f"subtype={FUSE_TYPE.split('.')[1]}"}
     if config.allow_other:
         options.add("allow_other")
     return options
@@ -195,7 +247,12 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
-    backend = make_backend(config)
+    try:
+        # Inside the handling: a missing --profile or an endpoint/region botocore refuses
+        # fails here, and must be one line, not a traceback.
+        backend = make_backend(config)
+    except errors.BucketfsError as exc:
+        raise errors.user_error_for(exc, str(config.url)) from None
     try:
         await backend.check_bucket(config.url.prefix)
     except errors.BucketfsError as exc:
@@ -232,6 +289,10 @@ async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Calla
         async with trio.open_nursery() as nursery:
             fs = Filesystem(backend, config, nursery, disk_cache_dir)
             ops = FuseOperations(fs, config)
+            if config.metrics_port:
+                # Bound before mounting: a port in use fails the mount with one line
+                # rather than ending a mount that is already serving.
+                _start_metrics(config.metrics_port, fs.snapshot)
             try:
                 pyfuse3.init(ops, config.mountpoint, fuse_options(config))
             except RuntimeError as exc:
@@ -239,10 +300,6 @@ async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Calla
             mounted = True
             ops.start(nursery)
             log.info("mounted %s on %s", config.url, config.mountpoint)
-            if config.metrics_port:
-                from bucketfs.metrics import start_metrics_server
-
-                start_metrics_server(config.metrics_port, fs.snapshot)
             if on_fs is not None:
                 on_fs(fs, nursery)
             nursery.start_soon(_watch_signals, config.mountpoint, detached)
@@ -271,6 +328,16 @@ async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Calla
             await backend.aclose()
 
 
+def _start_metrics(port: int, snapshot) -> None:
+    from bucketfs.metrics import start_metrics_server
+
+    try:
+        start_metrics_server(port, snapshot)
+    except OSError as exc:
+        raise errors.UserError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port} ({exc.strerror})",
+                               errors.EXIT_METRICS_PORT) from None
+
+
 async def _watch_signals(mountpoint: str, detached: list) -> None:
     """First signal: detach the mount (no new opens) and let open files finish; the
     FUSE loop ends by itself when the last one closes. A second signal, or the grace
@@ -296,6 +363,24 @@ async def _watch_signals(mountpoint: str, detached: list) -> None:
                     break
             break
     pyfuse3.terminate()
+    # Cancelled when the FUSE loop ends in time (the nursery is cancelled then).
+    await trio.sleep(STOP_DEADLINE_S)
+    await _exit_now(mountpoint)
+
+
+async def _exit_now(mountpoint: str) -> None:
+    """Handlers are still blocked (on a store that stopped answering): detach the mount
+    if the first signal has not, and end the process without waiting for them."""
+    log.warning("requests still in flight %.0f s after stopping (a store that stopped answering?); "
+                "exiting now: their readers get an error", STOP_DEADLINE_S)
+    with trio.move_on_after(UNMOUNT_DEADLINE_S):
+        try:
+            if await trio.to_thread.run_sync(mount_entry, mountpoint, abandon_on_cancel=True) is not None:
+                await trio.to_thread.run_sync(unmount, mountpoint, True, UNMOUNT_DEADLINE_S, abandon_on_cancel=True)
+        except (errors.UserError, OSError) as exc:
+            log.warning("%s", exc)  # closing /dev/fuse below leaves a dead mount: a new mount recovers it
+    logging.shutdown()  # os._exit skips flushing the log handlers
+    os._exit(errors.EXIT_OK)  # the stop was asked for, and done
 
 
 async def _announce_ready(mountpoint: str, max_background: int, on_ready: Callable[[], None]) -> None:

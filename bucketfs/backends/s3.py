@@ -124,8 +124,13 @@ class S3Backend(Backend):
         super().__init__()
         self.bucket = config.url.bucket
         self._config = config
-        self._session = session or boto3.session.Session(profile_name=config.profile)
-        self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
+        try:
+            self._session = session or boto3.session.Session(profile_name=config.profile)
+            self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise errors.AccessDenied(str(exc)) from None
+        except ValueError as exc:  # InvalidRegionError, "Invalid endpoint": the CLI's usage error
+            raise errors.InvalidOption(str(exc)) from None
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
                                config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
         self.caller = BlockingCaller(

@@ -1,21 +1,26 @@
 """The CLI's contract: one clear line and a distinct exit code for each bad input,
 nothing left mounted; daemon mode returns once mounted; signals unmount cleanly."""
 
+import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
+import sys
+import threading
 
 import pytest
 
-from bucketfs import errors
+from bucketfs import errors, mount as bucketfs_mount
 from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+from tests.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
 
 pytestmark = pytest.mark.integration
 
 
-def run_cli(*args, env=None, timeout_s=60):
-    return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s)
+def run_cli(*args, env=None, timeout_s=60, cwd=None):
+    return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
 
 
 def assert_one_line_error(proc, code, *fragments):
@@ -209,3 +214,174 @@ def test_a_negative_ttl_without_a_metadata_ttl_is_refused(empty_dir):
     proc = run_cli("mount", "s3://bucket/x", empty_dir, "--negative-ttl", "5")
     assert_one_line_error(proc, errors.EXIT_USAGE, "--negative-ttl needs --metadata-ttl")
     assert not os.path.ismount(empty_dir)
+
+
+# -- review fixes: each test fails without its fix --------------------------------
+FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40)
+
+
+def test_a_missing_profile_is_one_line_and_the_credentials_code(rclone_server, s3_bucket, empty_dir, tmp_path):
+    (tmp_path / "aws-config").write_text("[profile other]\nregion = us-east-1\n")
+    env = server_env(rclone_server, AWS_CONFIG_FILE=str(tmp_path / "aws-config"))
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--profile", "nosuchprofile", env=env)
+    assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "nosuchprofile")
+    assert not os.path.ismount(empty_dir)
+
+
+@pytest.mark.parametrize("option, value", [("--endpoint-url", "notaurl"), ("--endpoint-url", "http://"),
+                                           ("--region", "bad!region")])
+def test_an_endpoint_or_region_that_cannot_be_is_a_usage_error(option, value, empty_dir):
+    proc = run_cli("mount", "s3://some-bucket/", empty_dir, option, value, env=dict(os.environ, **FAKE_KEYS))
+    assert_one_line_error(proc, errors.EXIT_USAGE, option)
+
+
+def test_an_endpoint_botocore_refuses_inside_the_daemon_is_a_usage_error(empty_dir):
+    """A URL the CLI's own check lets through but botocore refuses when the daemon
+    builds its client: still one line and exit 2, not 'daemon failed'."""
+    proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", "http://bad_host!name/",
+                   env=dict(os.environ, **FAKE_KEYS))
+    assert_one_line_error(proc, errors.EXIT_USAGE, "endpoint")
+    assert not os.path.ismount(empty_dir)
+
+
+def test_a_metrics_port_in_use_fails_before_mounting(rclone_server, s3_bucket, empty_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                       "--metrics-port", str(port), env=server_env(rclone_server))
+    assert_one_line_error(proc, errors.EXIT_METRICS_PORT, "--metrics-port", str(port))
+    assert not os.path.ismount(empty_dir)
+
+
+def test_an_unwritable_log_file_is_named_before_forking(empty_dir):
+    proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--log-file", "/nonexistent/dir/x.log",
+                   env=dict(os.environ, **FAKE_KEYS))
+    assert_one_line_error(proc, errors.EXIT_USAGE, "--log-file", "/nonexistent/dir/x.log")
+
+
+def test_a_symlinked_mountpoint_is_unmounted_on_sigterm(rclone_server, s3_bucket, empty_dir, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(empty_dir)
+    env, ep = server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url)
+    m = Mount(f"s3://{s3_bucket}/", str(link), env, ep)
+    try:
+        assert os.path.ismount(empty_dir)
+        # The mount is seen through the symlink too.
+        assert_one_line_error(run_cli("mount", f"s3://{s3_bucket}/", str(link), *ep, env=env),
+                              errors.EXIT_BAD_MOUNTPOINT, "already a mount")
+        assert m.terminate(signal.SIGTERM, timeout_s=20) == 0
+        assert not os.path.ismount(empty_dir)
+        assert os.listdir(empty_dir) == []  # not a dead mount
+    finally:
+        m.close()
+
+
+@pytest.mark.timeout(120)
+def test_second_signal_ends_the_daemon_while_a_reader_is_blocked_on_a_frozen_store(tmp_path, empty_dir):
+    """pyfuse3.terminate() waits for handlers in flight; one blocked on a store that
+    stopped answering would hold the daemon for --read-timeout x --retries (150 s)."""
+    with rclone_s3_server(tmp_path / "store") as server:
+        bucket = server.new_bucket()
+        server.write_files(bucket, {"f.bin": b"f" * 300_000})
+        m = Mount(f"s3://{bucket}/", empty_dir, server_env(server), ("--endpoint-url", server.endpoint_url))
+        result: queue.Queue = queue.Queue()
+
+        def read():
+            try:
+                with open(m.path("f.bin"), "rb") as f:
+                    result.put(f.read())
+            except OSError as exc:
+                result.put(exc)
+
+        try:
+            os.stat(m.path("f.bin"))  # listed while the store answers
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                threading.Thread(target=read, daemon=True).start()
+                wait_for(lambda: m.stats().get("fuse.read", 0) >= 1, MOUNT_DEADLINE_S, "a READ in flight", m.proc)
+                m.proc.send_signal(signal.SIGTERM)
+                wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
+                m.proc.send_signal(signal.SIGTERM)
+                assert m.proc.wait(timeout=bucketfs_mount.STOP_DEADLINE_S + 10) == 0
+                assert isinstance(result.get(timeout=10), OSError)  # the blocked reader got an error
+                assert "exiting now" in m.stderr_text
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+        finally:
+            m.close()
+
+
+def test_unmount_refuses_a_filesystem_that_is_not_bucketfs(empty_dir):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", empty_dir], check=True, timeout=30)
+    try:
+        proc = run_cli("unmount", empty_dir)
+        assert_one_line_error(proc, errors.EXIT_BAD_MOUNTPOINT, "not a bucketfs mount", "tmpfs")
+        assert os.path.ismount(empty_dir)
+        assert_one_line_error(run_cli("unmount", "--lazy", empty_dir), errors.EXIT_BAD_MOUNTPOINT, "not a bucketfs mount")
+        assert os.path.ismount(empty_dir)
+    finally:
+        subprocess.run(["umount", empty_dir], timeout=30)
+
+
+def test_unmount_of_a_directory_that_is_not_mounted_says_so(empty_dir):
+    assert_one_line_error(run_cli("unmount", empty_dir), errors.EXIT_BAD_MOUNTPOINT, "not mounted")
+
+
+@contextlib.contextmanager
+def plain_http_server(root_dir):
+    """`python -m http.server` on a free port: answers, but is no S3 endpoint."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], cwd=root_dir,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    try:
+        wait_for(lambda: _answers_http(port), MOUNT_DEADLINE_S, "http.server", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_an_endpoint_that_is_not_s3_is_the_endpoint_code_with_a_hint(empty_dir, tmp_path):
+    with plain_http_server(tmp_path) as url:
+        proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", url, env=dict(os.environ, **FAKE_KEYS))
+    assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "is --endpoint-url an S3 endpoint?")
+    assert not os.path.ismount(empty_dir)
+
+
+def _pids_with_arg(arg: str) -> list:
+    pids = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if arg.encode() in f.read().split(b"\0"):
+                    pids.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_the_daemon_leaves_the_callers_directory_and_relative_paths_work(rclone_server, s3_bucket, tmp_path):
+    rclone_server.write_files(s3_bucket, {"hello.txt": b"hello"})
+    (tmp_path / "rel-mp").mkdir()
+    mountpoint = str(tmp_path / "rel-mp")
+    log_name = f"daemon-{os.getpid()}-{free_port()}.log"  # unique: finds the daemon's PID
+    proc = run_cli("mount", f"s3://{s3_bucket}/", "rel-mp", "--endpoint-url", rclone_server.endpoint_url,
+                   "--log-file", log_name, env=server_env(rclone_server), cwd=str(tmp_path))
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert open(os.path.join(mountpoint, "hello.txt")).read() == "hello"
+        (pid,) = _pids_with_arg(log_name)
+        assert os.readlink(f"/proc/{pid}/cwd") == "/"
+        assert run_cli("unmount", "rel-mp", cwd=str(tmp_path)).returncode == 0
+        wait_for(lambda: "unmounted" in (tmp_path / log_name).read_text(), MOUNT_DEADLINE_S, "daemon exit")
+    finally:
+        force_unmount(mountpoint)
