@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -145,8 +146,49 @@ def test_install_script_writes_unit_config_and_helper(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (dest / "etc/systemd/system/bucketfs@.service").exists()
     conf = (dest / "etc/bucketfs/imagenet.conf").read_text().splitlines()
-    assert conf == ["BUCKETFS_URL=s3://b/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS=--allow-other --max-memory 2G"]
+    assert conf == ["BUCKETFS_URL=s3://b/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS='--allow-other --max-memory 2G'"]
     assert os.path.islink(dest / "sbin/mount.fuse.bucketfs")
+
+
+def _as_systemd_reads(conf_path) -> tuple:
+    """(mountpoint, options argv) as the unit gets them: the EnvironmentFile parser
+    removes one level of shell-like quotes (bash's `.` reads our lines the same way),
+    then ExecStart's unbraced $BUCKETFS_OPTIONS is split at whitespace honouring quotes
+    and backslashes (replace_env_argv: EXTRACT_RELAX|EXTRACT_UNQUOTE), which
+    shlex.split matches for the backslash escapes the script writes."""
+    out = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf "%s\\0" "$BUCKETFS_MOUNTPOINT" "$BUCKETFS_OPTIONS"', "-", str(conf_path)],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    mountpoint, options, _ = out.split("\0")
+    return mountpoint, shlex.split(options)
+
+
+def test_install_script_keeps_values_with_spaces_and_quotes_whole(tmp_path):
+    dest = tmp_path / "root"
+    options = ["--allow-other", "--cache-dir", "/var/cache/my data", "--log-file", "/var/log/it's.log", "--max-memory", "2G"]
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "data", "s3://b/p", "/mnt/my data", *options],
+                          env=dict(os.environ, DESTDIR=str(dest)), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert _as_systemd_reads(dest / "etc/bucketfs/data.conf") == ("/mnt/my data", options)
+
+
+def test_install_script_usage_is_only_the_usage(tmp_path):
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "only-a-name"],
+                          env=dict(os.environ, DESTDIR=str(tmp_path)), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "usage: " in proc.stderr and "NAME URL MOUNTPOINT" in proc.stderr
+    assert "set -euo" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "etc").exists()
+
+
+def test_unit_does_not_restart_on_permanent_errors_only():
+    """Restart=on-failure would retry a usage error or a missing bucket every 5 s
+    forever; an unreachable endpoint is worth retrying."""
+    unit = open(os.path.join(REPO, "systemd", "bucketfs@.service")).read()
+    (line,) = [line for line in unit.splitlines() if line.startswith("RestartPreventExitStatus=")]
+    codes = {int(code) for code in line.split("=", 1)[1].split()}
+    assert codes == set(errors.PERMANENT_EXIT_CODES)
+    assert errors.EXIT_ENDPOINT_UNREACHABLE not in codes and errors.EXIT_FAILURE not in codes
+    assert "Restart=on-failure" in unit
 
 
 def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, empty_dir):
