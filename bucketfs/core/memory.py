@@ -78,7 +78,13 @@ class MemoryBudget:
         self._set_capacity(self.budget_bytes - min(fixed_bytes, fixed_cap_bytes))
         over_bytes = self.used_bytes - self.capacity_bytes
         if over_bytes > 0:
-            self._reclaim(over_bytes, max_priority=1 << 30)
+            # Counted as a demand: what the reclaimers free must leave the budget, not
+            # go back into the buffer pool (still reserved, so the budget stayed over).
+            self._demands_pending += 1
+            try:
+                self._reclaim(over_bytes, max_priority=1 << 30)
+            finally:
+                self._demands_pending -= 1
         if fixed_bytes > fixed_cap_bytes and not self._listings_over_logged:
             self._listings_over_logged = True
             log.warning("listings (%d MiB) and the disk cache index (%d MiB) hold more than %d%% of the %d MiB memory "
@@ -115,8 +121,8 @@ class MemoryBudget:
 
     @property
     def demand_pending(self) -> bool:
-        """A reader is reclaiming or waiting for memory: what is freed now must be
-        released to it, not kept for reuse."""
+        """A reader is reclaiming or waiting for memory (or the budget shrank under its
+        use): what is freed now must be released, not kept for reuse."""
         return self._demands_pending > 0
 
     async def reserve(self, n_bytes: int) -> None:

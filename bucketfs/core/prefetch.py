@@ -278,21 +278,25 @@ class Prefetcher:
                 self.release(part)
             part.done.set()
 
-    def release(self, part: Part) -> None:
+    def release(self, part: Part) -> int:
         """Free a part's memory: its buffer to the pool if the pool takes it, else its
-        reservation back to the budget."""
+        reservation back to the budget. Returns the bytes given back to the budget (a
+        pooled buffer stays reserved: a reclaimer must not count it as freed)."""
         buf, part.buffer, part.data = part.buffer, None, None
-        if part.reserved_bytes:
-            if buf is None or not self.pool.give(buf):
-                self.budget.release(part.reserved_bytes)
-            part.reserved_bytes = 0
+        released_bytes, part.reserved_bytes = part.reserved_bytes, 0
+        if released_bytes and buf is not None and self.pool.give(buf):
+            return 0
+        if released_bytes:
+            self.budget.release(released_bytes)
+        return released_bytes
 
-    def drop(self, part: Part) -> None:
-        """Free a part now if complete, else cancel it (its task frees it when the GET returns)."""
+    def drop(self, part: Part) -> int:
+        """Free a part now if complete, else cancel it (its task frees it when the GET
+        returns). Returns the bytes given back to the budget now."""
         if part.done.is_set():
-            self.release(part)
-        else:
-            part.cancel_scope.cancel()
+            return self.release(part)
+        part.cancel_scope.cancel()
+        return 0
 
     # -- warm heads of the next shard ------------------------------------------
     def is_warming(self, key: str, version: str) -> bool:
@@ -338,17 +342,16 @@ class Prefetcher:
             self.stats["prefetch.heads_used"] += 1
         return parts
 
-    def _waste(self, part: Part) -> None:
+    def _waste(self, part: Part) -> int:
         self.stats["prefetch.bytes_wasted"] += part.end - part.start
-        self.drop(part)
+        return self.drop(part)
 
     def _shed_heads(self, wanted_bytes: int) -> int:
         freed_bytes = 0
         while self._heads and freed_bytes < wanted_bytes:
             _, parts = self._heads.popitem(last=False)
             for part in parts:
-                freed_bytes += part.reserved_bytes if part.done.is_set() else 0
-                self._waste(part)
+                freed_bytes += self._waste(part)
         return freed_bytes
 
     def _shed_parts(self, wanted_bytes: int) -> int:
@@ -442,16 +445,14 @@ class SequentialStream:
             if part.waiters or part.end > self.read_end or not part.done.is_set():
                 break
             self.parts.popleft()
-            freed_bytes += part.reserved_bytes
-            self.pf.drop(part)
+            freed_bytes += self.pf.drop(part)
         while len(self.parts) > 1 and freed_bytes < wanted_bytes:
             part = self.parts[-1]
             if part.waiters or part.start <= self.read_end:
                 break
             self.parts.pop()
             self.fetch_end = part.start
-            freed_bytes += part.reserved_bytes if part.done.is_set() else 0
-            self.pf._waste(part)
+            freed_bytes += self.pf._waste(part)
             self.window_bytes = max(self.window_bytes // 2, self.part_size_bytes // 8)
         return freed_bytes
 

@@ -728,3 +728,27 @@ def test_a_short_last_shard_is_read_from_its_warmed_head_not_fetched_again():
     heads_used, heads_left = run_fs(backend, body, list_ahead_count=0)
     assert (heads_used, heads_left) == (1, 0)
     assert backend.bytes_fetched == 45 * MiB  # each shard once
+
+
+def test_listings_that_shrink_the_budget_push_out_warm_heads_for_real():
+    """Listings growing past what is left push buffers out at once. Warm shard heads
+    are among them; their buffers once went back into the pool (still reserved) while
+    counted as freed, so the budget stayed over."""
+    shards = {"w/shard-0.tar": blob(40 * MiB, 0), "w/shard-1.tar": blob(40 * MiB, 1)}
+    backend = MemoryBackend(shards)
+
+    async def body(fs):
+        assert await read_all(fs, "w/shard-0.tar", 1 * MiB) == shards["w/shard-0.tar"]
+        node = await resolve(fs, "w/shard-1.tar")
+        heads = fs.prefetcher._heads[("w/shard-1.tar", node.version)]
+        for part in heads:
+            await part.done.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        budget = fs.budget
+        fs.prefetcher.pool.shed(fs.prefetcher.pool.pooled_bytes)  # an empty pool: the heads are what must go
+        budget.charge_listings(budget.budget_bytes - (budget.used_bytes - 8 * MiB))  # 8 MiB over
+        return budget.used_bytes, budget.capacity_bytes, len(heads)
+
+    used_bytes, capacity_bytes, head_parts = run_fs(backend, body, list_ahead_count=0, max_memory_bytes=128 * MiB)
+    assert head_parts >= 2
+    assert used_bytes <= capacity_bytes, f"{(used_bytes - capacity_bytes) / MiB:.0f} MiB over"
