@@ -276,6 +276,8 @@ class Namespace:
             if not valid_component(name):
                 self._warn_once(common, "not a valid directory name")
                 continue
+            if name in children:
+                continue  # repeated on a later page by some servers: a second node would be unreachable
             children[name] = self._child(node, old.get(name), name, True, None)
         for info in objects:
             name = info.key[len(prefix):]
@@ -285,8 +287,9 @@ class Namespace:
                 self._warn_once(info.key, "not a valid file name")
                 continue
             if name in children:
-                self._warn_once(info.key, "a prefix of the same name exists; the directory wins")
-                continue
+                if children[name].is_dir:
+                    self._warn_once(info.key, "a prefix of the same name exists; the directory wins")
+                continue  # (a key repeated across pages: the first is kept)
             children[name] = self._child(node, old.get(name), name, False, info)
         if self.tracks_lookups and old:
             self._drop_vanished(node, old, children)

@@ -456,3 +456,29 @@ def test_a_directory_dropped_while_its_listing_is_in_flight_gets_no_children():
     entries, charged_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=1)
     assert entries == 2  # the root and E
     assert charged_bytes == 2 * LISTED_ENTRY_BYTES
+
+
+def test_a_prefix_or_key_repeated_on_a_later_page_is_one_entry():
+    """Some servers repeat a common prefix (or a key) on the next LIST page. The entry
+    must be listed once, and no second node made for it: nothing could reach or drop it."""
+    from bucketfs.backends.base import ListPage
+
+    backend = MemoryBackend({"d/x": b"1", "a": b"22"})
+    list_page_once = backend.list_page
+
+    async def list_page(prefix, token=None):
+        page = await list_page_once(prefix, None)
+        if prefix != "":
+            return page
+        # The root's one page served as two, each carrying both entries.
+        return ListPage(page.objects, page.prefixes, "page-2" if token is None else None)
+
+    backend.list_page = list_page
+
+    async def body(fs):
+        root = await fs.ns.list_dir(1)
+        return names(root), fs.ns.entries_count
+
+    listed, entries = run_fs(backend, body, list_ahead_count=0)
+    assert listed == [("a", False), ("d", True)]
+    assert entries == 3  # the root, a and d
