@@ -103,12 +103,15 @@ class Filesystem:
         self._dir_handles[dh] = children  # a snapshot: offsets stay stable while it is open
         return dh
 
-    def readdir(self, dh: int, start_index: int) -> list:
-        """Children from `start_index` on; entry i's next offset is i + 1."""
+    def readdir(self, dh: int, start_index: int):
+        """Children from `start_index` on (an iterator); entry i's next offset is i + 1.
+        Not a slice: each READDIR takes a few dozen entries, and copying the rest of a
+        100,000-entry snapshot every time made a listing quadratic."""
         try:
-            return self._dir_handles[dh][start_index:]
+            children = self._dir_handles[dh]
         except KeyError:
             raise errors.NotFound(f"directory handle {dh}") from None
+        return (children[i] for i in range(start_index, len(children)))
 
     def releasedir(self, dh: int) -> None:
         self._dir_handles.pop(dh, None)
