@@ -179,10 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# botocore's own rule for region names; checked here so a typo is a usage error.
-_REGION_RE = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
-
-
 def _check_endpoint_url(url: str) -> None:
     try:
         parts = urllib.parse.urlsplit(url)
@@ -216,8 +212,6 @@ def config_from_args(args) -> Config:
     _check_cross_limits(args)
     if args.endpoint_url is not None:
         _check_endpoint_url(args.endpoint_url)
-    if args.region is not None and not _REGION_RE.match(args.region):
-        raise errors.UserError(f"--region {args.region!r} is not a region name (such as us-east-1)", errors.EXIT_USAGE)
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
     return Config(
         url=url,
@@ -232,7 +226,7 @@ def config_from_args(args) -> Config:
         key_file=os.path.abspath(args.key_file) if args.key_file else None,
         path_style=path_style,
         max_connections_count=args.max_connections,
-        retry_attempts_count=max(1, args.retries),
+        retry_attempts_count=args.retries,
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,
         allow_other=args.allow_other,

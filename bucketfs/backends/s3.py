@@ -129,8 +129,10 @@ class S3Backend(Backend):
             self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
         except botocore.exceptions.ProfileNotFound as exc:
             raise errors.AccessDenied(str(exc)) from None
-        except ValueError as exc:  # InvalidRegionError, "Invalid endpoint": the CLI's usage error
-            raise errors.InvalidOption(str(exc)) from None
+        except botocore.exceptions.InvalidRegionError as exc:  # botocore's rule, not a copy of it
+            raise errors.InvalidOption(f"--region {config.region!r}: {exc}") from None
+        except ValueError as exc:  # "Invalid endpoint": the CLI's usage error
+            raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
                                config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
         self.caller = BlockingCaller(
