@@ -98,9 +98,10 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
-def user_error_for(exc: BucketfsError, what: str) -> UserError:
+def user_error_for(exc: BucketfsError, what: str, endpoint_given: bool = True) -> UserError:
     """Turn a backend error met while building the backend or checking the bucket
-    (`what` is the bucket URL) into a UserError."""
+    (`what` is the bucket URL) into a UserError. `endpoint_given`: the user named the
+    endpoint (--endpoint-url or STORAGE_EMULATOR_HOST), so a hint may point at it."""
     if isinstance(exc, InvalidOption):
         return UserError(f"{what}: {exc}", EXIT_USAGE)
     if isinstance(exc, BucketNotFound):
@@ -113,7 +114,11 @@ def user_error_for(exc: BucketfsError, what: str) -> UserError:
         # A store names a missing bucket (NoSuchBucket: BucketNotFound above); a plain
         # 404 or an answer that is no listing at all comes from something else at
         # that address (a web server, a wrong path): the endpoint is wrong.
+        # Without a named endpoint the default one answered oddly: a proxy in between,
+        # not the user's option, is the suspect.
         kind = "a GCS" if what.startswith("gs://") else "an S3"
-        return UserError(f"{what}: the endpoint's answer is not a bucket listing ({exc}): is --endpoint-url "
-                         f"{kind} endpoint?", EXIT_ENDPOINT_UNREACHABLE)
+        hint = (f"is --endpoint-url {kind} endpoint?" if endpoint_given
+                else "is a proxy (HTTPS_PROXY) in the way?")
+        return UserError(f"{what}: the endpoint's answer is not a bucket listing ({exc}): {hint}",
+                         EXIT_ENDPOINT_UNREACHABLE)
     return UserError(f"{what}: {exc}", EXIT_FAILURE)

@@ -247,17 +247,21 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
+    # The user named an endpoint (an option or the SDKs' own variables): an odd answer
+    # points at it; otherwise at something between us and the default endpoint.
+    endpoint_given = bool(config.endpoint_url or any(
+        os.environ.get(name) for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "STORAGE_EMULATOR_HOST")))
     try:
         # Inside the handling: a missing --profile or an endpoint/region botocore refuses
         # fails here, and must be one line, not a traceback.
         backend = make_backend(config)
     except errors.BucketfsError as exc:
-        raise errors.user_error_for(exc, str(config.url)) from None
+        raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     try:
         await backend.check_bucket(config.url.prefix)
     except errors.BucketfsError as exc:
         await backend.aclose()
-        raise errors.user_error_for(exc, str(config.url)) from None
+        raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     if not config.cache_dir:
         return await _serve(config, backend, None, on_ready, on_fs)
     try:

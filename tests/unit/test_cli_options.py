@@ -116,3 +116,9 @@ def test_errors_of_a_non_s3_answer_name_the_endpoint_and_a_missing_bucket_stays_
     missing = errors.user_error_for(errors.BucketNotFound("NoSuchBucket"), "s3://bkt/")
     assert missing.exit_code == errors.EXIT_BUCKET_NOT_FOUND
     assert errors.user_error_for(errors.InvalidOption("Invalid endpoint"), "s3://bkt/").exit_code == errors.EXIT_USAGE
+
+
+def test_an_odd_answer_from_the_default_endpoint_does_not_blame_an_option_the_user_never_gave():
+    odd = errors.user_error_for(errors.NotFound("ListObjectsV2: 404 Not Found"), "s3://bkt/", endpoint_given=False)
+    assert odd.exit_code == errors.EXIT_ENDPOINT_UNREACHABLE
+    assert "--endpoint-url" not in str(odd) and "proxy" in str(odd)
