@@ -618,7 +618,7 @@ def test_a_fresh_part_buffer_is_not_filled_on_the_event_loop_thread():
     with the GIL held. It is still a whole, writable buffer of the part's size."""
     import resource
 
-    from bucketfs.core.prefetch import new_part_buffer
+    from bucketfs.core.partbuffers import new_part_buffer
 
     size_bytes = 8 * MiB
     faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
