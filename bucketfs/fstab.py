@@ -4,8 +4,11 @@
 
 mount(8) calls `mount.fuse.bucketfs SOURCE MOUNTPOINT -o OPTIONS`. Every CLI option
 can be given as `-o key=value` (dashes or underscores) or `-o flag`; generic mount
-options (ro, _netdev, nofail, x-systemd.*, ...) are accepted and ignored. The helper
-daemonises and returns once the mount answers, as mount(8) expects.
+options (ro, rw, defaults, _netdev, nofail, x-systemd.*, ...) are accepted and ignored:
+the mount is read-only whatever they say (mount(8) itself adds `rw` to any line
+without `ro`). Lists inside a value (`shard_globs`) use `:` between items, since `,`
+separates the options. The helper daemonises and returns once the mount answers, as
+mount(8) expects.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import sys
 from bucketfs import cli, errors
 
 # Options mount(8), systemd or fstab conventions pass along that mean nothing to us.
+# `rw` among them: mount(8) adds it to every line without `ro` (`defaults`), and the
+# kernel mount is read-only anyway. `default_permissions`: bucketfs always sets it.
 _GENERIC = {
-    "ro", "defaults", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "owner", "group",
+    "ro", "rw", "defaults", "default_permissions", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "owner", "group",
     "nosuid", "suid", "nodev", "dev", "exec", "noexec", "relatime", "noatime", "atime", "nodiratime",
     "strictatime", "lazytime", "sync", "async", "loud", "silent",
 }
@@ -30,8 +35,8 @@ def options_to_argv(options: str) -> list:
         name = key.replace("-", "_")
         if name in _GENERIC or key.startswith(("x-", "comment")):
             continue
-        if name == "rw":
-            raise errors.UserError("bucketfs mounts are read-only: remove 'rw' from the options", errors.EXIT_USAGE)
+        if name == "shard_globs":
+            value = value.replace(":", ",")  # (the CLI's comma list; commas split fstab options)
         if sep:
             argv += [f"--{name.replace('_', '-')}", value]
         elif name in _FLAGS:

@@ -1,5 +1,6 @@
 """Running as a service: systemd unit, readiness, fstab helper, stats and metrics."""
 
+import errno
 import json
 import os
 import shlex
@@ -90,8 +91,9 @@ def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, empty_dir):
     finally:
         subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30)
     assert not os.path.ismount(empty_dir)
-    bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", empty_dir, "-o", "rw"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode == errors.EXIT_USAGE and "read-only" in bad.stderr
+    bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", empty_dir, "-o", "ro,frobnicate"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == errors.EXIT_USAGE and "unknown mount option 'frobnicate'" in bad.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mount(8) with a helper needs root")
@@ -102,11 +104,17 @@ def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tm
     if created:
         os.symlink(shutil.which("mount.fuse.bucketfs"), helper)
     fstab = tmp_path / "fstab"
-    fstab.write_text(f"s3://{s3_bucket}/p {empty_dir} fuse.bucketfs ro,_netdev,allow_other,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
+    # `defaults` (no `ro`): mount(8) passes `rw` to the helper, which must still mount, read-only.
+    fstab.write_text(f"s3://{s3_bucket}/p {empty_dir} fuse.bucketfs defaults,_netdev,nofail,shard_globs=*.tar:*.shard,"
+                     f"endpoint_url={rclone_server.endpoint_url} 0 0\n")
     try:
         proc = subprocess.run(["mount", "--fstab", str(fstab), empty_dir], env=env_for(rclone_server), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
+        assert [line for line in open("/proc/mounts") if empty_dir in line][0].split()[3].startswith("ro,")
+        with pytest.raises(OSError) as denied:
+            open(os.path.join(empty_dir, "b.txt"), "w")
+        assert denied.value.errno == errno.EROFS
     finally:
         force_unmount(empty_dir)
         if created:

@@ -122,3 +122,10 @@ def test_an_odd_answer_from_the_default_endpoint_does_not_blame_an_option_the_us
     odd = errors.user_error_for(errors.NotFound("ListObjectsV2: 404 Not Found"), "s3://bkt/", endpoint_given=False)
     assert odd.exit_code == errors.EXIT_ENDPOINT_UNREACHABLE
     assert "--endpoint-url" not in str(odd) and "proxy" in str(odd)
+
+
+def test_fstab_options_mount8_adds_and_lists_inside_values_are_understood():
+    from bucketfs.fstab import options_to_argv
+    # mount(8) passes `rw` for a `defaults` line; bucketfs sets default_permissions itself.
+    assert options_to_argv("rw,default_permissions,_netdev,nofail") == []
+    assert options_to_argv("shard_globs=*.tar:*.tgz,max_memory=2G") == ["--shard-globs", "*.tar,*.tgz", "--max-memory", "2G"]
