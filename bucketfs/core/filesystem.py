@@ -46,7 +46,9 @@ from bucketfs.core.stats import Stats
 
 log = logging.getLogger(__name__)
 
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+# What makes an open a write. Not O_APPEND: it only places writes, and a read-only
+# open with it reads (as on any read-only file system).
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_CREAT
 # A shard opened cold warms the next one only once this much of it is read: a
 # reader that far in is reading the shard through (a tar is read to its end), while
 # one that looks at a shard's first samples costs no second shard. A shard opened on

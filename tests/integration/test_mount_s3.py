@@ -141,6 +141,11 @@ def test_every_write_operation_is_erofs_and_bucket_unchanged(rclone_server, s3_b
     after = sorted((o["Key"], o["ETag"]) for o in rclone_server.client.list_objects_v2(Bucket=s3_bucket)["Contents"])
     assert after == before
     assert open(f, "rb").read() == b"data"
+    fd = os.open(f, os.O_RDONLY | os.O_APPEND)  # a read-only open that names O_APPEND reads, as on any ro file system
+    try:
+        assert os.read(fd, 10) == b"data"
+    finally:
+        os.close(fd)
 
 
 def test_reads_past_eof_zero_bytes_and_mmap(rclone_server, s3_bucket, mount_factory):

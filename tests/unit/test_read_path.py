@@ -152,6 +152,18 @@ def test_write_opens_are_read_only():
     assert backend.requests.get("get", 0) == 0
 
 
+def test_a_read_only_open_with_o_append_reads():
+    backend = MemoryBackend({"f": b"xyz"})
+
+    async def body(fs):
+        node = await resolve(fs, "f")
+        fh = await fs.open(node.ino, os.O_RDONLY | os.O_APPEND)
+        assert await fs.read(fh, 0, 10) == b"xyz"
+        fs.release(fh)
+
+    run_fs(backend, body)
+
+
 def test_backend_failure_is_an_error_for_that_read_only():
     backend = MemoryBackend({"bad": b"x" * 1000, "good": b"y" * 1000})
 
