@@ -200,6 +200,17 @@ def _check_cross_limits(args) -> None:
                                    f"{_human_bytes(args.max_memory)}", errors.EXIT_USAGE)
 
 
+def _check_owner_can_enter(args) -> None:
+    """FUSE lets only the mounting user into a mount without allow_other: files given
+    to another owner or group would show them as owners and deny them every read."""
+    if args.allow_other:
+        return
+    for option, value, mine in (("--uid", args.uid, os.geteuid()), ("--gid", args.gid, os.getegid())):
+        if value is not None and value != mine:
+            raise errors.UserError(f"{option} {value} names another user than the one mounting, and FUSE lets no other "
+                                   "user into the mount without --allow-other: add --allow-other", errors.EXIT_USAGE)
+
+
 def config_from_args(args) -> Config:
     try:
         url = parse_bucket_url(args.url)
@@ -210,6 +221,7 @@ def config_from_args(args) -> Config:
         raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
                                "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
     _check_cross_limits(args)
+    _check_owner_can_enter(args)
     if args.endpoint_url is not None:
         _check_endpoint_url(args.endpoint_url)
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)

@@ -3,6 +3,8 @@ is mounted or forked: exit 2 and one line naming the option. Also the URL rules 
 the help hint. In-process: the mountpoint does not exist, so an option let through
 by mistake ends at the mountpoint check (exit 6), never at a mount."""
 
+import os
+
 import pytest
 
 from bucketfs import cli, errors
@@ -58,7 +60,16 @@ def test_a_value_the_daemon_cannot_use_is_refused(capsys, option, value):
     ("--cache-size", "1M"), ("--small-file-bytes", "4K"), ("--readahead-max", "64K"),
 ])
 def test_the_smallest_sensible_values_pass(capsys, option, value):
-    code, err = run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, option, value)
+    code, err = run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--allow-other", option, value)
+    assert code in (errors.EXIT_BAD_MOUNTPOINT, errors.EXIT_NO_FUSE), err
+
+
+@pytest.mark.parametrize("option, other_id", [("--uid", 4242), ("--gid", 4243)])
+def test_files_given_to_another_user_need_allow_other(capsys, option, other_id):
+    # Without allow_other FUSE lets only the mounting user in: that owner could not read its own files.
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, option, str(other_id)], option, "--allow-other")
+    mine = str(os.geteuid() if option == "--uid" else os.getegid())
+    code, err = run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, option, mine)  # the mounting user: fine
     assert code in (errors.EXIT_BAD_MOUNTPOINT, errors.EXIT_NO_FUSE), err
 
 
