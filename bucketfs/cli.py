@@ -375,8 +375,11 @@ def print_stats(mountpoint: str, as_json: bool) -> int:
     from bucketfs.metrics import STATS_XATTR, format_stats
 
     mountpoint = os.path.realpath(mountpoint)
+    root = mountpoint
+    while not os.path.ismount(root) and root != "/":
+        root = os.path.dirname(root)  # (a path inside the mount: the counters are its root's)
     try:
-        raw = os.getxattr(mountpoint, STATS_XATTR)
+        raw = os.getxattr(root, STATS_XATTR)
     except OSError as exc:
         raise errors.UserError(f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT) from None
     snapshot = json.loads(raw)

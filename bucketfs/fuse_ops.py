@@ -50,7 +50,8 @@ def fuse_errors(fn):
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:
-            self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
+            if exc.errno != pyfuse3.ENOATTR:  # (no such attribute: tools ask for ACLs and labels on every file)
+                self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
             raise
         except errors.BucketfsError as exc:
             code = errno_for(exc)
@@ -213,7 +214,10 @@ class FuseOperations(pyfuse3.Operations):
         stat = pyfuse3.StatvfsData()
         stat.f_bsize = BLKSIZE_BYTES
         stat.f_frsize = 4096
-        stat.f_blocks = stat.f_bfree = stat.f_bavail = 0
+        # Used: the files listed so far; free: none (read-only). df hides a file system of
+        # 0 blocks as a pseudo one, and `df /mnt/data` is how users check a mount is up.
+        stat.f_blocks = -(-self.fs.ns.listed_file_bytes // stat.f_frsize)
+        stat.f_bfree = stat.f_bavail = 0
         stat.f_files = self.fs.ns.entries_count
         stat.f_ffree = stat.f_favail = 0
         stat.f_namemax = 255

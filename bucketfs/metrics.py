@@ -71,10 +71,12 @@ class _Collector:
         for key, name, help_text, kind in _SIMPLE:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(name, help_text, value=snap.get(key, 0))
-        requests = CounterMetricFamily("bucketfs_backend_requests", "Requests to the store by type and result", labels=["type", "result"])
+        # Every request sent, by type; those that failed after their retries are in
+        # bucketfs_backend_failures (a result label here could only ever say "ok").
+        requests = CounterMetricFamily("bucketfs_backend_requests", "Requests sent to the store by type", labels=["type"])
         for key, value in snap.items():
             if key.startswith("backend.requests."):
-                requests.add_metric([key.split(".")[2], "ok"], value)
+                requests.add_metric([key.split(".")[2]], value)
         yield requests
         failures = CounterMetricFamily("bucketfs_backend_failures", "Failed store requests (after retries) by error", labels=["error"])
         for key, value in snap.items():

@@ -139,6 +139,7 @@ class Namespace:
         # Indexed by inode number (dense from 1): a list costs 8 bytes per entry, a dict ~50.
         self._nodes: list = [None, Node(ROOT_INO, "", None, True, mtime_ns=mount_time_ns)]
         self._live_count = 1
+        self._live_file_bytes = 0  # sizes of the live file nodes: what statfs (df) reports as used
         # With a TTL objects come and go, so nodes are dropped when both the listing and
         # the kernel have let go of them. In the immutable default nothing ever leaves a
         # listing: no counting on the hot paths.
@@ -171,6 +172,10 @@ class Namespace:
     @property
     def entries_count(self) -> int:
         return self._live_count
+
+    @property
+    def listed_file_bytes(self) -> int:
+        return self._live_file_bytes
 
     async def lookup(self, parent_ino: int, name: str) -> Node:
         listing = await self.listing(parent_ino)
@@ -308,6 +313,7 @@ class Namespace:
             child = Node(ino, name, parent, True, mtime_ns=self.mount_time_ns)
         else:
             child = Node(ino, name, parent, False, info.size_bytes, info.mtime_ns, info.version)
+            self._live_file_bytes += info.size_bytes
         self._nodes.append(child)
         self._live_count += 1
         return child
@@ -365,6 +371,8 @@ class Namespace:
             node = stack.pop()
             self._nodes[node.ino] = None  # the number is not reused: 8 bytes stay
             self._live_count -= 1
+            if not node.is_dir:
+                self._live_file_bytes -= node.size_bytes
             self.stats["namespace.nodes_dropped"] += 1
             listing, node.listing = node.listing, None
             if listing is not None:

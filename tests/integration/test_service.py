@@ -137,7 +137,16 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
         assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
         assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'bucketfs_backend_requests_total{result="ok",type="get"} 1.0' in body
+        assert 'bucketfs_backend_requests_total{type="get"} 1.0' in body
+        assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats xattr: no error)
+        with pytest.raises(OSError):
+            os.getxattr(m.path("c", "img.jpg"), "security.selinux")  # tools ask on every file: not an error
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "bucketfs_errors_total{" not in body
+        inside = subprocess.run(bucketfs_cmd("stats", m.path("c")), capture_output=True, text=True, timeout=30)
+        assert inside.returncode == 0 and "get 1" in inside.stdout, inside.stderr  # a path inside the mount
+        fs_stat = os.statvfs(m.mountpoint)  # df lists a file system with blocks: the bytes listed so far
+        assert fs_stat.f_blocks * fs_stat.f_frsize >= 50_000 and fs_stat.f_bavail == 0
         assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
         assert "bucketfs_backend_queued_requests_total 0.0" in body  # one GET never waits for a connection
         assert 'bucketfs_fuse_requests_total{op="open"} 1.0' in body  # the one open above
