@@ -291,6 +291,7 @@ def run_mount(config: Config) -> int:
     from bucketfs import mount  # imports pyfuse3: only needed for mounting
 
     mount.check_fuse_available()
+    mount.check_allow_other_permitted(config.allow_other)
     mount.check_mountpoint(config.mountpoint)
     if config.cache_dir:
         check_cache_dir(config.cache_dir)

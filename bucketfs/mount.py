@@ -81,6 +81,20 @@ def check_fuse_available() -> None:
         raise errors.UserError("FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE)
 
 
+def check_allow_other_permitted(allow_other: bool, fuse_conf: str = "/etc/fuse.conf") -> None:
+    """fusermount3 refuses allow_other to a user other than root unless fuse.conf says
+    user_allow_other; said here, since a daemonised mount would only report "failed"."""
+    if not allow_other or os.geteuid() == 0:
+        return
+    try:
+        with open(fuse_conf) as f:
+            if any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f):
+                return
+    except OSError:
+        pass
+    raise errors.UserError(f"--allow-other needs root or a 'user_allow_other' line in {fuse_conf}", errors.EXIT_USAGE)
+
+
 def _is_dead_mount(path: str) -> bool:
     try:
         os.listdir(path)

@@ -140,3 +140,17 @@ def test_fstab_options_mount8_adds_and_lists_inside_values_are_understood():
     # mount(8) passes `rw` for a `defaults` line; bucketfs sets default_permissions itself.
     assert options_to_argv("rw,default_permissions,_netdev,nofail") == []
     assert options_to_argv("shard_globs=*.tar:*.tgz,max_memory=2G") == ["--shard-globs", "*.tar,*.tgz", "--max-memory", "2G"]
+
+
+def test_allow_other_as_a_user_needs_user_allow_other_in_fuse_conf(tmp_path, monkeypatch):
+    # fusermount3 refuses it; a daemonised mount would only have said "mount failed".
+    from bucketfs import mount
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    conf = tmp_path / "fuse.conf"
+    conf.write_text("# user_allow_other\nmount_max = 1000\n")
+    with pytest.raises(errors.UserError) as refused:
+        mount.check_allow_other_permitted(True, str(conf))
+    assert refused.value.exit_code == errors.EXIT_USAGE and "user_allow_other" in str(refused.value)
+    mount.check_allow_other_permitted(False, str(conf))  # not asked for: fine
+    conf.write_text("user_allow_other  # for bucketfs\n")
+    mount.check_allow_other_permitted(True, str(conf))
