@@ -181,12 +181,14 @@ class LeanS3:
 
     def _resolve(self) -> bool:
         if self.base_url is None:
+            # Worker threads call this at once on first use: everything is set before
+            # base_url, whose value says "resolved" to the others.
             url = self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60)
-            self.base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
-            self._host = host_of(self.base_url)
-            if not self.base_url.endswith("/"):
+            base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
+            self._host = host_of(base_url)
+            if not base_url.endswith("/"):
                 self.usable = False
-            elif botocore.utils.get_environ_proxies(self.base_url).get(urlsplit(self.base_url).scheme):
+            elif botocore.utils.get_environ_proxies(base_url).get(urlsplit(base_url).scheme):
                 # botocore sends this endpoint's requests through HTTP(S)_PROXY; so must we,
                 # and the client does that already: a direct connection may not be allowed.
                 log.info("a proxy is set for %s: requests go through the SDK client", self._host)
@@ -194,14 +196,18 @@ class LeanS3:
             else:
                 # One host: its connection pool directly, without PoolManager parsing
                 # and normalising every URL (~5% of a small-file GET's CPU).
-                self._host_pool = self.pool.connection_from_url(self.base_url)
-                self._origin_len = len(self.base_url) - len(urlsplit(self.base_url).path)
+                self._host_pool = self.pool.connection_from_url(base_url)
+                self._origin_len = len(base_url) - len(urlsplit(base_url).path)
+            self.base_url = base_url
         return self.usable
 
     def _request(self, url: str, headers: dict):
         """One GET on the wire, unread (the tests' fault injection replaces this)."""
+        # decode_content=False: the stored bytes, as botocore reads them. urllib3 would
+        # gunzip an object stored with Content-Encoding: gzip, whose listed size, ranges
+        # and ETag are those of the stored bytes (every read of one gave ESTALE or EIO).
         return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
-                                       preload_content=False, redirect=False, retries=False)
+                                       preload_content=False, decode_content=False, redirect=False, retries=False)
 
     def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None) -> Optional[tuple]:
         """(status, headers, body) for an answer in `ok_statuses`; None if this path
