@@ -66,6 +66,14 @@ _DENIED = (gexc.Forbidden, gexc.Unauthorized, google.auth.exceptions.DefaultCred
            google.auth.exceptions.RefreshError)
 
 
+def _is_transient_refresh(exc: BaseException) -> bool:
+    """A token refresh that failed for want of an answer (the token endpoint or the
+    metadata server briefly down: google-auth marks it retryable or wraps a
+    TransportError), not because the credentials were refused."""
+    return isinstance(exc, google.auth.exceptions.RefreshError) and (
+        getattr(exc, "retryable", False) or isinstance(exc.__cause__, google.auth.exceptions.TransportError))
+
+
 def classify(exc: BaseException) -> errors.BucketfsError:
     """Map a google-cloud / requests exception to a bucketfs error (one table)."""
     message = f"{type(exc).__name__}: {exc}"
@@ -73,11 +81,23 @@ def classify(exc: BaseException) -> errors.BucketfsError:
         return errors.ObjectChanged(message)
     if isinstance(exc, gexc.NotFound):
         return errors.NotFound(message)
+    if _is_transient_refresh(exc):
+        return errors.TransientError(message)
     if isinstance(exc, _DENIED):
         return errors.AccessDenied(message)
     if isinstance(exc, _TRANSIENT) or (isinstance(exc, gexc.GoogleAPICallError) and exc.code in _TRANSIENT_STATUSES):
         return errors.TransientError(message)
     return errors.BackendError(message)
+
+
+def _is_storage_404(exc: Optional[BaseException]) -> bool:
+    """A 404 from a storage API: GCS's JSON error, or the empty body of emulators
+    (gcp-storage-emulator). A web server's page is neither."""
+    response = getattr(exc, "response", None)
+    if response is None:
+        return True
+    body = (getattr(response, "text", "") or "").strip()
+    return not body or body.startswith("{")
 
 
 def _mtime_ns(updated: Optional[datetime.datetime]) -> int:
@@ -112,6 +132,10 @@ class GCSBackend(Backend):
         return endpoint.rstrip("/") if endpoint else None
 
     def _credentials(self, endpoint: Optional[str]):
+        if self._config.key_file and endpoint and endpoint.startswith("http://"):
+            # The key file's tokens would travel in clear text: refused, not sent.
+            raise errors.InvalidOption(f"--key-file with the plaintext endpoint {endpoint}: its tokens would travel "
+                                       "unencrypted (use https://, or no key file for an emulator)")
         if self._config.key_file:
             from google.oauth2 import service_account
 
@@ -259,6 +283,9 @@ class GCSBackend(Backend):
         except trio.TooSlowError:
             raise errors.EndpointUnreachable(f"{where}: no answer within {_PROBE_DEADLINE_S:.0f}s") from None
         except errors.NotFound as exc:
+            if not _is_storage_404(exc.__cause__):
+                # A web server or a wrong path at the endpoint: the caller says so (exit 5).
+                raise errors.BackendError(f"{where}: 404 without a GCS error body") from None
             raise errors.BucketNotFound(f"{where}: {exc}") from None
         except errors.TransientError as exc:
             raise errors.EndpointUnreachable(f"{where}: {exc}") from None

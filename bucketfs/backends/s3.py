@@ -88,6 +88,11 @@ def classify(exc: BaseException) -> errors.BucketfsError:
             return errors.BucketNotFound(text)
         if code in _NOT_FOUND_CODES or status == 404:
             return errors.NotFound(text)
+        if code == "RequestTimeTooSkewed":
+            # A 403 the credentials are not to blame for: this machine's clock is off (a VM
+            # at boot, before its clock is synced). Retried, and at mount exit 5, which
+            # systemd retries, not 4, which it does not.
+            return errors.TransientError(f"{text} (is this machine's clock right?)")
         if code in _DENIED_CODES or status == 403:
             return errors.AccessDenied(text)
         if code == "PreconditionFailed" or status == 412:
@@ -97,6 +102,10 @@ def classify(exc: BaseException) -> errors.BucketfsError:
         return errors.BackendError(text)
     if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
         return errors.AccessDenied(f"{exc} (set AWS credentials or a profile, or use --no-sign-request)")
+    if isinstance(exc, botocore.exceptions.CredentialRetrievalError):
+        # Refreshing temporary credentials failed (the instance metadata service, SSO or a
+        # credential_process did not answer): worth retrying, like the store itself.
+        return errors.TransientError(_scrub(f"credentials could not be refreshed: {exc}"))
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return errors.TransientError(_scrub(f"{type(exc).__name__}: {exc}"))
     return errors.BackendError(_scrub(f"{type(exc).__name__}: {exc}"))

@@ -15,6 +15,7 @@ Server modes (a transport adapter mounted on the backend's HTTP session):
 from __future__ import annotations
 
 import gzip
+import io
 import random
 import socket
 import time
@@ -273,10 +274,14 @@ def test_credentials(gcs_server, tmp_path, monkeypatch):
         finally:
             await backend.aclose()
 
+    tls_endpoint = "https://127.0.0.1:9"  # (a key file is loaded before any request)
     with pytest.raises(errors.AccessDenied, match="key file"):
-        trio.run(lambda: probe(key_file=str(tmp_path / "missing.json")))
+        trio.run(lambda: probe(key_file=str(tmp_path / "missing.json"), endpoint_url=tls_endpoint))
     (tmp_path / "bad.json").write_text('{"type": "service_account"}')
     with pytest.raises(errors.AccessDenied, match="key file"):
+        trio.run(lambda: probe(key_file=str(tmp_path / "bad.json"), endpoint_url=tls_endpoint))
+    # A key file's tokens never travel in clear text: refused before anything is sent.
+    with pytest.raises(errors.InvalidOption, match="unencrypted"):
         trio.run(lambda: probe(key_file=str(tmp_path / "bad.json")))
     # No endpoint and no Application Default Credentials: denied, without a request.
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
@@ -286,3 +291,31 @@ def test_credentials(gcs_server, tmp_path, monkeypatch):
     # --no-sign-request works without any credentials (BucketNotFound proves it got an answer).
     with pytest.raises(errors.BucketNotFound):
         trio.run(lambda: probe(no_sign_request=True))
+
+
+def test_a_token_refresh_that_got_no_answer_is_retried_and_a_refused_one_is_denied():
+    import google.auth.exceptions as auth_exc
+    unanswered = auth_exc.RefreshError("metadata server unavailable", retryable=True)
+    assert type(gcs.classify(unanswered)) is errors.TransientError
+    wrapped = auth_exc.RefreshError("token endpoint")
+    wrapped.__cause__ = auth_exc.TransportError("connection refused")
+    assert type(gcs.classify(wrapped)) is errors.TransientError
+    assert type(gcs.classify(auth_exc.RefreshError("invalid_grant: account disabled"))) is errors.AccessDenied
+
+
+def test_a_web_server_404_at_the_endpoint_is_no_missing_bucket(make_backend):
+    """A page of a web server or a wrong path is not GCS saying "no such bucket" (exit 3,
+    permanent): the CLI reports it as an endpoint that is not GCS (exit 5)."""
+    class WebServer(requests.adapters.HTTPAdapter):
+        def send(self, request, **kwargs):
+            response = fake_response(request, 404)
+            response._content = b"<html><body>Not Found</body></html>"
+            response.raw = io.BytesIO(response._content)
+            response.headers["Content-Type"] = "text/html"
+            return response
+
+    backend = make_backend(WebServer())
+    with pytest.raises(errors.BackendError) as raised:
+        trio.run(backend.check_bucket, "")
+    assert type(raised.value) is errors.BackendError
+    assert errors.user_error_for(raised.value, "gs://b/").exit_code == errors.EXIT_ENDPOINT_UNREACHABLE

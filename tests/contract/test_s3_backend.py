@@ -53,6 +53,8 @@ def _client_error(code: str, status: int, operation: str = "GetObject") -> botoc
     (urllib3.exceptions.ProtocolError("Connection broken"), errors.TransientError),
     (http.client.IncompleteRead(b"x", 3), errors.TransientError),
     (ConnectionResetError(), errors.TransientError),
+    (_client_error("RequestTimeTooSkewed", 403), errors.TransientError),  # the clock, not the credentials
+    (botocore.exceptions.CredentialRetrievalError(provider="sso", error_msg="timed out"), errors.TransientError),
     (_client_error("InvalidArgument", 400), errors.BackendError),
     (ValueError("weird"), errors.BackendError),
 ])
