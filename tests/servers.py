@@ -264,6 +264,8 @@ class _FakeRaw:
         body, self._body = self._body, b""
         return body
 
+    read1 = read
+
     def close(self) -> None:
         pass
 
@@ -304,12 +306,18 @@ class _FakeLeanResponse:
     def __init__(self, status: int, headers: dict, body: bytes, broken: bool = False):
         self.status, self.headers, self._body, self._broken = status, headers, body, broken
 
-    def read(self):
+    def read(self, *_args, **_kwargs):
         if self._broken:
             raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(0 bytes read, 10 more expected)")
-        return self._body
+        body, self._body = self._body, b""
+        return body
+
+    read1 = read
 
     def release_conn(self):
+        pass
+
+    def close(self):
         pass
 
 

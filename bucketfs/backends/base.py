@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import logging
 import random
+import time
 from typing import Callable, Optional, TypeVar
 
 import trio
@@ -32,12 +33,53 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def check_object_size(key: str, content_range: Optional[str], object_bytes: Optional[int]) -> None:
+# A body must keep arriving. The socket's read timeout bounds each wait for bytes, not
+# a body that trickles in (a byte every few seconds held a reader for hours, past
+# --read-timeout x --retries). An attempt gets the read timeout plus its body at this
+# rate, then it is cut and retried: 8 MiB may take 2 min, far below any store's pace.
+MIN_BODY_RATE_BYTES_PER_S = 64 * 1024
+# read1's most per receive: a receive returns what the socket has, usually far less.
+READ1_MAX_BYTES = 1 << 20
+
+
+def body_deadline_s(read_timeout_s: float, body_bytes: int) -> float:
+    """When (time.monotonic) an attempt receiving `body_bytes` is given up."""
+    return time.monotonic() + read_timeout_s + body_bytes / MIN_BODY_RATE_BYTES_PER_S
+
+
+def read_body(response, deadline_s: float) -> bytes:
+    """The rest of a urllib3 response's body as stored (never decoded), received one
+    socket read at a time; TimeoutError past `deadline_s` (the connection is closed,
+    never handed back half read). A body shorter than its length raises as urllib3 does."""
+    chunks = []
+    try:
+        while True:
+            chunk = response.read1(READ1_MAX_BYTES, decode_content=False)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"body still arriving at its deadline ({sum(map(len, chunks))} bytes)")
+    except BaseException:
+        response.close()
+        raise
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def check_object_size(key: str, content_range: Optional[str], object_bytes: Optional[int],
+                      start: Optional[int] = None) -> None:
     """ObjectChanged if a `Content-Range: bytes a-b/TOTAL` answer reports another size
     than the pinned version has. A server that ignores If-Match and serves a rewrite
     can still name the old ETag (a store whose writes are not atomic); the size is a
-    second witness. Nothing to compare: no header, `*`, or no size given."""
-    if object_bytes is None or not content_range:
+    second witness. Nothing to compare: no header, `*`, or no size given. With `start`
+    (the range asked for), an answer for a range starting elsewhere is a BackendError:
+    its bytes belong at another offset."""
+    if not content_range:
+        return
+    first, _, total = content_range.removeprefix("bytes").strip().partition("-")
+    if start is not None and first.isdigit() and int(first) != start:
+        raise errors.BackendError(f"{key}: asked for bytes from {start}, answered {content_range!r}")
+    if object_bytes is None:
         return
     total = content_range.rpartition("/")[2].strip()
     if total.isdigit() and int(total) != object_bytes:

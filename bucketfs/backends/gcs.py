@@ -41,7 +41,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_object_size
+from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
+                                    check_object_size, read_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class GCSBackend(Backend):
                     return None  # start >= size of whichever generation was served
                 if response.status_code not in (200, 206):
                     raise gexc.from_http_response(response)
-                data = response.raw.read(decode_content=False)
+                data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
                 if response.status_code == 200 and "Content-Range" not in response.headers:
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
@@ -245,7 +246,7 @@ class GCSBackend(Backend):
             served_generation = await self._live_generation_after_read(key)
         if served_generation != generation:
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
-        check_object_size(key, content_range, object_bytes)
+        check_object_size(key, content_range, object_bytes, start)
         self.bytes_fetched += len(data)
         return data
 

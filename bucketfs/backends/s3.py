@@ -36,7 +36,8 @@ import urllib3.exceptions
 from botocore import UNSIGNED
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_object_size, copy_into
+from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
+                                    check_object_size, copy_into, read_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -200,7 +201,7 @@ class S3Backend(Backend):
         try:
             # Read the whole body here, in the worker: a reset mid-body raises in this
             # thread and BlockingCaller repeats the whole request.
-            data = body.read()
+            data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end - start))
         finally:
             body.close()
         if not response.get("ContentRange"):
@@ -266,7 +267,7 @@ class S3Backend(Backend):
         etag, content_range, body = result
         if etag != version or not etag:
             raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
-        check_object_size(key, content_range, object_bytes)
+        check_object_size(key, content_range, object_bytes, start)
         self.bytes_fetched += body if buffer is not None else len(body)
         return body
 

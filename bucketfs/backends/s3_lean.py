@@ -28,6 +28,7 @@ import html
 import logging
 import os
 import re
+import time
 import xml.etree.ElementTree as ElementTree
 from typing import Optional
 from urllib.parse import quote, urlencode, urlsplit
@@ -38,7 +39,7 @@ import botocore.utils
 import urllib3
 from botocore.compat import unquote_str
 
-from bucketfs.backends.base import copy_into
+from bucketfs.backends.base import body_deadline_s, copy_into, read_body
 from bucketfs.backends.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,16 @@ def ca_bundle(session) -> str:
     return configured or botocore.httpsession.get_cert_path(True)
 
 
-def _receive_into(response, buffer: bytearray) -> int:
+def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
     """A response body received straight into `buffer`; its length. urllib3's own
-    readinto reads into a temporary bytes object and copies it; the http.client
-    response under it receives into the buffer itself."""
-    raw = getattr(response, "_fp", None)
+    readinto reads into a temporary bytes object and copies it; the socket reader
+    under http.client's response receives into the buffer itself, one receive at a
+    time (readinto1) so that a body trickling in meets `deadline_s` (base.read_body)."""
+    raw = getattr(response, "_fp", None)  # http.client's response
+    stream = getattr(raw, "fp", None)  # its socket's buffered reader
     length = getattr(response, "length_remaining", None)
-    if length is None or length > len(buffer) or not hasattr(raw, "readinto"):
-        data = response.read()
+    if length is None or length > len(buffer) or getattr(raw, "chunked", True) or not hasattr(stream, "readinto1"):
+        data = read_body(response, deadline_s)
         if len(data) > len(buffer):
             raise urllib3.exceptions.ProtocolError(f"a {len(data)}-byte body for a {len(buffer)}-byte range")
         return copy_into(buffer, data)
@@ -75,13 +78,16 @@ def _receive_into(response, buffer: bytearray) -> int:
     got = 0
     try:
         while got < length:
-            n = raw.readinto(view[got:length])
+            n = stream.readinto1(view[got:length])
             if not n:
                 raise urllib3.exceptions.IncompleteRead(got, length - got)
             got += n
+            if got < length and time.monotonic() > deadline_s:
+                raise TimeoutError(f"body still arriving at its deadline ({got} of {length} bytes)")
     except BaseException:
         response.close()  # never hand a half-read connection back to the pool
         raise
+    raw.close()  # (what http.client does at a body's end: its connection may serve the next request)
     return got
 
 
@@ -164,6 +170,7 @@ class LeanS3:
         self.region = client.meta.region_name
         self.session = session
         self.unsigned = unsigned
+        self.read_timeout_s = read_timeout_s
         self.signer = Signer(self.region)
         self.usable = True
         self.pool = urllib3.PoolManager(
@@ -214,11 +221,13 @@ class LeanS3:
         cannot serve the bucket; a botocore ClientError for any other answer. With
         `buffer`, a ranged body (Content-Range) is received into it and `body` is its length."""
         response = self._request(url, self._headers(url, headers))
+        expected_bytes = getattr(response, "length_remaining", None) or (len(buffer) if buffer is not None else 0)
+        deadline_s = body_deadline_s(self.read_timeout_s, expected_bytes)
         try:
             if buffer is not None and response.status in (200, 206) and "Content-Range" in response.headers:
-                body = _receive_into(response, buffer)
+                body = _receive_into(response, buffer, deadline_s)
             else:
-                body = response.read()
+                body = read_body(response, deadline_s)
         finally:
             response.release_conn()
         status = response.status

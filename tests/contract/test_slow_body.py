@@ -1,0 +1,122 @@
+"""A store that sends its body slower than any store does (a byte now and then, never
+silent for a whole read timeout) must not hold a reader past its bound: each attempt
+is cut at its deadline (base.body_deadline_s) and retried, then the read fails.
+
+The store here is a socket server on 127.0.0.1 that answers every request with a
+206 and trickles the body: the socket read timeout alone never fires on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import boto3
+import pytest
+import trio
+
+from bucketfs import errors
+from bucketfs.backends import base
+from bucketfs.backends.gcs import GCSBackend
+from bucketfs.backends.s3 import S3Backend
+from bucketfs.config import BucketURL, Config
+
+pytestmark = pytest.mark.timeout(60)
+
+BODY_BYTES = 2000
+TRICKLE_GAP_S = 0.05  # a byte every 50 ms: 200 s for the body, never a 1 s silence
+READ_TIMEOUT_S = 1.0
+ATTEMPTS_COUNT = 2
+
+
+@contextlib.contextmanager
+def trickling_store():
+    """(endpoint URL, number of requests answered) of a server that trickles every body."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    answered = []
+
+    def answer(conn):
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                request += chunk
+            answered.append(request.split(b"\r\n", 1)[0])
+            conn.sendall(("HTTP/1.1 206 Partial Content\r\n"
+                         f"Content-Length: {BODY_BYTES}\r\nContent-Range: bytes 0-{BODY_BYTES - 1}/{BODY_BYTES}\r\n"
+                         'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode())
+            for _ in range(BODY_BYTES):
+                if stop.wait(TRICKLE_GAP_S):
+                    return
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return  # the client gave up on this attempt
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", answered
+    finally:
+        stop.set()
+        listener.close()
+
+
+def _config(scheme: str, endpoint: str) -> Config:
+    return Config(url=BucketURL(scheme, "bucket", ""), mountpoint="/nonexistent", endpoint_url=endpoint,
+                  region="us-east-1", read_timeout_s=READ_TIMEOUT_S, connect_timeout_s=2.0,
+                  retry_attempts_count=ATTEMPTS_COUNT, retry_base_delay_s=0.01, retry_max_delay_s=0.05)
+
+
+def _s3(endpoint: str, lean: bool) -> S3Backend:
+    session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
+                                    region_name="us-east-1")
+    backend = S3Backend(_config("s3", endpoint), session=session)
+    backend.lean.usable = lean
+    return backend
+
+
+@pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
+def test_a_trickling_body_ends_in_an_error_within_its_bound(kind, monkeypatch):
+    # 2,000 bytes at 2,000 B/s: each attempt gets the read timeout + 1 s.
+    monkeypatch.setattr(base, "MIN_BODY_RATE_BYTES_PER_S", 2000)
+    bound_s = ATTEMPTS_COUNT * (READ_TIMEOUT_S + BODY_BYTES / 2000) + 1.0  # + backoff and slack
+    with trickling_store() as (endpoint, answered):
+        backend = GCSBackend(_config("gs", endpoint)) if kind == "gcs" else _s3(endpoint, lean=kind != "s3-sdk")
+        version = "1" if kind == "gcs" else "v1"
+
+        async def read():
+            with trio.fail_after(bound_s + 10):  # (the test's own guard: a hang fails here)
+                if kind == "s3-lean-into":
+                    await backend.read_range_into("k", 0, BODY_BYTES, version, bytearray(BODY_BYTES))
+                else:
+                    await backend.read_range("k", 0, BODY_BYTES, version)
+
+        started_s = time.monotonic()
+        try:
+            with pytest.raises(errors.TransientError):
+                trio.run(read)
+        finally:
+            trio.run(backend.aclose)
+        elapsed_s = time.monotonic() - started_s
+        assert elapsed_s < bound_s, f"{elapsed_s:.1f} s, bound {bound_s:.1f} s"
+        assert len(answered) == ATTEMPTS_COUNT  # each attempt cut at its deadline, then retried
+
+
+def test_a_range_answered_from_another_offset_is_not_served():
+    with pytest.raises(errors.BackendError):
+        base.check_object_size("k", "bytes 0-99/1000", 1000, start=100)
+    base.check_object_size("k", "bytes 100-199/1000", 1000, start=100)
+    base.check_object_size("k", "bytes */1000", 1000, start=100)  # (a 416 names no range)
