@@ -29,7 +29,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends import make_backend
-from bucketfs.core.diskcache import claim_dir
+from bucketfs.core.cachedir import CacheDir, claim_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.fuse_ops import FuseOperations
 
@@ -281,31 +281,31 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
     try:
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
-        disk_cache_dir, lock_fd = claim_dir(config.cache_dir, f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
-                                            f"{config.url.scheme}-{config.url.bucket}")
+        # Locked while this process lives; a private one if another mount holds it.
+        cache_dir = claim_dir(config.cache_dir, f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
+                              f"{config.url.scheme}-{config.url.bucket}")
     except errors.UserError:
         await backend.aclose()
         raise
+    if cache_dir is None:  # (no room on its disk for a directory: logged)
+        return await _serve(config, backend, None, on_ready, on_fs)
     # Disk-cache writes run in worker threads that need the GIL back after every
     # syscall. At the default 5 ms switch interval a busy event loop holds them off
     # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
     # At 0.5 ms all of it was, at about the same files/s.
     sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
     try:
-        await _serve(config, backend, disk_cache_dir, on_ready, on_fs)
+        await _serve(config, backend, cache_dir, on_ready, on_fs)
     finally:
-        if lock_fd is None:
-            shutil.rmtree(disk_cache_dir, ignore_errors=True)  # a private one: no later mount will find it
-        else:
-            os.close(lock_fd)
+        cache_dir.close()  # (a private one is removed: no later mount will find it)
 
 
-async def _serve(config, backend, disk_cache_dir: Optional[str], on_ready: Callable[[], None], on_fs: Optional[Callable]) -> None:
+async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Callable[[], None], on_fs: Optional[Callable]) -> None:
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
     try:
         async with trio.open_nursery() as nursery:
-            fs = Filesystem(backend, config, nursery, disk_cache_dir)
+            fs = Filesystem(backend, config, nursery, *((cache_dir.path, cache_dir.fd) if cache_dir else ()))
             ops = FuseOperations(fs, config)
             if config.metrics_port:
                 # Bound before mounting: a port in use fails the mount with one line

@@ -13,18 +13,25 @@ Invariants:
 - Entry numbers are never reused (data files are named by them): a record can never
   describe another object's file.
 - A chunk size other than the one the journal was written with discards the cache.
+- Every access goes through the cache directory's descriptor (dir_fd=): a journal
+  deleted with its directory under a running mount takes no appends, and is never
+  confused with a new journal at the same path.
+- An entry number defined twice as two different objects (only two writers sharing
+  one journal could do that) is dropped at load: its file and CRCs are nobody's.
 - Writes come from worker threads: each record batch is one write() with O_APPEND,
   so batches do not interleave. A short or failed write leaves a torn tail; the
   journal then takes no more appends (loading would stop at the tear).
 - Bounded: once it holds COMPACT_RATIO times what its live entries need (evictions
   leave dead records), it is rewritten from the index (`compact`, at load or while
-  mounted), appends held meanwhile. Each Entry keeps its definition record for this.
+  mounted), appends held meanwhile; a failed rewrite leaves the journal as it was. Each Entry keeps its definition record for this.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import errno
+import itertools
 import hashlib
 import os
 import struct
@@ -60,6 +67,14 @@ def entry_id(key: str, version: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{version}".encode("utf-8", "surrogateescape"), digest_size=16).digest()
 
 
+# Objects of up to this many chunks keep their chunk bitmap in an int (28-36 bytes;
+# shifts of a few machine words cost nothing). Larger ones keep a bytearray, a byte a
+# chunk, so storing or checking a chunk is O(1) however large the object: an int of a
+# million bits (a 64 GiB object) is rebuilt by every change, which made loading or
+# storing it quadratic (minutes).
+INT_BITMAP_CHUNKS_MAX = 64
+
+
 class Entry:
     """One object version in the cache: which chunks of its data file hold its bytes,
     and their CRC-32s. Memory: `index_bytes()`."""
@@ -69,30 +84,49 @@ class Entry:
     def __init__(self, entry_no: int, object_bytes: int, chunk_bytes: int, definition: bytes):
         self.entry_no, self.object_bytes = entry_no, object_bytes
         self.definition = definition  # its E record, to rewrite the journal without key strings in memory
-        self.present = 0  # bit i: chunk i is on disk (an int: 28 bytes for a small file)
-        self.crcs = array.array("I", bytes(4 * -(-object_bytes // chunk_bytes)))  # CRC-32 of each present chunk
-        self.stored_bytes = 0
+        chunks_count = -(-object_bytes // chunk_bytes)
+        # chunk i is on disk: bit i of an int, or byte i of a bytearray (INT_BITMAP_CHUNKS_MAX)
+        self.present = 0 if chunks_count <= INT_BITMAP_CHUNKS_MAX else bytearray(chunks_count)
+        self.crcs = array.array("I", bytes(4 * chunks_count))  # CRC-32 of each present chunk
+        self.stored_bytes = 0  # of the object's bytes, on disk
         self.gone = False  # evicted: a write still in flight must delete what it wrote
         self.recorded = False  # the journal has its definition
 
     def has(self, first: int, last: int) -> bool:
         """Chunks [first, last) are all on disk."""
-        mask = (1 << (last - first)) - 1
-        return (self.present >> first) & mask == mask
+        present = self.present
+        if type(present) is int:
+            mask = (1 << (last - first)) - 1
+            return (present >> first) & mask == mask
+        return present.find(0, first, last) < 0
 
     def add(self, chunk: int, crc: int, chunk_bytes: int) -> int:
         """Mark a chunk stored; the bytes it adds to disk use (0 if it was there)."""
         self.crcs[chunk] = crc
-        if self.present >> chunk & 1:
-            return 0
-        self.present |= 1 << chunk
+        present = self.present
+        if type(present) is int:
+            if present >> chunk & 1:
+                return 0
+            self.present = present | 1 << chunk
+        else:
+            if present[chunk]:
+                return 0
+            present[chunk] = 1
         size = min(chunk_bytes, self.object_bytes - chunk * chunk_bytes)
         self.stored_bytes += size
         return size
 
+    def present_chunks(self) -> list:
+        """The indexes of the chunks on disk, in order."""
+        present = self.present
+        if type(present) is int:
+            return [i for i in range(len(self.crcs)) if present >> i & 1]
+        return list(itertools.compress(range(len(present)), present))
+
     def records(self) -> bytes:
         """What the journal needs to know of it: its definition and its chunks."""
-        pairs = [(i, crc) for i, crc in enumerate(self.crcs) if self.present >> i & 1]
+        crcs = self.crcs
+        pairs = [(i, crcs[i]) for i in self.present_chunks()]
         return self.definition + b"".join(chunks_record(self.entry_no, pairs[at : at + CHUNKS_PER_RECORD_MAX])
                                           for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX))
 
@@ -102,7 +136,8 @@ class Entry:
 
     def index_bytes(self) -> int:
         """The memory it takes, as charged to the budget."""
-        return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs)
+        bitmap_bytes = 0 if type(self.present) is int else len(self.present)
+        return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs) + bitmap_bytes
 
 
 def _record(payload: bytes) -> bytes:
@@ -125,10 +160,12 @@ def delete_record(entry_no: int) -> bytes:
     return _record(_DELETE.pack(b"D", entry_no))
 
 
-def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
+def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict, conflicts: set) -> tuple:
     """Apply the whole records at the start of `data` to `entries` (entry number ->
     Entry, least recently written first) and `ids` (entry number -> entry_id):
-    (their length, the highest entry number seen, whether a bad record stopped it)."""
+    (their length, the highest entry number seen, whether a bad record stopped it).
+    `conflicts`: entry numbers defined as two different objects (dropped, and every
+    later record of them ignored)."""
     at = highest_no = 0
     while at + _RECORD.size <= len(data):
         length, crc = _RECORD.unpack_from(data, at)
@@ -145,12 +182,22 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
         if kind == b"E":
             _, no, object_bytes, key_len = _ENTRY.unpack_from(payload)
             highest_no = max(highest_no, no)
-            if no not in entries:  # (a repeated definition, from two first writes at once, keeps the chunks)
-                body = bytes(payload[_ENTRY.size :])
+            body = bytes(payload[_ENTRY.size :])
+            # the id straight from the bytes: entry_id's encoding of the decoded strings
+            eid = hashlib.blake2b(body[:key_len] + b"\0" + body[key_len:], digest_size=16).digest()
+            known = ids.get(no)
+            if no in conflicts:
+                pass
+            elif known is None:
                 entries[no] = Entry(no, object_bytes, chunk_bytes, bytes(data[start - _RECORD.size : at]))
-                # the id straight from the bytes: entry_id's encoding of the decoded strings
-                ids[no] = hashlib.blake2b(body[:key_len] + b"\0" + body[key_len:], digest_size=16).digest()
-            entries.move_to_end(no)
+                ids[no] = eid
+            elif known != eid:
+                # One number, two objects: two writers shared this journal (numbers are
+                # never reused otherwise). Neither its file nor its CRCs can be trusted.
+                del entries[no], ids[no]
+                conflicts.add(no)
+            if no in entries:  # (a repeated definition, from two first writes at once, keeps the chunks)
+                entries.move_to_end(no)
         elif kind == b"C":
             _, no = _CHUNKS.unpack_from(payload)
             entry = entries.get(no)
@@ -169,23 +216,24 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
     return at, highest_no, False
 
 
-def _load(path: str, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
-    """Read the journal at `path` in blocks (a journal of a million objects is
-    hundreds of MB: never all of it in memory at once): (the length of its good
-    prefix, its total length, the highest entry number seen), or None if it is
+def _load(dir_fd: int, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
+    """Read the journal in the directory `dir_fd` in blocks (a journal of a million
+    objects is hundreds of MB: never all of it in memory at once): (the length of its
+    good prefix, its total length, the highest entry number seen), or None if it is
     missing or does not start with `header`."""
     try:
-        f = open(path, "rb")
+        fd = os.open(JOURNAL_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
-    with f:
+    conflicts: set = set()
+    with open(fd, "rb") as f:
         if f.read(len(header)) != header:
             return None
         good, highest_no, pending = len(header), 0, b""
         while True:
             block = f.read(LOAD_BLOCK_BYTES)
             data = pending + block
-            used, highest, bad = _parse(memoryview(data), chunk_bytes, entries, ids)
+            used, highest, bad = _parse(memoryview(data), chunk_bytes, entries, ids, conflicts)
             good += used
             highest_no = max(highest_no, highest)
             pending = data[used:]
@@ -193,89 +241,130 @@ def _load(path: str, header: bytes, chunk_bytes: int, entries: collections.Order
                 return good, good + len(pending) + len(f.read()), highest_no
 
 
-class Journal:
-    """The journal of the cache directory `directory`, loaded and open for appends.
-    `entries` (entry number -> Entry, least recently written first) and `ids` (entry
-    number -> entry_id) are what earlier mounts left, for the cache to take over."""
+JOURNAL_NAME = "journal"
+_NEW_NAME = "journal.new"
 
-    def __init__(self, directory: str, chunk_bytes: int):
-        self.path = os.path.join(directory, "journal")
+
+class Journal:
+    """The journal of the cache directory open as `dir_fd` (every access relative to
+    it: a directory deleted under the mount fails appends, never finds another's),
+    loaded and open for appends. `entries` (entry number -> Entry, least recently
+    written first) and `ids` (entry number -> entry_id) are what earlier mounts left,
+    for the cache to take over. `fresh`: there was no usable journal (new, or another
+    format or chunk size), so it needs `compact` before any append. A torn tail is cut
+    in place (a truncate needs no free space). `broken`: it takes no appends."""
+
+    def __init__(self, dir_fd: int, chunk_bytes: int):
+        self.dir_fd = dir_fd
         self.entries: collections.OrderedDict = collections.OrderedDict()
         self.ids: dict = {}
-        self._broken = False
+        self.broken = False
         self._lock = threading.Lock()  # appends against a rewrite
         self._header = MAGIC + _HEADER.pack(chunk_bytes)
-        loaded = _load(self.path, self._header, chunk_bytes, self.entries, self.ids)
+        _unlink_quietly(_NEW_NAME, dir_fd)  # (a rewrite a crash interrupted)
+        loaded = _load(dir_fd, self._header, chunk_bytes, self.entries, self.ids)
         highest_no = 0
+        self.fresh = loaded is None
+        self.size_bytes = 0
         if loaded is not None:
             self.size_bytes, file_bytes, highest_no = loaded
-            if self.size_bytes < file_bytes or self.needs_compacting(sum(e.record_bytes() for e in self.entries.values())):
-                self.compact(self.entries.values())  # cut a torn tail, drop dead records
+            if self.size_bytes < file_bytes:  # cut a torn tail, so appends follow the last good record
+                fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+                try:
+                    os.ftruncate(fd, self.size_bytes)
+                finally:
+                    os.close(fd)
         else:
-            self.entries.clear()
-            self.compact(())  # new, or another format or chunk size: nothing in it is usable
+            self.entries.clear()  # (nothing in another format or chunk size is usable)
+            self.ids.clear()
         self.next_entry_no = highest_no + 1  # never an earlier number, even a deleted one's
 
-    def needs_compacting(self, live_record_bytes: int) -> bool:
-        return self.size_bytes > COMPACT_RATIO * live_record_bytes + COMPACT_MIN_BYTES
+    def needs_compacting(self, live_record_bytes: int, min_bytes: int) -> bool:
+        return self.size_bytes > COMPACT_RATIO * live_record_bytes + min_bytes
 
     def compact(self, entries) -> None:
         """Rewrite the journal as the records of `entries` (an iterable evaluated with
-        appends held: a callable's result, for a snapshot taken then)."""
+        appends held: a callable's result, for a snapshot taken then). On failure the
+        journal is as it was (and no journal.new is left)."""
         with self._lock:
             if callable(entries):
                 entries = entries()
-            tmp_path = self.path + ".new"
-            with open(tmp_path, "wb") as f:
-                f.write(self._header)
-                for entry in entries:
-                    f.write(entry.records())
-                f.flush()
-                os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
-                size_bytes = f.tell()
-            os.replace(tmp_path, self.path)
+            try:
+                fd = os.open(_NEW_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+                with open(fd, "wb") as f:
+                    f.write(self._header)
+                    for entry in entries:
+                        f.write(entry.records())
+                    f.flush()
+                    os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
+                    size_bytes = f.tell()
+                os.replace(_NEW_NAME, JOURNAL_NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+            except BaseException:
+                _unlink_quietly(_NEW_NAME, self.dir_fd)
+                raise
             self.size_bytes = size_bytes
+            self.fresh = False
 
     def append(self, data: bytes) -> None:
         """Append record bytes (from any thread); OSError if the journal takes no more."""
         with self._lock:
-            if self._broken:
-                raise OSError("the disk cache journal took a failed write; no more appends")
+            if self.broken or self.fresh:
+                raise OSError(errno.EIO, "the disk cache journal takes no more appends")
             try:
                 # Opened per append (microseconds, beside the data write it follows): no
-                # descriptor outlives the cache, however the mount ends.
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                # descriptor of a replaced journal is ever written.
+                fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=self.dir_fd)
                 try:
                     written = os.write(fd, data)
                 finally:
                     os.close(fd)
             except OSError:
-                self._broken = True
+                self.broken = True
                 raise
             self.size_bytes += written
             if written != len(data):
-                self._broken = True
+                self.broken = True
                 raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")
 
 
-def data_path(directory: str, entry_no: int) -> str:
-    return os.path.join(directory, "data", f"{entry_no:012d}")
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
-def remove_orphans(directory: str, live_entry_nos) -> int:
-    """Delete data files no live entry names (left by a crash between a write and its
-    record, or an eviction whose record was lost); how many."""
-    data_dir = os.path.join(directory, "data")
-    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+DATA_DIR_NAME = "data"
+
+
+def data_name(entry_no: int) -> str:
+    """The name of an entry's data file in the data directory."""
+    return f"{entry_no:012d}"
+
+
+def find_orphans(data_fd: int, live_entry_nos) -> tuple:
+    """The data files no live entry names (left by a crash between a write and its
+    record, an eviction whose record was lost, or objects evicted at load) and the
+    highest entry number any file is named by: (names, highest number)."""
     live = set(live_entry_nos)
-    removed = 0
-    with os.scandir(data_dir) as it:
+    orphans, highest_no = [], 0
+    with os.scandir(data_fd) as it:
         for item in it:
             number: Optional[int] = int(item.name) if item.name.isdigit() else None
+            if number is not None:
+                highest_no = max(highest_no, number)
             if number not in live:
-                try:
-                    os.unlink(item.path)
-                    removed += 1
-                except OSError:
-                    pass
+                orphans.append(item.name)
+    return orphans, highest_no
+
+
+def remove_files(data_fd: int, names) -> int:
+    """Delete the files `names` in the directory `data_fd` (blocking); how many went."""
+    removed = 0
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=data_fd)
+            removed += 1
+        except OSError:
+            pass
     return removed

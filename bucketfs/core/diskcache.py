@@ -13,49 +13,54 @@ Invariants:
   a crash that kept a chunk's record but not its bytes) costs a GET, never a wrong byte.
 - Only whole chunks are stored (a chunk is the block-cache block, so random reads
   fill it too), plus an object's shorter last chunk when its size is known.
-- Disk use (the bytes of stored chunks; files are sparse) stays within
-  `capacity_bytes`: least recently used objects are deleted first.
+- Disk use stays within `capacity_bytes`: each stored chunk counts as the blocks it
+  takes (rounded up to the file system's allocation unit: a 300-byte object takes
+  4 KiB), the journal counts too, and least recently used objects are deleted first
+  (at load in one pass, while mounted by one delete worker).
+- Bytes waiting to be written are lent by the memory budget (refused: not stored).
 - Kept across mounts: the journal (cachejournal.py) records each object's
   (key, version, size) and its chunks' CRCs, and is loaded at start. A later mount
   finds a chunk only under the version its listing names, so an object changed
-  in between is fetched again. The directory is one mount's at a time (mount.py
-  holds a lock on it).
+  in between is fetched again. The directory is one mount's at a time (cachedir.py),
+  and every file operation goes through descriptors of it held for the mount's life
+  (dir_fd=): a directory deleted under the mount fails writes and misses reads, it
+  never writes into the directory a later mount made at the same path.
 - A hit whose file the kernel holds in its page cache is read on the event loop with
   reads that cannot wait for a disk (pagecache.py); any other goes to a disk thread.
   At start, the newest kept objects are read ahead into the page cache (after a
   reboot they are on disk only).
 - Disk trouble (full, I/O errors) is never a read error: the read goes to the store,
-  and the cache stops storing after `WRITE_FAILURES_MAX` failed writes.
+  and the cache stops storing after `WRITE_FAILURES_MAX` failed writes. A journal
+  that cannot be written at start (no space, I/O errors) leaves the mount serving
+  what the disk holds and storing nothing.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
-import hashlib
 import logging
 import os
-import re
-import shutil
-import tempfile
-import threading
+import weakref
 import time
-import zlib
 from typing import Optional
 
 import trio
 
-from bucketfs import errors
-from bucketfs.core import cachejournal
+from bucketfs.core import cachefiles, cachejournal
 from bucketfs.core import pagecache
+# (module globals, looked up at each call: tests and benchmarks may replace them)
+from bucketfs.core.cachefiles import WOULD_BLOCK as _WOULD_BLOCK, delete_files as _delete_files
+from bucketfs.core.cachefiles import read_chunks as _read_chunks, write_chunks as _write_chunks
+from bucketfs.core.cachedir import NO_SPACE_ERRNOS, check_cache_dir, claim_dir, dir_error, make_private_dir  # noqa: F401 (their home was here)
 
 log = logging.getLogger(__name__)
 
-_PRIVATE_DIR_RE = re.compile(r"bucketfs-(\d+)-")
-
-# Bytes handed to background writes and not on disk yet: past this a read's bytes are
-# simply not stored (a slow disk must not hold the memory of a fast network).
+# Bytes handed to background writes and not on disk yet: past this, or past what the
+# memory budget lends them, a read's bytes are simply not stored (a slow disk must not
+# hold the memory of a fast network).
 PENDING_WRITES_MAX_BYTES = 64 * 1024 * 1024
+# Deletes handed to one thread call by the delete worker (one journal append for all).
+DELETE_BATCH_MAX = 1024
 INDEX_CHARGE_STEP_BYTES = 1024 * 1024
 # A disk that failed this many writes (full, read-only, failing) is left alone.
 WRITE_FAILURES_MAX = 8
@@ -69,78 +74,14 @@ LOOP_READ_MAX_BYTES = 1024 * 1024
 READ_AHEAD_MEMORY_FRACTION = 0.5
 
 
-def _write_chunks(path: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes) -> dict:
-    """Write `view` at `offset` (a chunk boundary), then journal the CRC-32 of each
-    chunk in it (after `definition`, the entry's record, if not journaled yet); the CRCs."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    finally:
-        os.close(fd)
-    first = offset // chunk_bytes
-    crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
-    journal.append(definition + cachejournal.chunks_record(entry_no, crcs.items()))
-    return crcs
-
-
-def _delete(path: str, journal, entry_no: int) -> None:
-    try:
-        os.unlink(path)
-    finally:
-        journal.append(cachejournal.delete_record(entry_no))
-
-
-_WOULD_BLOCK = object()  # (a no-wait read that needs the disk)
-
-
-def _read_chunks(path: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int, into=None,
-                 on_loop: bool = False):
-    """Bytes [start, end) of the object, read as the chunks [lo, hi) around them and
-    checked against `crcs`: as a bytes-like object, or into `into` (then their length).
-    None if the file is gone, short or does not match. `on_loop` (on the event loop, no
-    waiting): _WOULD_BLOCK if the file's name or bytes are not all in the kernel's caches."""
-    try:
-        fd = pagecache.open_cached(path) if on_loop else os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    if fd is None:
-        return _WOULD_BLOCK
-    direct = into is not None and (lo, hi) == (start, end)
-    try:
-        buf = into if direct else bytearray(hi - lo)
-        view = memoryview(buf)[: hi - lo]
-        if on_loop:
-            if not pagecache.pread_cached(fd, view, lo):
-                return _WOULD_BLOCK
-        else:
-            got = 0
-            while got < hi - lo:
-                n = os.preadv(fd, [view[got:]], lo + got)
-                if n == 0:
-                    return None
-                got += n
-    finally:
-        os.close(fd)
-    for n, at in enumerate(range(0, hi - lo, chunk_bytes)):
-        if zlib.crc32(view[at : at + chunk_bytes]) != crcs[n]:
-            return None
-    if direct:
-        return end - start
-    if into is not None:
-        into[: end - start] = view[start - lo : end - lo]
-        return end - start
-    if (lo, hi) == (start, end):
-        return buf  # (a whole small file, the usual hit: no second copy of it)
-    return bytes(view[start - lo : end - lo])
-
-
 class DiskCache:
     """A backend in front of `inner` whose reads are kept in `directory`."""
 
-    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery, budget=None):
-        """`budget`: the MemoryBudget the index is charged to, if any."""
+    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery,
+                 budget=None, dir_fd: Optional[int] = None):
+        """`budget`: the MemoryBudget the index and pending writes are charged to, if any.
+        `dir_fd`: a descriptor of `directory` the caller holds (locked) for the cache's
+        life; without it, `directory` is opened here (tests)."""
         self.inner = inner
         self.directory = directory
         self.capacity_bytes = capacity_bytes
@@ -149,9 +90,10 @@ class DiskCache:
         self.nursery = nursery
         self.receives_into = inner.receives_into
         self._entries: collections.OrderedDict = collections.OrderedDict()  # entry_id(key, version) -> Entry, LRU first
-        self.stored_bytes = 0
+        self._data_disk_bytes = 0  # what the data files take on disk (see _disk_bytes)
+        self._dirs_disk_bytes = 0  # and the directories (_measure_dirs)
         self._pending_bytes = 0
-        self._background_count = 0  # writes and deletes in flight
+        self._background_count = 0  # writes and deletes in flight or queued
         self._idle = trio.Event()  # set whenever _background_count is 0
         self._idle.set()
         self._write_failures = 0
@@ -162,63 +104,156 @@ class DiskCache:
         self._write_limiter = trio.CapacityLimiter(4)
         self._live_record_bytes = 0  # what a rewritten journal would hold
         self._compacting = False
+        # A journal's dead records are rewritten away past this much (a small cache
+        # must not spend its --cache-size on them: the journal counts).
+        self._compact_min_bytes = min(cachejournal.COMPACT_MIN_BYTES, capacity_bytes // 16)
         self._budget = budget
         self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
         self._charged_index_bytes = 0
+        self._deletes_send, self._deletes_receive = trio.open_memory_channel(float("inf"))  # entry numbers
+        try:
+            if dir_fd is None:
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                weakref.finalize(self, os.close, dir_fd)
+            self._dir_fd = dir_fd
+            # Disk blocks are what --cache-size bounds (du), not object bytes.
+            self._unit_bytes = os.fstatvfs(dir_fd).f_frsize or 4096
+        except OSError as exc:
+            raise dir_error(directory, exc) from None
+        self._data_fd = None
         self._journal = self._load()
         self._charge_index(force=True)
-        self._evict_to_capacity()  # (a smaller --cache-size than last time)
+        self.nursery.start_soon(self._delete_worker)
         self._start_read_ahead()
 
+    @property
+    def stored_bytes(self) -> int:
+        """What the cache takes on disk: its data files' blocks, its journal and its
+        directories (as of the last _measure_dirs)."""
+        unit = self._unit_bytes
+        return self._data_disk_bytes + -(-self._journal.size_bytes // unit) * unit + self._dirs_disk_bytes
+
+    def _measure_dirs(self) -> None:
+        """The blocks of the cache's directories (the data directory grows by a block
+        per ~100 files, and never shrinks on ext4), and one for --cache-dir's own: an
+        fstat each, cheap beside the write that calls this."""
+        blocks = os.fstat(self._dir_fd).st_blocks + (os.fstat(self._data_fd).st_blocks if self._data_fd is not None else 0)
+        self._dirs_disk_bytes = blocks * 512 + self._unit_bytes
+
+    def _disk_bytes(self, entry: cachejournal.Entry) -> int:
+        """The blocks the entry's data file takes: its chunks sit at multiples of the
+        chunk size, so each chunk takes its bytes rounded up to the allocation unit
+        (one unit more where the chunk size is not a multiple of it)."""
+        unit = self._unit_bytes
+        rounded = -(-entry.stored_bytes // unit) * unit
+        if self.chunk_bytes % unit:
+            rounded += (entry.stored_bytes // self.chunk_bytes + 1) * unit
+        return rounded
+
     def _load(self):
-        """The journal of `directory`, its entries (from earlier mounts) taken in, LRU
-        first, and data files no entry names removed. Runs before the mount serves."""
+        """The journal, its entries (from earlier mounts) taken in, LRU first, evicted
+        down to the capacity in one pass, and the data files no entry names removed
+        in the background. Runs before the mount serves."""
         started_s = time.monotonic()
         try:
-            journal = cachejournal.Journal(self.directory, self.chunk_bytes)
-            orphans_count = cachejournal.remove_orphans(self.directory, journal.entries)
+            journal = cachejournal.Journal(self._dir_fd, self.chunk_bytes)
         except OSError as exc:
-            raise _dir_error(self.directory, exc) from None
+            raise dir_error(self.directory, exc) from None
+        loaded_bytes = 0
         for entry_no, entry in journal.entries.items():
             entry.recorded = True
             self._entries[journal.ids[entry_no]] = entry
-            self.stored_bytes += entry.stored_bytes
+            loaded_bytes += entry.stored_bytes
+            self._data_disk_bytes += self._disk_bytes(entry)
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
         journal.entries.clear()  # (the index is _entries now)
         journal.ids.clear()
-        self.stats["disk_cache.loaded_bytes"] = self.stored_bytes
-        if self._entries or orphans_count:
-            log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d stray files removed) in %.2f s",
-                     self.directory, len(self._entries), self.stored_bytes / 2**20, orphans_count, time.monotonic() - started_s)
+        self._measure_dirs()  # (without the data directory yet: a new one is a block)
+        evicted_count = self._evict_at_load(len(journal._header))
+        self.stats["disk_cache.loaded_bytes"] = loaded_bytes
+        try:
+            self._data_fd = self._open_data_dir()
+            try:
+                if journal.fresh or evicted_count or journal.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
+                    journal.compact(self._entries.values())  # (the evicted objects' records go)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE_ERRNOS:
+                    raise
+                # (serving what the disk holds; a new journal has nothing to serve)
+                log.warning("disk cache %s: cannot write its journal (%s); this mount stores nothing in it",
+                            self.directory, exc.strerror or exc)
+                journal.broken = True
+                self._write_failures = WRITE_FAILURES_MAX
+            orphans, highest_no = cachejournal.find_orphans(self._data_fd, (e.entry_no for e in self._entries.values()))
+        except OSError as exc:
+            if exc.errno not in NO_SPACE_ERRNOS:
+                raise dir_error(self.directory, exc) from None
+            log.warning("disk cache %s: cannot make its data directory (%s); this mount runs without it", self.directory,
+                        exc.strerror or exc)
+            journal.broken = True
+            self._write_failures = WRITE_FAILURES_MAX
+            self._entries.clear()
+            self._data_disk_bytes = self.index_bytes = self._live_record_bytes = 0
+            return journal
+        # Files past every number the journal knows (a crash before their records):
+        # new entries must not take their names while they are being removed.
+        journal.next_entry_no = max(journal.next_entry_no, highest_no + 1)
+        if orphans:
+            self._in_background(self._remove_orphans, orphans)
+        if self._entries or orphans:
+            log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d evicted, %d stray files to remove) "
+                     "in %.2f s", self.directory, len(self._entries), loaded_bytes / 2**20, evicted_count,
+                     len(orphans) - evicted_count, time.monotonic() - started_s)
         return journal
+
+    def _open_data_dir(self) -> int:
+        try:
+            os.mkdir(cachejournal.DATA_DIR_NAME, 0o700, dir_fd=self._dir_fd)
+        except FileExistsError:
+            pass
+        fd = os.open(cachejournal.DATA_DIR_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        weakref.finalize(self, os.close, fd)
+        return fd
+
+    def _evict_at_load(self, header_bytes: int) -> int:
+        """Drop the least recently used entries until the cache fits (a smaller
+        --cache-size than last time), counting the journal as its rewrite will be;
+        how many. Their files become orphans: one pass removes them all."""
+        unit = self._unit_bytes
+        evicted_count = 0
+        while self._entries and (self._data_disk_bytes + -(-(header_bytes + self._live_record_bytes) // unit) * unit
+                                 + self._dirs_disk_bytes > self.capacity_bytes):
+            _, entry = self._entries.popitem(last=False)
+            self._forget(entry)
+            evicted_count += 1
+        self.stats["disk_cache.evictions"] += evicted_count
+        return evicted_count
+
+    async def _remove_orphans(self, names: list) -> None:
+        removed_count = await trio.to_thread.run_sync(cachejournal.remove_files, self._data_fd, names,
+                                                      limiter=self._write_limiter)
+        log.info("disk cache: removed %d files no entry names", removed_count)
 
     def _start_read_ahead(self) -> None:
         """Ask the kernel to read the most recently used files into the page cache, up
         to a share of the memory available (after a reboot a cached epoch then reads
         on the event loop, not through threads)."""
-        budget_bytes = min(self.stored_bytes, int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION))
-        paths, total_bytes = [], 0
+        if self._data_fd is None:
+            return
+        budget_bytes = min(sum(e.stored_bytes for e in self._entries.values()),
+                           int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION))
+        names, total_bytes = [], 0
         for entry in reversed(self._entries.values()):
             if total_bytes >= budget_bytes:
                 break
             if entry.stored_bytes != entry.object_bytes:
                 continue  # (a sparse file: reading it whole would fill the page cache with its holes)
-            paths.append(cachejournal.data_path(self.directory, entry.entry_no))
+            names.append(cachejournal.data_name(entry.entry_no))
             total_bytes += entry.stored_bytes
         self.stats["disk_cache.read_ahead_bytes"] = total_bytes
-        if paths:
-            self.nursery.start_soon(self._read_ahead, paths, total_bytes)
-
-    async def _read_ahead(self, paths: list, total_bytes: int) -> None:
-        stop = threading.Event()
-        started_s = time.monotonic()
-        try:
-            await trio.to_thread.run_sync(pagecache.read_ahead, paths, stop, abandon_on_cancel=True)
-            log.info("disk cache: asked the kernel to read %d files (%.1f MiB) ahead in %.2f s", len(paths),
-                     total_bytes / 2**20, time.monotonic() - started_s)
-        finally:
-            stop.set()  # (an unmount does not wait for the rest)
+        if names:
+            self.nursery.start_soon(cachefiles.read_ahead, self._data_fd, names, total_bytes)
 
     def _charge_index(self, force: bool = False) -> None:
         # In steps of a MiB: a store per file must not recompute the budget per file.
@@ -259,18 +294,18 @@ class DiskCache:
             self.stats["disk_cache.misses"] += 1
             return None
         entry, crcs = found
-        path = cachejournal.data_path(self.directory, entry.entry_no)
+        name = cachejournal.data_name(entry.entry_no)
         try:
             data = _WOULD_BLOCK
             if self._loop_reads and hi - lo <= LOOP_READ_MAX_BYTES:
-                data = _read_chunks(path, lo, hi, crcs, self.chunk_bytes, start, end, into, on_loop=True)
+                data = _read_chunks(self._data_fd, name, lo, hi, crcs, self.chunk_bytes, start, end, into, on_loop=True)
                 if data is not _WOULD_BLOCK:
                     self.stats["disk_cache.loop_reads"] += 1
             if data is _WOULD_BLOCK:
-                data = await trio.to_thread.run_sync(_read_chunks, path, lo, hi, crcs, self.chunk_bytes, start, end, into,
-                                                     limiter=self._read_limiter)
+                data = await trio.to_thread.run_sync(_read_chunks, self._data_fd, name, lo, hi, crcs, self.chunk_bytes,
+                                                     start, end, into, limiter=self._read_limiter)
         except OSError as exc:
-            log.warning("disk cache read of %s failed (%s); reading the store", path, exc)
+            log.warning("disk cache read of %s failed (%s); reading the store", self._path(entry), exc)
             data = None
         if data is None:
             if not entry.gone:  # (an entry evicted while we read it just lost its file)
@@ -281,6 +316,10 @@ class DiskCache:
         self.stats["disk_cache.read_bytes"] += end - start
         return data
 
+    def _path(self, entry) -> str:
+        """(for messages)"""
+        return os.path.join(self.directory, cachejournal.DATA_DIR_NAME, cachejournal.data_name(entry.entry_no))
+
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         eid = cachejournal.entry_id(key, version)  # (once: a miss stores under it too)
         data = await self._read_disk(eid, start, end, object_bytes)
@@ -288,8 +327,12 @@ class DiskCache:
             return data
         data = await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
         # bytes never change: stored in the background, the reader does not wait for the disk
-        if object_bytes is not None:
-            if self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES:
+        if object_bytes is not None and self._write_failures < WRITE_FAILURES_MAX:
+            # Held until written: memory the budget must know of (it is --max-memory's,
+            # once the block cache lets go of these bytes). Lent only from what no
+            # reader needs; the block cache gives way (priority 0): it holds these same bytes.
+            if (self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES
+                    and (self._budget is None or self._budget.try_reserve(len(data), reclaim_priority=0))):
                 self._pending_bytes += len(data)
                 self._in_background(self._store_pending, eid, key, version, start, data, object_bytes)
             else:
@@ -313,11 +356,21 @@ class DiskCache:
             await self._store(eid, key, version, start, memoryview(data), object_bytes)
         finally:
             self._pending_bytes -= len(data)
+            if self._budget is not None:
+                self._budget.release(len(data))
 
-    def _in_background(self, fn, *args) -> None:
+    def _begin(self, count: int = 1) -> None:
         if self._idle.is_set():
             self._idle = trio.Event()
-        self._background_count += 1
+        self._background_count += count
+
+    def _end(self, count: int = 1) -> None:
+        self._background_count -= count
+        if not self._background_count:
+            self._idle.set()
+
+    def _in_background(self, fn, *args) -> None:
+        self._begin()
         self.nursery.start_soon(self._background, fn, args)
 
     async def _background(self, fn, args) -> None:
@@ -326,9 +379,7 @@ class DiskCache:
         except Exception:  # noqa: BLE001 - a background write must never take the daemon down
             log.exception("disk cache: %s failed", fn.__name__)
         finally:
-            self._background_count -= 1
-            if not self._background_count:
-                self._idle.set()
+            self._end()
 
     async def wait_idle(self) -> None:
         """Until every background write and delete has finished."""
@@ -357,28 +408,30 @@ class DiskCache:
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
             self._charge_index()
-        path = cachejournal.data_path(self.directory, entry.entry_no)
         # Two first writes at once both define the entry: harmless, the journal keeps one.
         definition = b"" if entry.recorded else entry.definition
         try:
-            crcs = await trio.to_thread.run_sync(_write_chunks, path, lo, view[lo - start : hi - start], cb,
-                                                 self._journal, entry.entry_no, definition, limiter=self._write_limiter)
+            crcs = await trio.to_thread.run_sync(_write_chunks, self._data_fd, cachejournal.data_name(entry.entry_no), lo,
+                                                 view[lo - start : hi - start], cb, self._journal, entry.entry_no,
+                                                 definition, limiter=self._write_limiter)
         except OSError as exc:
             self._write_failures += 1
             self.stats["disk_cache.write_errors"] += 1
-            log.warning("disk cache write to %s failed (%s)%s", path, exc,
+            log.warning("disk cache write to %s failed (%s)%s", self._path(entry), exc,
                         "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
             self._evict(eid, entry)
             return
         entry.recorded = True
         if entry.gone:  # evicted while we wrote: what we wrote must go too
-            self._in_background(self._delete, entry)
+            self._queue_delete(entry.entry_no)
             return
+        before_bytes = self._disk_bytes(entry)
         for i, crc in crcs.items():
-            self.stored_bytes += entry.add(i, crc, cb)
+            entry.add(i, crc, cb)
+        self._data_disk_bytes += self._disk_bytes(entry) - before_bytes
         self.stats["disk_cache.written_bytes"] += hi - lo
         self._evict_to_capacity()
-        if not self._compacting and self._journal.needs_compacting(self._live_record_bytes):
+        if not self._compacting and self._journal.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
             self._compacting = True
             self._in_background(self._compact)
 
@@ -400,8 +453,16 @@ class DiskCache:
             self._compacting = False
 
     def _evict_to_capacity(self) -> None:
+        self._measure_dirs()
         while self.stored_bytes > self.capacity_bytes and self._entries:
             self._evict(next(iter(self._entries)))  # the least recently used
+
+    def _forget(self, entry: cachejournal.Entry) -> None:
+        """Take a dropped entry out of the totals."""
+        entry.gone = True
+        self._data_disk_bytes -= self._disk_bytes(entry)
+        self.index_bytes -= entry.index_bytes()
+        self._live_record_bytes -= entry.record_bytes()
 
     def _evict(self, eid: bytes, entry: Optional[cachejournal.Entry] = None) -> None:
         """Delete the object's entry (only if it is still `entry`, when given)."""
@@ -410,83 +471,31 @@ class DiskCache:
         entry = self._entries.pop(eid, None)
         if entry is None:
             return
-        entry.gone = True
-        self.stored_bytes -= entry.stored_bytes
-        self.index_bytes -= entry.index_bytes()
-        self._live_record_bytes -= entry.record_bytes()
+        self._forget(entry)
         self._charge_index()
         self.stats["disk_cache.evictions"] += 1
-        self._in_background(self._delete, entry)
+        self._queue_delete(entry.entry_no)
 
-    async def _delete(self, entry: cachejournal.Entry) -> None:
-        """Delete the entry's file and journal it (a lost record only costs a bad read
-        of the missing file at a later mount)."""
-        path = cachejournal.data_path(self.directory, entry.entry_no)
-        try:
-            await trio.to_thread.run_sync(_delete, path, self._journal, entry.entry_no, limiter=self._write_limiter)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("disk cache: could not delete %s (%s)", path, exc)
+    def _queue_delete(self, entry_no: int) -> None:
+        # A queue, not a task per file: evicting 200,000 objects at once must not
+        # start 200,000 tasks (~5 KB each).
+        self._begin()
+        self._deletes_send.send_nowait(entry_no)
 
-
-# -- the directory -------------------------------------------------------------------
-def check_cache_dir(path: str) -> None:
-    """--cache-dir must be a directory this process can create files in (created if missing)."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        probe = tempfile.TemporaryFile(dir=path)
-        probe.close()
-    except OSError as exc:
-        raise _dir_error(path, exc) from None
-
-
-def _dir_error(path: str, exc: OSError) -> errors.UserError:
-    return errors.UserError(f"cache directory {path}: {exc.strerror or exc}", errors.EXIT_BAD_CACHE_DIR)
-
-
-def claim_dir(path: str, identity: str, name_hint: str) -> tuple:
-    """(directory, lock_fd): the cache directory under `path` of the mount `identity`
-    (its bucket URL and endpoint), kept across mounts and locked while `lock_fd` is
-    open (the lock goes with the process, however it ends). If another live mount
-    holds it: (a private directory to remove at exit, None)."""
-    digest = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    directory = os.path.join(path, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name_hint)[:64]}-{digest}")
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        lock_fd = os.open(os.path.join(directory, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise _dir_error(path, exc) from None
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock_fd)
-        private = make_private_dir(path)
-        log.warning("disk cache %s is in use by another mount of %s; this one caches in %s, removed at exit",
-                    directory, identity, private)
-        return private, None
-    return directory, lock_fd
-
-
-def make_private_dir(path: str) -> str:
-    """This mount's own directory under `path` (removed at exit). Directories that
-    mounts which died without cleaning up left behind are removed first."""
-    try:
-        for name in os.listdir(path):
-            match = _PRIVATE_DIR_RE.match(name)
-            if match and not _alive(int(match.group(1))):
-                log.info("removing %s, left by a mount that is gone", os.path.join(path, name))
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-        return tempfile.mkdtemp(prefix=f"bucketfs-{os.getpid()}-", dir=path)
-    except OSError as exc:
-        raise _dir_error(path, exc) from None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
+    async def _delete_worker(self) -> None:
+        """Delete queued entries' files, a batch per thread call."""
+        async for entry_no in self._deletes_receive:
+            batch = [entry_no]
+            while len(batch) < DELETE_BATCH_MAX:
+                try:
+                    batch.append(self._deletes_receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            try:
+                error = await trio.to_thread.run_sync(_delete_files, self._data_fd, self._journal, batch,
+                                                      limiter=self._write_limiter)
+                if error is not None:
+                    log.warning("disk cache: could not delete every file of %d evicted objects (%s)", len(batch), error)
+            finally:
+                self._end(len(batch))
+            self._evict_to_capacity()  # (the journal grew by their records: it counts)

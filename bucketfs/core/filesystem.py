@@ -70,14 +70,17 @@ class FileHandle:
 
 
 class Filesystem:
-    def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None):
-        """`disk_cache_dir`: a directory of this mount's own for the local disk cache, if any."""
+    def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
+                 disk_cache_dir_fd: Optional[int] = None):
+        """`disk_cache_dir`: a directory of this mount's own for the local disk cache, if
+        any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds (without
+        one, the cache opens the path itself)."""
         self.config = config
         self.stats = Stats()
         self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
         if disk_cache_dir is not None:
             backend = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, self.stats, nursery,
-                                self.budget)
+                                self.budget, dir_fd=disk_cache_dir_fd)
         self.backend = backend
         self.key_prefix = config.url.prefix
         self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,

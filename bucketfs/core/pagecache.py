@@ -7,9 +7,9 @@ of a worker thread's hand-offs, whose GIL waits held a 100 KB hit ~18 ms with 32
 readers. A new mount read 4,000 cached 100 KB files at ~2,150 files/s against ~1,250
 through threads (0.44 against 0.85 ms of daemon CPU per file, ad hoc).
 
-- `open_cached(path)`: openat2(2) with RESOLVE_CACHED (Linux 5.12+): the path is
-  resolved from the dentry cache only, EAGAIN otherwise (a lookup that would read a
-  directory block from disk).
+- `open_cached(dir_fd, name)`: openat2(2) with RESOLVE_CACHED (Linux 5.12+): the
+  name is resolved in the directory `dir_fd` from the dentry cache only, EAGAIN
+  otherwise (a lookup that would read a directory block from disk).
 - `pread_cached(fd, view, offset)`: preadv2(2) with RWF_NOWAIT: EAGAIN (or a short
   count) when the pages are not all in the page cache. Such a miss starts the file's
   read-ahead without waiting for it, so the blocking read that follows finds the
@@ -18,7 +18,7 @@ through threads (0.44 against 0.85 ms of daemon CPU per file, ad hoc).
 `no_wait_reads()` is False where either is missing (another kernel or architecture):
 callers then use their blocking path.
 
-And the other way round: `read_ahead(paths)` asks the kernel to read whole files into
+And the other way round: `read_ahead(dir_fd, names)` asks the kernel to read whole files into
 the page cache without waiting for them (after a reboot, the disk cache's most
 recently used files, so that its first epoch reads them on the event loop).
 """
@@ -52,16 +52,17 @@ _HOW_SIZE = ctypes.sizeof(_HOW)
 _HOW_REF = ctypes.byref(_HOW)
 
 
-def open_cached(path: str) -> Optional[int]:
-    """A read-only fd of `path`, or None if resolving it would wait for the disk.
-    FileNotFoundError if it does not exist (known from the cache)."""
-    fd = _syscall(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), _HOW_REF, _HOW_SIZE)
+def open_cached(dir_fd: int, name: str) -> Optional[int]:
+    """A read-only fd of `name` in the directory `dir_fd`, or None if resolving it
+    would wait for the disk. FileNotFoundError if it does not exist (known from the
+    cache, or the directory was deleted)."""
+    fd = _syscall(_SYS_OPENAT2, dir_fd, os.fsencode(name), _HOW_REF, _HOW_SIZE)
     if fd >= 0:
         return fd
     err = ctypes.get_errno()
     if err == errno.EAGAIN:
         return None
-    raise OSError(err, os.strerror(err), path)
+    raise OSError(err, os.strerror(err), name)
 
 
 def pread_cached(fd: int, view, offset: int) -> bool:
@@ -81,7 +82,7 @@ def _probe() -> bool:
     if _SYS_OPENAT2 is None or not hasattr(os, "RWF_NOWAIT"):
         return False
     try:
-        fd = open_cached("/")
+        fd = open_cached(_AT_FDCWD, "/")
     except OSError:  # ENOSYS (before 5.6), EINVAL (RESOLVE_CACHED before 5.12)
         return False
     if fd is not None:
@@ -96,14 +97,14 @@ def no_wait_reads() -> bool:
     return _AVAILABLE
 
 
-def read_ahead(paths: list, stop: threading.Event) -> None:
-    """POSIX_FADV_WILLNEED on each file in turn (blocking: run it in a thread), until
-    `stop` is set. Files that are gone are skipped."""
-    for path in paths:
+def read_ahead(dir_fd: int, names: list, stop: threading.Event) -> None:
+    """POSIX_FADV_WILLNEED on each file `names` names in the directory `dir_fd` in turn
+    (blocking: run it in a thread), until `stop` is set. Files that are gone are skipped."""
+    for name in names:
         if stop.is_set():
             return
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError:
             continue  # (evicted meanwhile)
         try:

@@ -1,11 +1,16 @@
 """The local disk cache (--cache-dir) on the in-memory backend: request counts prove
 that a later epoch reads the disk, and bad disks cost GETs, never wrong bytes."""
 
+import errno
+import fcntl
 import os
 import pathlib
 import random
 import shutil
+import subprocess
 import threading
+import time
+import zlib
 
 import pytest
 import trio
@@ -63,6 +68,12 @@ def forget_memory(fs):
 
 def cache_files(tmp_path) -> list:
     return list((tmp_path / "cache" / "data").iterdir())
+
+
+def disk_use_bytes(tmp_path) -> int:
+    """What `du` counts for the cache: its data files, journal and directories."""
+    cache = tmp_path / "cache"
+    return sum(p.stat().st_blocks * 512 for p in [*cache_files(tmp_path), cache / "journal", cache, cache / "data"])
 
 
 def test_a_later_epoch_reads_the_disk_not_the_store(tmp_path):
@@ -151,7 +162,7 @@ def test_hits_go_to_a_thread_where_reads_cannot_promise_not_to_wait(tmp_path, mo
     gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
     assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
     monkeypatch.undo()
-    monkeypatch.setattr(pagecache, "open_cached", lambda path: None)  # (the name would need a directory read)
+    monkeypatch.setattr(pagecache, "open_cached", lambda dir_fd, name: None)  # (the name would need a directory read)
     gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
     assert (gets, stats.get("disk_cache.loop_reads", 0), stats["disk_cache.hits"]) == (0, 0, len(SMALL_FILES))
     assert first_gets == len(SMALL_FILES)
@@ -179,8 +190,9 @@ def test_disk_use_stays_within_the_cache_size(tmp_path):
 
     stored_bytes, entries = run_cached(backend, tmp_path, body, cache_size_bytes=capacity_bytes)
     assert 0 < stored_bytes <= capacity_bytes
-    assert len(cache_files(tmp_path)) == entries == 4  # the evicted objects' files are deleted
-    assert sum(p.stat().st_blocks * 512 for p in cache_files(tmp_path)) <= capacity_bytes
+    # (four objects fill 1 MiB exactly, and the journal's block counts too)
+    assert len(cache_files(tmp_path)) == entries == 3  # the evicted objects' files are deleted
+    assert disk_use_bytes(tmp_path) <= capacity_bytes
 
 
 def test_another_version_never_reads_the_old_chunks(tmp_path):
@@ -245,17 +257,73 @@ def test_ranges_across_chunk_boundaries_read_back_exactly(tmp_path, start, end):
     assert gets == 0
 
 
-def test_a_new_mount_removes_the_directories_of_dead_mounts_only(tmp_path):
+def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_path):
+    """Liveness is the directory's lock, not a PID: a PID is meaningless in another
+    PID namespace (containers sharing a cache disk) or once reused, and a mount killed
+    with -9 leaves a directory whose lock is free."""
     pid_max = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text())
-    dead = tmp_path / f"bucketfs-{pid_max + 1}-abc"  # no process can have this pid
-    live = tmp_path / f"bucketfs-{os.getpid()}-def"  # a mount that is still running
+    held = tmp_path / f"bucketfs-{pid_max + 1}-abc"  # a live mount in another PID namespace: no such PID here
+    left = tmp_path / f"bucketfs-{os.getpid()}-def"  # a mount killed with -9 (its PID reused, here by us)
     other = tmp_path / "someone-elses"
-    for d in (dead, live, other):
+    for d in (held, left, other):
         d.mkdir()
         (d / "0000000001").write_bytes(b"x")
-    mine = pathlib.Path(make_private_dir(str(tmp_path)))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, mine.name])
-    assert mine.name.startswith(f"bucketfs-{os.getpid()}-") and not list(mine.iterdir())
+    held_fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as its mount holds it
+        mine = make_private_dir(str(tmp_path))
+        try:
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted([held.name, other.name, pathlib.Path(mine.path).name])
+            assert mine.private and not os.listdir(mine.path)
+            os.close(os.open(tmp_path / "bucketfs-1-ghi", os.O_RDONLY | os.O_CREAT))  # (a file of that name: left alone)
+            again = make_private_dir(str(tmp_path))  # ours is held too: not removed
+            assert os.path.isdir(mine.path) and os.path.isdir(again.path)
+            again.close()
+            assert not os.path.exists(again.path)  # a private one goes at close
+        finally:
+            mine.close()
+    finally:
+        os.close(held_fd)
+    left.mkdir()  # the next ordinary mount cleans up too (not only one that needs a private directory)
+    claimed = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
+    try:
+        assert not claimed.private and not left.exists() and not held.exists()  # (its lock went with its holder)
+    finally:
+        claimed.close()
+
+
+def test_one_cache_directory_per_bucket_and_one_mount_at_a_time(tmp_path):
+    claimed = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")
+    try:
+        assert not claimed.private
+        busy = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # a second mount of the same
+        other = claim_dir(str(tmp_path), "s3://b/val/ at x", "s3-b")  # another prefix
+        assert busy.private and busy.path != claimed.path
+        assert pathlib.Path(busy.path).name.startswith(f"bucketfs-{os.getpid()}-")  # private, removed at its exit
+        assert not other.private and other.path != claimed.path
+        other.close()
+        busy.close()
+        assert not os.path.exists(busy.path)
+    finally:
+        claimed.close()
+    again = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after it
+    again.close()
+    assert again.path == claimed.path and not again.private
+
+
+def test_deleting_a_file_in_a_cache_directory_never_frees_its_lock(tmp_path):
+    """The lock is the directory's own: a tmp cleaner deleting a `lock` file (the
+    former lock) or anything else does not let a second mount in."""
+    claimed = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
+    try:
+        for name in os.listdir(claimed.path):
+            os.unlink(os.path.join(claimed.path, name))
+        second = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
+        second_is_private = getattr(second, "private", None)
+        second.close()
+        assert second_is_private is True
+    finally:
+        claimed.close()
 
 
 # -- kept across mounts ------------------------------------------------------------
@@ -301,13 +369,14 @@ def test_a_later_mount_reads_its_most_recent_files_ahead_within_half_the_free_me
     run_cached(backend, tmp_path, one_by_one)
     asked = []
     real_read_ahead = pagecache.read_ahead
-    monkeypatch.setattr(pagecache, "read_ahead", lambda paths, stop: (asked.extend(paths), real_read_ahead(paths, stop)))
+    monkeypatch.setattr(pagecache, "read_ahead", lambda dir_fd, names, stop: (asked.extend(names), real_read_ahead(dir_fd, names, stop)))
     half_of_free_bytes = 350_000
     monkeypatch.setattr(pagecache, "available_memory_bytes", lambda: 2 * half_of_free_bytes)
     gets, stats = mount_epoch(backend, tmp_path, SMALL_FILES)
 
     by_content = {data: path for path, data in SMALL_FILES.items()}
-    asked_keys = [by_content.get(pathlib.Path(p).read_bytes(), "a partly stored object") for p in asked]
+    data_dir = tmp_path / "cache" / "data"
+    asked_keys = [by_content.get((data_dir / name).read_bytes(), "a partly stored object") for name in asked]
     newest_first = list(SMALL_FILES)[::-1]
     sizes = [len(SMALL_FILES[key]) for key in newest_first]
     count = next(n for n in range(1, len(sizes) + 1) if sum(sizes[:n]) >= half_of_free_bytes)
@@ -321,7 +390,7 @@ def test_an_unmount_does_not_wait_for_the_read_ahead(tmp_path, monkeypatch):
     mount_epoch(backend, tmp_path, SMALL_FILES)
     stopped, returned = [], threading.Event()
 
-    def read_ahead(paths, stop):  # longer than the mount lasts: told to stop when it ends
+    def read_ahead(dir_fd, names, stop):  # longer than the mount lasts: told to stop when it ends
         stopped.append(stop.wait(10))
         returned.set()
 
@@ -390,11 +459,11 @@ def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
                                          if cachejournal.entry_id(key, backend._info[key].version) in fs.backend._entries]
 
     stored_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
-    assert 0 < stored_bytes <= 1 * MiB and len(kept) == 4  # the last stored (in the journal's order)
-    assert sum(p.stat().st_blocks * 512 for p in cache_files(tmp_path)) <= 1 * MiB
+    assert 0 < stored_bytes <= 1 * MiB and len(kept) == 3  # the last stored (in the journal's order)
+    assert disk_use_bytes(tmp_path) <= 1 * MiB
     kept_first = {key: files[key] for key in [*kept, *files]}  # (an LRU cache read in order evicts each before its turn)
     gets, _ = mount_epoch(backend, tmp_path, kept_first, cache_size_bytes=1 * MiB)
-    assert gets == 12  # the four kept come from disk; every other one is fetched
+    assert gets == 13  # the three kept come from disk; every other one is fetched
 
 
 def test_a_later_mount_with_another_block_size_starts_empty(tmp_path):
@@ -416,23 +485,6 @@ def test_data_files_no_record_names_are_removed_at_start(tmp_path):
     assert not stray.exists()
 
 
-def test_one_cache_directory_per_bucket_and_one_mount_at_a_time(tmp_path):
-    directory, lock_fd = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")
-    try:
-        assert lock_fd is not None
-        busy, busy_lock = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # a second mount of the same
-        other, other_lock = claim_dir(str(tmp_path), "s3://b/val/ at x", "s3-b")  # another prefix
-        assert busy_lock is None and busy != directory
-        assert pathlib.Path(busy).name.startswith(f"bucketfs-{os.getpid()}-")  # private, removed at its exit
-        assert other_lock is not None and other != directory
-        os.close(other_lock)
-    finally:
-        os.close(lock_fd)
-    again, again_lock = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after it
-    os.close(again_lock)
-    assert again == directory
-
-
 def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(tmp_path):
     """A cache of many objects found at start takes its share of --max-memory at once:
     the budget holds the daemon's memory, not just its buffers."""
@@ -446,7 +498,11 @@ def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(t
     index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
     definitions_bytes = sum(len(cachejournal.entry_record(1, key, backend._info[key].version, len(data)))
                             for key, data in FILES.items())
-    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count
+    # (a byte of bitmap a chunk for objects past INT_BITMAP_CHUNKS_MAX chunks)
+    bitmap_bytes = sum(n for n in (-(-len(data) // (64 * 1024)) for data in FILES.values())
+                       if n > cachejournal.INT_BITMAP_CHUNKS_MAX)
+    assert bitmap_bytes  # (shards/a.tar)
+    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count + bitmap_bytes
     assert capacity_bytes == budget_bytes - index_bytes
 
 
@@ -474,3 +530,266 @@ def test_the_journal_is_rewritten_while_mounted_and_stays_bounded(tmp_path, monk
     assert kept
     gets, _ = mount_epoch(backend, tmp_path, {key: files[key] for key in kept}, cache_size_bytes=1 * MiB)
     assert gets == 0
+
+
+# -- review fixes ------------------------------------------------------------------
+SAME_SIZE = {f"s/f{i}": blob(4096, 40 + i) for i in range(4)}  # same size, other bytes
+
+
+async def read_key(cache, backend, key):
+    info = backend._info[key]
+    return bytes(await cache.read_range(key, 0, info.size_bytes, info.version, object_bytes=info.size_bytes))
+
+
+def test_a_mount_whose_directory_was_deleted_never_writes_into_the_next_ones(tmp_path):
+    """Mount A's directory is deleted ("clear the cache") and mount B makes a new one
+    at the same path: A's later writes fail (they are relative to the directory A
+    holds), so A and B never share a journal or entry numbers, and a third mount
+    serves every object's own bytes."""
+    backend = MemoryBackend(SAME_SIZE)
+    directory = tmp_path / "c"
+    directory.mkdir()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
+            assert await read_key(a, backend, "s/f0") == SAME_SIZE["s/f0"]
+            await a.wait_idle()
+            shutil.rmtree(directory)
+            directory.mkdir()
+            b = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
+            assert await read_key(a, backend, "s/f1") == SAME_SIZE["s/f1"]  # A: its entry 2, to nowhere
+            await a.wait_idle()
+            for key in ("s/f2", "s/f3"):  # B: entries 1 and 2
+                assert await read_key(b, backend, key) == SAME_SIZE[key]
+                await b.wait_idle()
+            c = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
+            got = {key: await read_key(c, backend, key) for key in SAME_SIZE}
+            nursery.cancel_scope.cancel()
+            return got, a.stats.snapshot().get("disk_cache.write_errors", 0), c.stats.snapshot().get("disk_cache.hits", 0)
+
+    got, a_write_errors, c_hits = trio.run(main)
+    assert got == SAME_SIZE
+    assert a_write_errors >= 1 and c_hits == 2  # (f2 and f3, B's)
+
+
+def test_an_entry_number_defined_as_two_objects_is_dropped_at_load(tmp_path):
+    """Defence in depth: a journal two writers shared names one entry number for two
+    objects, with the second's bytes in the file and both CRCs. It is dropped, and
+    read from the store."""
+    backend = MemoryBackend(SAME_SIZE)
+    info = {key: backend._info[key] for key in SAME_SIZE}
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "journal", "wb") as f:
+        f.write(cachejournal.MAGIC + cachejournal._HEADER.pack(64 * 1024))
+        for key in ("s/f1", "s/f3"):  # entry 1 = f1, then entry 1 = f3 (the other writer)
+            f.write(cachejournal.entry_record(1, key, info[key].version, 4096))
+            f.write(cachejournal.chunks_record(1, [(0, zlib.crc32(SAME_SIZE["s/f3"]))]))
+    (tmp_path / "data" / f"{1:012d}").write_bytes(SAME_SIZE["s/f3"])
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
+            entries_count = len(cache._entries)
+            got = {key: await read_key(cache, backend, key) for key in ("s/f1", "s/f3")}
+            await cache.wait_idle()
+            nursery.cancel_scope.cancel()
+            return entries_count, got
+
+    entries_count, got = trio.run(main)
+    assert entries_count == 0
+    assert got == {key: SAME_SIZE[key] for key in ("s/f1", "s/f3")}
+    assert backend.requests["get"] == 2
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KiB tmpfs (root only), unmounted however the test ends."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True, timeout=30).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_never_refuses_the_mount(tiny_disk):
+    """A torn journal on a full disk is cut in place (no space needed), and a new
+    cache on a full disk starts without writing: both serve every read, from the
+    store or what the disk holds, instead of failing the mount."""
+    files = {f"f/{i}": blob(50_000, i) for i in range(3)}
+    backend = MemoryBackend(files)
+    kept, new = tiny_disk / "kept", tiny_disk / "new"
+    kept.mkdir()
+    new.mkdir()
+
+    async def epoch_on(directory, check=None):
+        async with trio.open_nursery() as nursery:
+            stats = Stats()
+            with trio.fail_after(30):
+                cache = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, stats, nursery)
+                if check:
+                    check(cache)
+                for key in files:
+                    assert await read_key(cache, backend, key) == files[key]
+                await cache.wait_idle()
+            nursery.cancel_scope.cancel()
+        return stats.snapshot()
+
+    trio.run(epoch_on, kept)
+    journal = kept / "journal"
+    good_bytes = journal.stat().st_size
+    with open(journal, "ab") as f:
+        f.write(cachejournal.chunks_record(1, [(0, 1)])[:-3])  # a crash mid-append
+    fill(tiny_disk)
+    gets = backend.requests["get"]
+    stats = trio.run(epoch_on, kept)
+    assert journal.stat().st_size == good_bytes  # the tear cut in place
+    assert stats["disk_cache.hits"] == len(files) and backend.requests["get"] == gets
+    stats = trio.run(epoch_on, new, lambda cache: cache._journal.broken or pytest.fail("a broken journal"))
+    assert stats.get("disk_cache.hits", 0) == 0 and stats.get("disk_cache.write_errors", 0) == 0
+    assert sorted(os.listdir(new)) == ["data"]  # (no journal, no journal.new left behind)
+
+
+def test_a_journal_rewrite_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
+    backend = MemoryBackend(SMALL_FILES)
+    mount_epoch(backend, tmp_path, SMALL_FILES)
+    (tmp_path / "cache" / "journal.new").write_bytes(b"half a rewrite")  # a crash mid-rewrite
+    mount_epoch(backend, tmp_path, SMALL_FILES)
+    assert not (tmp_path / "cache" / "journal.new").exists()
+
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "I/O error")
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    journal = cachejournal.Journal(os.open(tmp_path / "cache", os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
+    with pytest.raises(OSError):
+        journal.compact(())
+    os.close(journal.dir_fd)
+    assert sorted(os.listdir(tmp_path / "cache")) == ["data", "journal"]
+
+
+def write_journal(directory, entries_count: int, chunk_bytes: int = 64 * 1024) -> None:
+    """What an earlier mount left: `entries_count` objects of two chunks each (110 KB)."""
+    (directory / "data").mkdir(parents=True, exist_ok=True)
+    with open(directory / "journal", "wb") as f:
+        f.write(cachejournal.MAGIC + cachejournal._HEADER.pack(chunk_bytes))
+        for no in range(1, entries_count + 1):
+            f.write(cachejournal.entry_record(no, f"train/{no:06d}.JPEG", "0123456789abcdef", 110_000))
+            f.write(cachejournal.chunks_record(no, [(0, 1), (1, 2)]))
+            (directory / "data" / f"{no:012d}").write_bytes(b"")
+
+
+def test_a_smaller_cache_size_evicts_at_load_in_one_pass_and_deletes_with_one_worker(tmp_path):
+    """200,000 evictions at start made 200,000 tasks at once (1.3 GB RSS): the load
+    drops them in one pass (one journal rewrite, one thread removing their files),
+    and evictions while mounted go through one delete worker."""
+    write_journal(tmp_path, 3000)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(60):
+                cache = DiskCache(MemoryBackend({}), str(tmp_path), 1 * MiB, 64 * 1024, Stats(), nursery)
+                tasks_at_load = len(nursery.child_tasks)
+                await cache.wait_idle()
+                kept = len(cache._entries)
+                for eid in list(cache._entries):  # (every one, while mounted)
+                    cache._evict(eid)
+                tasks_mounted = len(nursery.child_tasks)
+                await cache.wait_idle()
+            nursery.cancel_scope.cancel()
+            return cache, tasks_at_load, kept, tasks_mounted
+
+    cache, tasks_at_load, kept, tasks_mounted = trio.run(main)
+    assert tasks_at_load <= 3 and tasks_mounted <= 3  # (the delete worker, orphan removal, read-ahead)
+    assert 0 < kept < 3000 and cache.stats.snapshot()["disk_cache.evictions"] == 3000
+    assert not os.listdir(tmp_path / "data")
+    loaded = cachejournal.Journal(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
+    os.close(loaded.dir_fd)
+    assert not loaded.entries  # (the deletes are journaled)
+
+
+def test_bytes_waiting_for_the_disk_are_held_within_the_memory_budget(tmp_path, monkeypatch):
+    """A disk slower than the network: fetched bytes waiting to be written are lent by
+    --max-memory (past it they are not stored), not held beside it."""
+    files = {f"img/{i:03d}.bin": blob(2 * MiB, i) for i in range(24)}  # 48 MiB through a 16 MiB budget
+    disk_free = threading.Event()
+    real_write_chunks = diskcache._write_chunks
+
+    def slow_write(*args):
+        disk_free.wait(30)
+        return real_write_chunks(*args)
+    monkeypatch.setattr(diskcache, "_write_chunks", slow_write)
+    backend = MemoryBackend(files)
+    peaks = {"pending": 0, "over": 0}
+
+    async def body(fs):
+        cache = fs.backend
+        try:
+            for path, data in files.items():
+                assert await read_all(fs, path) == data
+                peaks["pending"] = max(peaks["pending"], cache._pending_bytes)
+                peaks["over"] = max(peaks["over"], fs.budget.used_bytes - fs.budget.capacity_bytes)
+        finally:
+            disk_free.set()
+        await cache.wait_idle()
+        return fs.stats.snapshot(), fs.budget.used_bytes, fs.cache.used_bytes if hasattr(fs.cache, "used_bytes") else None
+
+    stats, used_bytes, _ = run_cached(backend, tmp_path, body, max_memory_bytes=16 * MiB)
+    assert 0 < peaks["pending"] <= 16 * MiB
+    assert peaks["over"] <= 0
+    assert stats["disk_cache.skipped_bytes"] > 0  # refused by the budget: not stored
+
+
+def test_the_cache_size_bounds_the_blocks_small_files_take(tmp_path):
+    """A 300-byte object takes a 4 KiB block: --cache-size counts blocks (and the
+    journal), so the directory's disk use stays within it."""
+    files = {f"j/{i:04d}.json": blob(300, i) for i in range(600)}  # 600 x 4 KiB = 2.4 MiB of blocks
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        await epoch(fs, files)
+        await fs.backend.wait_idle()
+        return fs.stats.snapshot()
+
+    stats = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
+    assert stats["disk_cache.evictions"] > 0
+    assert disk_use_bytes(tmp_path) <= 1 * MiB
+
+
+@pytest.mark.timeout(90)
+def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small_ones():
+    """The chunk bitmap of a huge object was an int rebuilt on every change and shift:
+    quadratic (loading a 64 GiB object's records took 8.5 s, 128 GiB four times
+    that). Now each chunk costs the same: 256 GiB (4 M chunks) in a few seconds."""
+    chunk_bytes = 64 * 1024
+    entry = cachejournal.Entry(1, 256 << 30, chunk_bytes, b"")
+    chunks_count = len(entry.crcs)
+    deadline_s = time.monotonic() + 30
+    for i in range(chunks_count):
+        entry.add(i, i, chunk_bytes)
+        if not i % 65536:
+            assert time.monotonic() < deadline_s, f"only {i} chunks stored in 30 s"
+    assert entry.stored_bytes == 256 << 30
+    for i in range(0, chunks_count, 128):  # one check per 8 MiB part
+        assert entry.has(i, i + 128)
+    assert time.monotonic() < deadline_s
+    for chunks in (3, 1000):  # (an int bitmap, a bytearray one)
+        part = cachejournal.Entry(2, chunks * chunk_bytes - 7, chunk_bytes, b"")
+        for i in (1, chunks - 1):
+            part.add(i, i + 10, chunk_bytes)
+        assert (part.has(0, 2), part.has(1, 2), part.has(chunks - 1, chunks)) == (False, True, True)
+        assert part.records() == cachejournal.chunks_record(2, [(1, 11), (chunks - 1, chunks + 9)])
