@@ -18,7 +18,7 @@ import urllib.parse
 
 from bucketfs import __version__, errors
 from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
-from bucketfs.core.diskcache import check_cache_dir
+from bucketfs.core.cachedir import check_cache_dir
 
 log = logging.getLogger("bucketfs")
 

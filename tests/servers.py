@@ -62,7 +62,6 @@ import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 import botocore.handlers
-import urllib3.exceptions
 
 from bucketfs.config import BucketURL, Config
 

@@ -51,7 +51,7 @@ from bucketfs.core import pagecache
 # (module globals, looked up at each call: tests and benchmarks may replace them)
 from bucketfs.core.cachefiles import WOULD_BLOCK as _WOULD_BLOCK, delete_files as _delete_files
 from bucketfs.core.cachefiles import read_chunks as _read_chunks, write_chunks as _write_chunks
-from bucketfs.core.cachedir import NO_SPACE_ERRNOS, check_cache_dir, claim_dir, dir_error, make_private_dir  # noqa: F401 (their home was here)
+from bucketfs.core.cachedir import NO_SPACE_ERRNOS, dir_error
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +337,7 @@ class DiskCache:
                 self._in_background(self._store_pending, eid, key, version, start, data, object_bytes)
             else:
                 self.stats["disk_cache.skipped_bytes"] += len(data)
+                self.stats["disk_cache.skipped_stores"] += 1
         return data
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
@@ -392,6 +393,7 @@ class DiskCache:
             return
         if self._compacting:  # (a write would wait for the rewrite: this one is skipped)
             self.stats["disk_cache.skipped_bytes"] += len(view)
+            self.stats["disk_cache.skipped_stores"] += 1
             return
         cb = self.chunk_bytes
         end = start + len(view)

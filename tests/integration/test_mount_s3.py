@@ -278,12 +278,21 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
 
     epoch()
     total_bytes = sum(map(len, files.values()))
-    wait_for(lambda: m.stats().get("disk_cache.written_bytes", 0) >= total_bytes, 30, "disk cache writes")
+
+    def stored_or_skipped_bytes():  # (a store the budget cannot lend memory to is skipped: logged in stats)
+        stats = m.stats()
+        return stats.get("disk_cache.written_bytes", 0) + stats.get("disk_cache.skipped_bytes", 0)
+
+    wait_for(lambda: stored_or_skipped_bytes() >= total_bytes, 30, "disk cache writes")
     assert len(list(cache_dir.iterdir())) == 1  # the bucket's directory
-    gets_before = m.stats()["backend.requests.get"]
+    before = m.stats()
+    skipped_stores = before.get("disk_cache.skipped_stores", 0)
+    # Under load a busy 16 MiB budget may skip a few stores (a shard's last bytes while
+    # its read-ahead parts fill it); each costs at most one GET below, and they are rare.
+    assert before.get("disk_cache.skipped_bytes", 0) <= total_bytes // 100
     epoch()
     after = m.stats()
-    assert after["backend.requests.get"] == gets_before
+    assert after["backend.requests.get"] - before["backend.requests.get"] <= skipped_stores
     assert after["disk_cache.hits"] >= len(files) // 2  # the rest were still in memory
     m.close()
     assert len(list(cache_dir.iterdir())) == 1  # kept for the next mount
@@ -293,7 +302,7 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
     epoch()  # byte-identical to the bucket as it is now, or it fails here
     after = m.stats()
-    assert after["backend.requests.get"] == 1  # the changed object only
+    assert 1 <= after["backend.requests.get"] <= 1 + skipped_stores  # the changed object (and what was skipped)
     assert after["disk_cache.loaded_bytes"] >= total_bytes
     assert after["disk_cache.read_ahead_bytes"] == after["disk_cache.loaded_bytes"]  # (42 MB: within half the free memory)
     assert after.get("disk_cache.bad_reads", 0) == 0

@@ -17,7 +17,8 @@ import trio
 
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.core import cachejournal, diskcache, pagecache
-from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache, claim_dir, make_private_dir
+from bucketfs.core.cachedir import claim_dir, make_private_dir
+from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
 from tests.unit.helpers import make_config, read_all, resolve
