@@ -109,8 +109,15 @@ def start_metrics_server(port: int, snapshot_on_trio_thread) -> None:
     log.info("metrics on http://127.0.0.1:%d/metrics", port)
 
 
+# The stats xattr's length, in steps: a caller asks for its size, then for its value,
+# and counters that grew a digit in between would make the read ERANGE. Padded with
+# spaces (JSON ignores them), the length only changes when it crosses a step.
+STATS_LENGTH_STEP_BYTES = 1024
+
+
 def encode_stats(snapshot: dict) -> bytes:
-    return json.dumps(snapshot, sort_keys=True).encode()
+    text = json.dumps(snapshot, sort_keys=True)
+    return text.ljust(-(-(len(text) + 1) // STATS_LENGTH_STEP_BYTES) * STATS_LENGTH_STEP_BYTES).encode()
 
 
 def format_stats(snapshot: dict) -> str:
