@@ -53,7 +53,7 @@ _SIMPLE = [
     ("disk_cache.read_ahead_bytes", "bucketfs_disk_cache_read_ahead_bytes", "Bytes of the local disk cache the kernel was asked at start to read into the page cache", "gauge"),
     ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
     ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
-    ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored: too many writes pending (a slow disk), or the journal being rewritten", "counter"),
+    ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored: too many writes pending (a slow disk), no memory in the budget to hold them, or the journal being rewritten", "counter"),
     ("disk_cache.evictions", "bucketfs_disk_cache_evictions", "Objects deleted from the local disk cache", "counter"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
     ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
@@ -146,7 +146,7 @@ def format_stats(snapshot: dict) -> str:
            f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB; "
            f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
            f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
-           f"not stored (disk busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB"]
+           f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB"]
           if "disk_cache.capacity_bytes" in snapshot else []),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
     ]

@@ -76,13 +76,12 @@ def check_object_size(key: str, content_range: Optional[str], object_bytes: Opti
     its bytes belong at another offset."""
     if not content_range:
         return
-    first, _, total = content_range.removeprefix("bytes").strip().partition("-")
+    span, _, total = content_range.removeprefix("bytes").strip().partition("/")
+    first = span.partition("-")[0]
     if start is not None and first.isdigit() and int(first) != start:
         raise errors.BackendError(f"{key}: asked for bytes from {start}, answered {content_range!r}")
-    if object_bytes is None:
-        return
-    total = content_range.rpartition("/")[2].strip()
-    if total.isdigit() and int(total) != object_bytes:
+    total = total.strip()
+    if object_bytes is not None and total.isdigit() and int(total) != object_bytes:
         raise errors.ObjectChanged(f"{key}: {object_bytes} bytes when listed, {total} now")
 
 

@@ -42,18 +42,26 @@ def write_chunks(data_fd: int, name: str, offset: int, view, chunk_bytes: int, j
     return crcs
 
 
-def delete_files(data_fd: int, journal, entry_nos: list) -> Optional[OSError]:
-    """Delete the entries' files and journal it in one append (a lost record only
-    costs a bad read of the missing file at a later mount); the first error other
-    than a missing file, if any."""
-    first_error = None
-    for entry_no in entry_nos:
+def remove_files(data_fd: int, names) -> tuple:
+    """Delete the files `names` in the directory `data_fd`: (how many went, the first
+    error other than a missing file, or None)."""
+    removed_count, first_error = 0, None
+    for name in names:
         try:
-            os.unlink(cachejournal.data_name(entry_no), dir_fd=data_fd)
+            os.unlink(name, dir_fd=data_fd)
+            removed_count += 1
         except FileNotFoundError:
             pass
         except OSError as exc:
             first_error = first_error or exc
+    return removed_count, first_error
+
+
+def delete_files(data_fd: int, journal, entry_nos: list) -> Optional[OSError]:
+    """Delete the entries' files and journal it in one append (a lost record only
+    costs a bad read of the missing file at a later mount); the first error other
+    than a missing file, if any."""
+    _, first_error = remove_files(data_fd, map(cachejournal.data_name, entry_nos))
     if not journal.broken:
         try:
             journal.append(b"".join(map(cachejournal.delete_record, entry_nos)))

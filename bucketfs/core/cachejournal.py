@@ -187,8 +187,8 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
             eid = hashlib.blake2b(body[:key_len] + b"\0" + body[key_len:], digest_size=16).digest()
             known = ids.get(no)
             if no in conflicts:
-                pass
-            elif known is None:
+                continue
+            if known is None:
                 entries[no] = Entry(no, object_bytes, chunk_bytes, bytes(data[start - _RECORD.size : at]))
                 ids[no] = eid
             elif known != eid:
@@ -196,8 +196,8 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
                 # never reused otherwise). Neither its file nor its CRCs can be trusted.
                 del entries[no], ids[no]
                 conflicts.add(no)
-            if no in entries:  # (a repeated definition, from two first writes at once, keeps the chunks)
-                entries.move_to_end(no)
+                continue
+            entries.move_to_end(no)  # (a repeated definition, from two first writes at once, keeps the chunks)
         elif kind == b"C":
             _, no = _CHUNKS.unpack_from(payload)
             entry = entries.get(no)
@@ -356,15 +356,3 @@ def find_orphans(data_fd: int, live_entry_nos) -> tuple:
             if number not in live:
                 orphans.append(item.name)
     return orphans, highest_no
-
-
-def remove_files(data_fd: int, names) -> int:
-    """Delete the files `names` in the directory `data_fd` (blocking); how many went."""
-    removed = 0
-    for name in names:
-        try:
-            os.unlink(name, dir_fd=data_fd)
-            removed += 1
-        except OSError:
-            pass
-    return removed

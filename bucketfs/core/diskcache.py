@@ -231,8 +231,8 @@ class DiskCache:
         return evicted_count
 
     async def _remove_orphans(self, names: list) -> None:
-        removed_count = await trio.to_thread.run_sync(cachejournal.remove_files, self._data_fd, names,
-                                                      limiter=self._write_limiter)
+        removed_count, _ = await trio.to_thread.run_sync(cachefiles.remove_files, self._data_fd, names,
+                                                         limiter=self._write_limiter)
         log.info("disk cache: removed %d files no entry names", removed_count)
 
     def _start_read_ahead(self) -> None:

@@ -345,10 +345,8 @@ class Namespace:
         ino = listing.children.get(node.name)
         return None if ino is None else self._nodes[ino]
 
-    @staticmethod
-    def _listed(node: Node) -> bool:
-        listing = node.parent.listing  # None once the parent was dropped
-        return listing is not None and listing.children.get(node.name) == node.ino
+    def _listed(self, node: Node) -> bool:
+        return self.current(node) is node
 
     def _drop_vanished(self, parent: Node, old: dict, children: dict) -> None:
         """After a re-listing: drop the nodes that left it and that the kernel holds no
