@@ -130,8 +130,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
-        """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed.
-        `object_bytes`: the size the object has at `version`; an answer that reports
+        """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed or is
+        gone (a handle was opened on a listed object: "no such file" would contradict
+        the listing the reader just saw). `object_bytes`: the size the object has at `version`; an answer that reports
         another total size (Content-Range) is ObjectChanged too."""
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray,
@@ -152,10 +153,18 @@ class Backend(abc.ABC):
         """A 416 (range starts past the end) names no version: a replacement shorter
         than the range would read as EOF. Rare (the core knows sizes from the listing):
         confirm with one metadata request that the pinned version is still there."""
-        current = await self.stat(key)
+        try:
+            current = await self.stat(key)
+        except errors.NotFound:
+            raise errors.ObjectChanged(gone_message(key)) from None
         if current.version != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
         return b""
+
+
+def gone_message(key: str) -> str:
+    return (f"{key}: gone since it was listed (deleted, or a name the store lists but "
+            "cannot serve)")
 
 
 @dataclasses.dataclass(frozen=True)

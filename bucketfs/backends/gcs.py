@@ -42,7 +42,7 @@ from google.cloud import storage
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, read_body)
+                                    check_object_size, gone_message, read_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -263,9 +263,11 @@ class GCSBackend(Backend):
         try:
             live = await self.stat(key)
         except errors.NotFound:
-            return errors.NotFound(key)
+            return errors.ObjectChanged(gone_message(key))
         if live.version == version:
-            return errors.NotFound(key)
+            # Listed and still there at that generation, yet not served: no stale handle
+            # (EIO, logged).
+            return errors.BackendError(f"{key}: generation {version} exists but its GET answered 404")
         return errors.ObjectChanged(f"{key}: generation {version} is now {live.version}")
 
     async def check_bucket(self, prefix: str) -> None:

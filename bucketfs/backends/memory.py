@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import trio
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, ListPage, ObjectInfo
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo, gone_message
 
 _versions = itertools.count(1)
 
@@ -91,7 +91,7 @@ class MemoryBackend(Backend):
         await self._request("get", key)
         info = self._info.get(key)
         if info is None:
-            raise errors.NotFound(key)
+            raise errors.ObjectChanged(gone_message(key))
         if info.version != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {info.version}")
         data = self._data[key][start:end]

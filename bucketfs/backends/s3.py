@@ -37,7 +37,7 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, copy_into, read_body)
+                                    check_object_size, copy_into, gone_message, read_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -260,7 +260,11 @@ class S3Backend(Backend):
         # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
         # the memory budget until it returns (a dropped read-ahead part waits for them),
         # and no thread writes into a buffer after its part has let go of it.
-        result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end, version, buffer)
+        try:
+            result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
+                                            version, buffer)
+        except errors.NotFound:
+            raise errors.ObjectChanged(gone_message(key)) from None
         if result is None:
             data = await self.confirm_past_end(key, version)
             return data if buffer is None else 0

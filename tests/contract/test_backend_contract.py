@@ -377,7 +377,7 @@ def test_read_pinned_to_an_overwritten_version_raises_object_changed(contract_ba
 
 
 @pytest.mark.timeout(30)
-def test_missing_key_is_not_found(contract_backend):
+def test_missing_key_is_not_found_and_a_read_of_it_is_stale(contract_backend):
     t, p = contract_backend, contract_backend.prefix
     t.put(p + "present", b"x")
 
@@ -386,8 +386,12 @@ def test_missing_key_is_not_found(contract_backend):
             await t.backend.stat(p + "absent")
         # A version of the backend's own shape (an ETag, a generation), as a handle would hold.
         version = (await t.backend.stat(p + "present")).version
-        with pytest.raises(errors.NotFound):
+        # A read names an object a listing showed: gone since, it is stale (ESTALE), not
+        # "no such file" for a name `ls` still shows.
+        with pytest.raises(errors.ObjectChanged, match="gone since it was listed"):
             await t.backend.read_range(p + "absent", 0, 10, version)
+        with pytest.raises(errors.ObjectChanged, match="gone since it was listed"):
+            await _read_into(t.backend, p + "absent", 0, 10, version)
         # (No `stat(p + "present/")` here: rclone strips the slash and finds the file.)
 
     trio.run(body)

@@ -88,7 +88,7 @@ def test_version_pinning_in_every_server_mode(make_backend, gcs_server, bucket, 
                 await backend.read_range("obj", start, end, old.version)
         assert await backend.read_range("obj", 0, 9, new.version) == b"NEW-BYTES"
         gcs_server.delete(bucket, "obj")
-        with pytest.raises(errors.NotFound):
+        with pytest.raises(errors.ObjectChanged, match="gone since it was listed"):
             await backend.read_range("obj", 0, 9, new.version)
 
     trio.run(main)
