@@ -256,6 +256,21 @@ def fuse_options(config) -> set:
     return options
 
 
+async def empty_prefix_notice(backend, url) -> str:
+    """What to tell the user whose prefix lists nothing: a mistyped prefix would
+    otherwise reach the training script as "Found 0 files", far from its cause. One
+    request more, in this case only: is the prefix an object's key?"""
+    if url.prefix:
+        try:
+            await backend.stat(url.prefix[:-1])
+        except errors.BucketfsError:
+            pass
+        else:
+            return (f"{url} is empty: {url.scheme}://{url.bucket}/{url.prefix[:-1]} is an object, not a "
+                    "folder (mount the folder that holds it)")
+    return f"{url} is empty: nothing is stored under it (a mistyped prefix?)"
+
+
 async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] = None) -> None:
     """Check the bucket, mount, serve until unmounted or signalled, then clean up.
 
@@ -272,7 +287,8 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
     except errors.BucketfsError as exc:
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     try:
-        await backend.check_bucket(config.url.prefix)
+        if not await backend.check_bucket(config.url.prefix):
+            log.warning("%s", await empty_prefix_notice(backend, config.url))
     except errors.BucketfsError as exc:
         await backend.aclose()
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None

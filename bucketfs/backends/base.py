@@ -143,8 +143,10 @@ class Backend(abc.ABC):
         return copy_into(buffer, await self.read_range(key, start, end, version, object_bytes=object_bytes))
 
     @abc.abstractmethod
-    async def check_bucket(self, prefix: str) -> None:
-        """Cheap probe before mounting: raises BucketNotFound, AccessDenied or EndpointUnreachable."""
+    async def check_bucket(self, prefix: str) -> bool:
+        """Cheap probe before mounting: raises BucketNotFound, AccessDenied or
+        EndpointUnreachable. True if `prefix` lists anything besides its own directory
+        marker (a mistyped prefix mounts as an empty directory: the caller says so)."""
 
     async def aclose(self) -> None:
         """Release connections and threads."""
@@ -160,6 +162,12 @@ class Backend(abc.ABC):
         if current.version != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
         return b""
+
+
+def lists_entries(keys, prefixes_count: int, prefix: str) -> bool:
+    """What check_bucket answers, from a probe page of at most two entries (the
+    first of which may be the prefix's own directory marker)."""
+    return prefixes_count > 0 or any(key != prefix for key in keys)
 
 
 def gone_message(key: str) -> str:

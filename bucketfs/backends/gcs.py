@@ -42,7 +42,7 @@ from google.cloud import storage
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, gone_message, read_body)
+                                    check_object_size, gone_message, lists_entries, read_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -270,19 +270,21 @@ class GCSBackend(Backend):
             return errors.BackendError(f"{key}: generation {version} exists but its GET answered 404")
         return errors.ObjectChanged(f"{key}: generation {version} is now {live.version}")
 
-    async def check_bucket(self, prefix: str) -> None:
+    async def check_bucket(self, prefix: str) -> bool:
         def probe():
             bucket = self._get_bucket()
+            # Two entries: the first may be the prefix's own directory marker.
             iterator = bucket.client.list_blobs(
-                bucket, prefix=prefix or None, delimiter="/", max_results=1,
-                fields="nextPageToken", retry=None, timeout=self._timeout_s)
-            next(iterator.pages)
+                bucket, prefix=prefix or None, delimiter="/", max_results=2,
+                fields="items(name),prefixes,nextPageToken", retry=None, timeout=self._timeout_s)
+            page = next(iterator.pages)
+            return lists_entries([blob.name for blob in page], len(iterator.prefixes), prefix)
 
         where = f"gs://{self._bucket_name}/{prefix}"
         self.requests["list"] += 1
         try:
             with trio.fail_after(_PROBE_DEADLINE_S):
-                await self.caller.call(f"probe {where}", probe, abandon_on_cancel=True)
+                return await self.caller.call(f"probe {where}", probe, abandon_on_cancel=True)
         except trio.TooSlowError:
             raise errors.EndpointUnreachable(f"{where}: no answer within {_PROBE_DEADLINE_S:.0f}s") from None
         except errors.NotFound as exc:

@@ -98,5 +98,6 @@ class MemoryBackend(Backend):
         self.bytes_fetched += len(data)
         return data
 
-    async def check_bucket(self, prefix: str) -> None:
+    async def check_bucket(self, prefix: str) -> bool:
         await self._request("list", prefix)
+        return any(key.startswith(prefix) and key != prefix for key in self._sorted_keys)

@@ -37,7 +37,8 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, copy_into, gone_message, read_body)
+                                    check_object_size, copy_into, gone_message, lists_entries,
+                                    read_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -275,7 +276,7 @@ class S3Backend(Backend):
         self.bytes_fetched += body if buffer is not None else len(body)
         return body
 
-    async def check_bucket(self, prefix: str) -> None:
+    async def check_bucket(self, prefix: str) -> bool:
         self.requests["list"] += 1
         # Its own short-timeout client and few attempts: the user waits for this answer.
         # (Made in a thread: building a client reads botocore's service models.)
@@ -286,7 +287,8 @@ class S3Backend(Backend):
         probe = BlockingCaller(1, RetryPolicy(min(policy.attempts_count, PROBE_ATTEMPTS_COUNT), policy.base_delay_s,
                                               policy.max_delay_s), classify)
         try:
-            await probe.call(f"probe LIST {prefix!r}", self._list_blocking, probe_client, prefix, None, 1)
+            # Two keys: the first may be the prefix's own directory marker.
+            response = await probe.call(f"probe LIST {prefix!r}", self._list_blocking, probe_client, prefix, None, 2)
         except errors.TransientError as exc:
             if isinstance(exc.__cause__, botocore.exceptions.SSLError):
                 raise errors.EndpointUnreachable(f"{exc} (a certificate signed by a private CA? "
@@ -297,6 +299,8 @@ class S3Backend(Backend):
         finally:
             probe_client.close()
             self.caller.retries_count += probe.retries_count
+        return lists_entries((item["Key"] for item in response.get("Contents", ())),
+                             len(response.get("CommonPrefixes", ())), prefix)
 
     async def aclose(self) -> None:
         self.lean.close()

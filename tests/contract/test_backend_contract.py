@@ -202,10 +202,15 @@ def _children(page, prefix: str) -> list:
 # -- the contract -----------------------------------------------------------------
 
 @pytest.mark.timeout(30)
-def test_check_bucket_accepts_an_existing_bucket(contract_backend):
-    t = contract_backend
-    trio.run(t.backend.check_bucket, t.prefix)
-    trio.run(t.backend.check_bucket, "")
+def test_check_bucket_accepts_an_existing_bucket_and_says_if_the_prefix_lists_anything(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    assert trio.run(t.backend.check_bucket, p + "nothing-here/") is False
+    t.put(p + "folder/a.jpg", b"x")
+    t.put(p + "file", b"y")
+    assert trio.run(t.backend.check_bucket, p) is True  # a folder and a file
+    assert trio.run(t.backend.check_bucket, p + "folder/") is True
+    assert trio.run(t.backend.check_bucket, p + "file/") is False  # an object, not a folder
+    assert trio.run(t.backend.check_bucket, "") is True
 
 
 @pytest.mark.timeout(30)

@@ -188,6 +188,23 @@ def test_object_over_5_gib_reads_at_any_offset(rclone_server, s3_bucket, mount_f
         os.close(fd)
 
 
+def test_an_empty_prefix_mounts_with_a_warning_that_names_the_cause(moto_server, mount_factory):
+    """A mistyped prefix, or an object's key given as the prefix, mounts an empty
+    directory (the store cannot tell a typo from a folder yet to be filled), and says
+    so at once, rather than as a loader's "Found 0 files" later."""
+    bucket = moto_server.new_bucket()
+    moto_server.put(bucket, "data/a.jpg", b"x")
+    moto_server.put(bucket, "data.tar", b"not a folder")
+    typo = mount_factory(moto_server, bucket, "dat")
+    assert os.listdir(typo.mountpoint) == []
+    assert f"s3://{bucket}/dat/ is empty: nothing is stored under it" in typo.stderr_text
+    an_object = mount_factory(moto_server, bucket, "data.tar")
+    assert f"s3://{bucket}/data.tar is an object, not a folder" in an_object.stderr_text
+    good = mount_factory(moto_server, bucket, "data")
+    assert os.listdir(good.mountpoint) == ["a.jpg"]
+    assert "is empty" not in good.stderr_text
+
+
 @pytest.mark.parametrize("server_name", ["rclone_server", "moto_server"])
 def test_overwrite_mid_read_gives_estale_never_mixed_bytes(request, server_name, mount_factory):
     server = request.getfixturevalue(server_name)
