@@ -192,7 +192,7 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def readdir(self, fh, start_id, token):
         counting = self._count_lookups
-        for i, node in enumerate(self.fs.readdir(fh, start_id), start=start_id + 1):
+        for i, node in enumerate(await self.fs.readdir(fh, start_id), start=start_id + 1):
             if counting:
                 # Re-listed since this handle's snapshot? Send what the name is now (a
                 # rewritten file's new node: the old one may be dropped, and its number

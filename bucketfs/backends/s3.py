@@ -228,12 +228,9 @@ class S3Backend(Backend):
         self.requests["list"] += 1
         raw_objects, prefixes, next_token, truncated = await self.caller.call(
             f"LIST {prefix!r}", self._list_page_blocking, prefix, token, abandon_on_cancel=True)
-        objects = [
-            ObjectInfo(key, size, mtime_ns, normalise_etag(etag))
-            for key, size, mtime_ns, etag in raw_objects
-            # A directory marker object (key == prefix) is the directory itself, not a child.
-            if key != prefix
-        ]
+        # (A directory marker object, key == prefix, is among them: the namespace knows it
+        # for the directory itself.)
+        objects = [ObjectInfo(key, size, mtime_ns, normalise_etag(etag)) for key, size, mtime_ns, etag in raw_objects]
         if truncated and not next_token:
             # A silently short directory would be worse than an error.
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")

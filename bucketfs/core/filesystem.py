@@ -69,6 +69,15 @@ class FileHandle:
         self.reader = reader
 
 
+class DirHandle:
+    """A snapshot of a directory's children: offsets stay stable while it is open."""
+
+    __slots__ = ("ino", "children", "read_from_start")
+
+    def __init__(self, ino: int, children):
+        self.ino, self.children, self.read_from_start = ino, children, False
+
+
 class Filesystem:
     def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
                  disk_cache_dir_fd: Optional[int] = None):
@@ -103,19 +112,25 @@ class Filesystem:
         return self.ns.node(ino)
 
     async def opendir(self, ino: int) -> int:
-        children = await self.ns.list_dir(ino)
+        handle = DirHandle(ino, await self.ns.list_dir(ino))
         dh = next(self._fh_counter)
-        self._dir_handles[dh] = children  # a snapshot: offsets stay stable while it is open
+        self._dir_handles[dh] = handle
         return dh
 
-    def readdir(self, dh: int, start_index: int):
+    async def readdir(self, dh: int, start_index: int):
         """Children from `start_index` on (an iterator); entry i's next offset is i + 1.
         Not a slice: each READDIR takes a few dozen entries, and copying the rest of a
         100,000-entry snapshot every time made a listing quadratic."""
         try:
-            children = self._dir_handles[dh]
+            handle = self._dir_handles[dh]
         except KeyError:
             raise errors.NotFound(f"directory handle {dh}") from None
+        if start_index == 0 and handle.read_from_start and not self.config.immutable:
+            # rewinddir(): POSIX asks for the directory as it is now, not as it was at
+            # opendir (within the TTL, the same listing).
+            handle.children = await self.ns.list_dir(handle.ino)
+        handle.read_from_start = True
+        children = handle.children
         return (children[i] for i in range(start_index, len(children)))
 
     def releasedir(self, dh: int) -> None:

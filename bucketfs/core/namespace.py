@@ -286,8 +286,10 @@ class Namespace:
             children[name] = self._child(node, old.get(name), name, True, None)
         for info in objects:
             name = info.key[len(prefix):]
-            if name == "":
-                continue  # the directory's own marker object (`dir/`)
+            if name == "":  # the directory's own marker object (`dir/`)
+                if info.size_bytes:
+                    self._warn_once(info.key, f"a directory marker holding {info.size_bytes} bytes: not shown")
+                continue
             if not valid_component(name):
                 self._warn_once(info.key, "not a valid file name")
                 continue

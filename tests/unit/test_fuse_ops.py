@@ -55,6 +55,32 @@ def test_a_file_rewritten_between_readdir_calls_is_listed_once_as_its_new_versio
     assert dict((name, ino) for name, ino, _ in entries)["f5"] == new_f5_ino
 
 
+def test_rewinddir_shows_the_directory_as_it_is_now_with_a_ttl_and_the_snapshot_without(monkeypatch):
+    """rewinddir (a READDIR from offset 0 on a handle already read) must show the
+    directory's current state (POSIX); it replayed the snapshot taken at opendir."""
+    monkeypatch.setattr(pyfuse3, "readdir_reply", fake_readdir_reply)
+
+    def names_before_and_after_rewind(**config):
+        backend = MemoryBackend({"d/a": b"x", "d/b": b"y"})
+
+        async def body(fs):
+            ops = FuseOperations(fs, fs.config)
+            d = await resolve(fs, "d")
+            dh = await ops.opendir(d.ino, None)
+            first, again = ReplyBuffer(100), ReplyBuffer(100)
+            await ops.readdir(dh, 0, first)
+            backend.put("d/new", b"z")
+            await trio.sleep(2)  # past the TTL, if any
+            await ops.readdir(dh, 0, again)  # rewinddir()
+            return [e[0] for e in first.entries], [e[0] for e in again.entries]
+
+        return run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), **config)
+
+    assert names_before_and_after_rewind(metadata_ttl_s=1) == (["a", "b"], ["a", "b", "new"])
+    # Immutable default: the listing is the mount's for good; a rewind costs no LIST.
+    assert names_before_and_after_rewind() == (["a", "b"], ["a", "b"])
+
+
 def test_the_stats_size_query_and_read_get_the_same_bytes():
     """getxattr(size 0) then getxattr(that size): counters that grow a digit in between
     (a busy mount) made the read fail with ERANGE for callers that do not retry."""

@@ -14,9 +14,10 @@ def names(nodes):
     return [(n.name, n.is_dir) for n in nodes]
 
 
-def test_tree_from_keys_prefixes_and_markers():
+def test_tree_from_keys_prefixes_and_markers(caplog):
     backend = MemoryBackend({
         "data/a.txt": b"a", "data/sub/b.txt": b"bb", "data/empty/": b"", "data/sub/deeper/c": b"c", "other/x": b"x",
+        "data/sub/": b"marker bytes",  # a marker with content: the directory wins, and says so
     })
 
     async def body(fs):
@@ -28,6 +29,8 @@ def test_tree_from_keys_prefixes_and_markers():
     assert root == [("a.txt", False), ("empty", True), ("sub", True)]
     assert sub == [("b.txt", False), ("deeper", True)]
     assert empty == []
+    assert [r.message for r in caplog.records if "skipping key" in r.message] == [
+        "skipping key 'data/sub/': a directory marker holding 12 bytes: not shown"]
 
 
 def test_listed_file_stat_and_open_cost_no_head():
