@@ -6,7 +6,11 @@ Invariants:
   mounted.
 - `on_ready` is called only once the mount answers a stat from another thread.
 - SIGTERM/SIGINT end the FUSE loop; the mount is then detached (lazily if busy:
-  libfuse unmounts with MNT_DETACH) and the process exits 0.
+  libfuse unmounts with MNT_DETACH) and the process exits 0. SIGHUP does too only in
+  a terminal's foreground (the terminal hung up); anywhere else (daemonised, systemd)
+  it is logrotate's signal and the mount keeps serving.
+- SIGINT before the mount is attached ends the process at once (exit 130): nothing
+  is mounted yet, and a probe of a hung store must not hold a Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import logging.handlers
 import os
 import re
 import shutil
@@ -247,6 +252,48 @@ def raise_fuse_background(dev: int, max_background: int) -> None:
             return
 
 
+# -- signals ----------------------------------------------------------------------
+# Until the signal watcher holds SIGINT, a Ctrl-C ends the process at once: trio would
+# deliver it only once a worker thread (the bucket probe, up to its timeouts on a hung
+# store) returns. Nothing is mounted before the watcher runs (it starts before
+# pyfuse3.init), so there is nothing to undo. Cleared when the watcher takes over.
+_sigint_exits_now = [True]
+
+
+def _on_sigint_at_startup(signum, frame) -> None:
+    if not _sigint_exits_now[0]:
+        return  # the stop is under way, bounded by STOP_DEADLINE_S: a further Ctrl-C waits for it
+    os.write(2, b"bucketfs: interrupted\n")
+    os._exit(errors.EXIT_INTERRUPTED)
+
+
+def has_controlling_terminal() -> bool:
+    try:
+        os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
+        return True
+    except OSError:
+        return False  # daemonised (setsid), under systemd, or started without a terminal
+
+
+def hangup_stops(config) -> bool:
+    """SIGHUP means "your terminal is gone" only to a foreground mount that has one;
+    to a daemon or a systemd service it can only be a deliberate kill -HUP (logrotate)."""
+    return config.foreground and has_controlling_terminal()
+
+
+def _install_startup_signal_handlers(config) -> None:
+    _sigint_exits_now[0] = True
+    signal.signal(signal.SIGINT, _on_sigint_at_startup)
+    if not hangup_stops(config):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the watcher logs it once mounted)
+
+
+def _reopen_log_files() -> None:
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.handlers.WatchedFileHandler):
+            handler.reopenIfNeeded()
+
+
 # -- serving ----------------------------------------------------------------------
 def fuse_options(config) -> set:
     options = set(pyfuse3.default_options)
@@ -276,6 +323,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
+    _install_startup_signal_handlers(config)
     # The user named an endpoint (an option or the SDKs' own variables): an odd answer
     # points at it; otherwise at something between us and the default endpoint.
     endpoint_given = bool(config.endpoint_url or any(
@@ -327,6 +375,9 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
                 # Bound before mounting: a port in use fails the mount with one line
                 # rather than ending a mount that is already serving.
                 _start_metrics(config.metrics_port, fs.snapshot)
+            # Signals from here on are the watcher's: one that arrives before the FUSE
+            # loop runs is handled once it does, so nothing is left mounted.
+            await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops(config))
             try:
                 pyfuse3.init(ops, config.mountpoint, fuse_options(config))
             except RuntimeError as exc:
@@ -336,7 +387,6 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
             log.info("mounted %s on %s", config.url, config.mountpoint)
             if on_fs is not None:
                 on_fs(fs, nursery)
-            nursery.start_soon(_watch_signals, config.mountpoint, detached)
             max_background = max(FUSE_MAX_BACKGROUND_MIN, 2 * config.max_connections_count)
             nursery.start_soon(_announce_ready, config.mountpoint, max_background, on_ready)
             try:
@@ -372,30 +422,43 @@ def _start_metrics(port: int, snapshot) -> None:
                                errors.EXIT_METRICS_PORT) from None
 
 
-async def _watch_signals(mountpoint: str, detached: list) -> None:
+async def _watch_signals(mountpoint: str, detached: list, hangup_stops: bool,
+                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """First signal: detach the mount (no new opens) and let open files finish; the
     FUSE loop ends by itself when the last one closes. A second signal, or the grace
-    period running out, ends it at once."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    period running out, ends it at once. SIGHUP counts only if `hangup_stops`;
+    otherwise it reopens --log-file and the mount serves on."""
+    stop_signals = {signal.SIGTERM, signal.SIGINT} | ({signal.SIGHUP} if hangup_stops else set())
+
+    async def next_stop_signal(signals) -> str:
         async for signum in signals:
-            if detached:
-                log.info("received %s again; stopping now", signal.Signals(signum).name)
-                break
-            log.info("received %s; detaching %s (open files may finish for %.0f s)", signal.Signals(signum).name, mountpoint, SHUTDOWN_GRACE_S)
+            if signum in stop_signals:
+                return signal.Signals(signum).name
+            _reopen_log_files()
+            log.info("received SIGHUP; log file reopened, the mount serves on (SIGTERM stops it)")
+        raise AssertionError("a signal receiver never ends")
+
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            _sigint_exits_now[0] = False
+            task_status.started()
+            name = await next_stop_signal(signals)
+            log.info("received %s; detaching %s (open files may finish for %.0f s)", name, mountpoint, SHUTDOWN_GRACE_S)
             sd_notify("STOPPING=1")
-            # Under systemd, ExecStop (bucketfs unmount --lazy) has usually detached it already.
-            if await trio.to_thread.run_sync(os.path.ismount, mountpoint):
-                try:
+            try:
+                # Under systemd, ExecStop (bucketfs unmount --lazy) has usually detached it already.
+                if await trio.to_thread.run_sync(os.path.ismount, mountpoint):
                     await trio.to_thread.run_sync(unmount, mountpoint, True)
-                except errors.UserError as exc:
-                    log.warning("%s; stopping now", exc)
-                    break
-            detached.append(True)
-            with trio.move_on_after(SHUTDOWN_GRACE_S):
-                async for signum in signals:
-                    log.info("received %s again; stopping now", signal.Signals(signum).name)
-                    break
-            break
+                detached.append(True)
+            except errors.UserError as exc:
+                log.warning("%s; stopping now", exc)
+            if detached:
+                with trio.move_on_after(SHUTDOWN_GRACE_S):
+                    log.info("received %s again; stopping now", await next_stop_signal(signals))
+    finally:
+        # Back to the startup handler, which now ignores SIGINT: the stop is bounded
+        # by the deadline below.
+        _sigint_exits_now[0] = False
     pyfuse3.terminate()
     # Cancelled when the FUSE loop ends in time (the nursery is cancelled then).
     await trio.sleep(STOP_DEADLINE_S)
@@ -434,4 +497,10 @@ async def _announce_ready(mountpoint: str, max_background: int, on_ready: Callab
     # trio thread that serves it, could wait on itself.
     raise_kernel_readahead(st.st_dev)
     raise_fuse_background(st.st_dev, max_background)
-    on_ready()
+    try:
+        on_ready()
+    except BrokenPipeError:
+        # The `bucketfs mount` that forked this daemon is gone (Ctrl-C, killed) and
+        # nobody will be told the mount exists: it was cancelled, so undo it.
+        log.warning("the bucketfs mount command that started this daemon is gone (interrupted); unmounting")
+        pyfuse3.terminate()

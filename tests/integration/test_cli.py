@@ -385,3 +385,178 @@ def test_the_daemon_leaves_the_callers_directory_and_relative_paths_work(rclone_
         wait_for(lambda: "unmounted" in (tmp_path / log_name).read_text(), MOUNT_DEADLINE_S, "daemon exit")
     finally:
         force_unmount(mountpoint)
+
+
+# -- logging and signals (session 15 review) ----------------------------------------
+def _child_pids(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _pid_is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has stopped
+    except OSError:
+        return True
+
+
+def test_log_file_is_honoured_in_the_foreground_and_sighup_without_a_terminal_keeps_serving(
+        rclone_server, s3_bucket, empty_dir, tmp_path):
+    """The systemd unit runs --foreground: --log-file was ignored there, and SIGHUP (a
+    logrotate postrotate) unmounted the data under a training job."""
+    rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
+    log_file = tmp_path / "bucketfs.log"
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server),
+              ("--endpoint-url", rclone_server.endpoint_url, "--log-file", str(log_file)), new_session=True)
+    try:
+        assert "mounted s3://" in log_file.read_text()
+        log_file.rename(tmp_path / "bucketfs.log.1")  # logrotate's rename
+        m.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
+                 "the SIGHUP line in a reopened log file", m.proc)
+        assert m.proc.poll() is None and os.path.ismount(empty_dir)
+        assert open(m.path("a.txt")).read() == "a"
+    finally:
+        m.close()
+
+
+def test_sighup_to_a_daemonised_mount_keeps_it_and_a_rotated_log_file_is_reopened(rclone_server, s3_bucket, empty_dir, tmp_path):
+    rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
+    log_file = tmp_path / f"daemon-{os.getpid()}-{free_port()}.log"  # unique: finds the daemon's PID
+    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--log-file", str(log_file), env=server_env(rclone_server))
+    try:
+        assert proc.returncode == 0, proc.stderr
+        (pid,) = _pids_with_arg(str(log_file))
+        log_file.rename(tmp_path / "rotated.log")
+        os.kill(pid, signal.SIGHUP)
+        wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
+                 "the SIGHUP line in a reopened log file")
+        assert os.path.ismount(empty_dir) and open(os.path.join(empty_dir, "a.txt")).read() == "a"
+        assert run_cli("unmount", empty_dir).returncode == 0
+        wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
+        assert "ERROR" not in log_file.read_text()
+    finally:
+        force_unmount(empty_dir)
+
+
+def test_a_terminal_hangup_stops_a_foreground_mount(rclone_server, s3_bucket, empty_dir, tmp_path):
+    """In a terminal's foreground, SIGHUP means the terminal is gone: stop as on SIGTERM."""
+    import fcntl
+    import pty
+    import termios
+
+    master_fd, slave_fd = pty.openpty()
+
+    def in_its_own_terminal():
+        _die_with_parent()
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # stdin is the pty: it becomes the controlling terminal
+
+    log_file = tmp_path / "bucketfs.log"
+    with open(tmp_path / "stderr", "wb") as err:
+        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "-f", "--endpoint-url",
+                                             rclone_server.endpoint_url, "--log-file", str(log_file)),
+                                env=server_env(rclone_server), stdin=slave_fd, stdout=err, stderr=err,
+                                preexec_fn=in_its_own_terminal)
+    os.close(slave_fd)
+    try:
+        wait_for(lambda: os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "mount", proc)
+        os.close(master_fd)  # the terminal hangs up: the kernel sends SIGHUP to its session leader
+        master_fd = None
+        assert proc.wait(timeout=30) == 0
+        assert not os.path.ismount(empty_dir)
+        assert "received SIGHUP; detaching" in log_file.read_text()
+    finally:
+        if master_fd is not None:
+            os.close(master_fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def silent_store():
+    """An endpoint that accepts connections and never answers: a hung store. Yields
+    (url, listener); listener.accept() returns once a client is waiting on it."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listener.settimeout(MOUNT_DEADLINE_S)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path):
+    """The parent exited 130 silently and left the daemon running; it mounted later."""
+    with silent_store() as (url, listener):
+        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", url,
+                                             "--log-file", str(tmp_path / "bucketfs.log")),
+                                env=dict(os.environ, **FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=_die_with_parent)
+        try:
+            conn, _ = listener.accept()  # the daemon is probing the store, the parent waits for it
+            with conn:
+                (daemon_pid,) = _child_pids(proc.pid)
+                proc.send_signal(signal.SIGINT)
+                out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert proc.returncode == errors.EXIT_INTERRUPTED, err
+    assert err == "bucketfs: interrupted\n" and out == ""
+    assert _pid_is_gone(daemon_pid)
+    assert not os.path.ismount(empty_dir)
+
+
+def test_a_daemon_whose_mount_command_is_gone_unmounts_without_a_traceback(tmp_path, empty_dir):
+    """The parent killed while the daemon waits on a slow store: once the store answers,
+    the daemon mounts, cannot report readiness, and takes that as cancelled."""
+    log_file = tmp_path / "bucketfs.log"
+    with rclone_s3_server(tmp_path / "store") as server:
+        bucket = server.new_bucket()
+        server.write_files(bucket, {"a.txt": b"a"})
+        env = server_env(server)
+        os.kill(server.pid, signal.SIGSTOP)  # the probe waits
+        try:
+            proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{bucket}/", empty_dir, "--endpoint-url",
+                                                 server.endpoint_url, "--log-file", str(log_file)),
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent)
+            wait_for(lambda: _child_pids(proc.pid), MOUNT_DEADLINE_S, "the daemon forked", proc)
+            (daemon_pid,) = _child_pids(proc.pid)
+            proc.kill()
+            proc.wait(timeout=10)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        try:
+            wait_for(lambda: _pid_is_gone(daemon_pid), MOUNT_DEADLINE_S, "the daemon's exit")
+            text = log_file.read_text()
+            assert "is gone (interrupted); unmounting" in text and "unmounted" in text, text
+            assert "Traceback" not in text and " ERROR " not in text, text
+            assert not os.path.ismount(empty_dir)
+        finally:
+            if not _pid_is_gone(daemon_pid):
+                os.kill(daemon_pid, signal.SIGKILL)
+
+
+def test_ctrl_c_in_the_foreground_is_prompt_while_the_store_hangs(empty_dir):
+    """trio delivered the KeyboardInterrupt only once the probe's thread returned (7.6 s)."""
+    with silent_store() as (url, listener):
+        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", empty_dir, "-f", "--endpoint-url", url),
+                                env=dict(os.environ, **FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=_die_with_parent)
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                proc.send_signal(signal.SIGINT)
+                # The probe's read timeout is 10 s: an answer well within it was not waiting for the thread.
+                out, err = proc.communicate(timeout=5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert proc.returncode == errors.EXIT_INTERRUPTED
+    assert err.strip().splitlines()[-1] == "bucketfs: interrupted"
+    assert not os.path.ismount(empty_dir)

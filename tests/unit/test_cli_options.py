@@ -154,3 +154,51 @@ def test_allow_other_as_a_user_needs_user_allow_other_in_fuse_conf(tmp_path, mon
     mount.check_allow_other_permitted(False, str(conf))  # not asked for: fine
     conf.write_text("user_allow_other  # for bucketfs\n")
     mount.check_allow_other_permitted(True, str(conf))
+
+
+def _parent_hears(config, report: str):
+    """What `bucketfs mount` makes of its daemon's `report` on the readiness pipe."""
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, report.encode())
+    os.close(write_fd)
+    return cli._wait_for_daemon(config, 0, read_fd)
+
+
+def test_a_daemon_with_nowhere_to_log_says_so_once_mounted(capsys, monkeypatch, tmp_path):
+    """No /dev/log (containers): the daemon's log went to a NullHandler, unannounced."""
+    import socket
+
+    from bucketfs.config import Config
+    monkeypatch.setattr(cli, "SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
+    config = Config(url=parse_bucket_url("s3://bkt/x"), mountpoint="/nonexistent")
+    assert _parent_hears(config, "READY\n") == errors.EXIT_OK
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("bucketfs: warning:") and "discarded" in line and "--log-file" in line
+    with pytest.raises(errors.UserError):  # a failure stays its one line
+        _parent_hears(config, "ERROR 5 s3://bkt/x/: endpoint unreachable\n")
+    assert capsys.readouterr().err == ""
+    with_log_file = Config(url=config.url, mountpoint=config.mountpoint, log_file=str(tmp_path / "x.log"))
+    assert _parent_hears(with_log_file, "READY\n") == errors.EXIT_OK
+    assert capsys.readouterr().err == ""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as syslog:
+        syslog.bind(str(tmp_path / "no-syslog"))  # now there is one
+        assert _parent_hears(config, "READY\n") == errors.EXIT_OK
+    assert capsys.readouterr().err == ""
+
+
+def test_log_file_is_watched_for_rotation(tmp_path):
+    import logging.handlers
+
+    from bucketfs.config import Config
+    config = Config(url=parse_bucket_url("s3://bkt/x"), mountpoint="/nonexistent", log_file=str(tmp_path / "x.log"))
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level  # pytest's own capture
+    try:
+        for daemon in (True, False):  # --foreground too
+            cli.setup_logging(config, daemon=daemon)
+            (handler,) = root.handlers
+            assert isinstance(handler, logging.handlers.WatchedFileHandler)
+            handler.close()
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
