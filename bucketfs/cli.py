@@ -181,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def mount_options() -> dict:
+    """{long option of `bucketfs mount`: whether it takes a value}, for the fstab helper."""
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: action.nargs != 0 for action in subparsers.choices["mount"]._actions
+            for name in action.option_strings if name.startswith("--") and name != "--help"}
+
+
 def _check_endpoint_url(url: str) -> None:
     try:
         parts = urllib.parse.urlsplit(url)
@@ -229,6 +237,7 @@ def config_from_args(args) -> Config:
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
     return Config(
         url=url,
+        source=args.url,
         # realpath, not abspath: the kernel records the resolved path, and the signal
         # handler's ismount() and check_mountpoint must look at that one. Absolute
         # also because the daemon changes its directory to /.

@@ -59,6 +59,9 @@ DEFAULT_SHARD_GLOBS = ("*.tar", "*.tar.gz", "*.tgz", "*.tar.zst")
 class Config:
     url: BucketURL
     mountpoint: str
+    # The URL as the user wrote it: the mount's source in /proc/mounts, which mount(8)
+    # compares with fstab's first field to tell whether a line is mounted already.
+    source: str = ""
 
     # Backend access.
     endpoint_url: Optional[str] = None

@@ -8,11 +8,14 @@ options (ro, rw, defaults, _netdev, nofail, x-systemd.*, ...) are accepted and i
 the mount is read-only whatever they say (mount(8) itself adds `rw` to any line
 without `ro`). Lists inside a value (`shard_globs`) use `:` between items, since `,`
 separates the options. The helper daemonises and returns once the mount answers, as
-mount(8) expects.
+mount(8) expects (so `foreground` is refused). Errors name options as fstab writes
+them. A line already mounted and serving is not mounted again (exit 0): the mount's
+source is SOURCE as written, which is also how `mount -a` tells it is mounted.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from bucketfs import cli, errors
@@ -25,24 +28,31 @@ _GENERIC = {
     "nosuid", "suid", "nodev", "dev", "exec", "noexec", "relatime", "noatime", "atime", "nodiratime",
     "strictatime", "lazytime", "sync", "async", "loud", "silent",
 }
-_FLAGS = {"allow_other", "no_sign_request", "foreground"}
+# mount(8) waits for its helper to return: a foreground mount never would.
+_REFUSED = {"foreground": "mount(8) would wait forever for a mount that never returns (the helper "
+                          "daemonises once mounted, as mount(8) expects)"}
 
 
 def options_to_argv(options: str) -> list:
+    known = cli.mount_options()  # {"--max-memory": takes a value, ...}
     argv = []
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, sep, value = item.partition("=")
         name = key.replace("-", "_")
         if name in _GENERIC or key.startswith(("x-", "comment")):
             continue
+        if name in _REFUSED:
+            raise errors.UserError(f"fstab option {name!r} cannot be used: {_REFUSED[name]}", errors.EXIT_USAGE)
+        option = f"--{name.replace('_', '-')}"
+        if option not in known:
+            raise errors.UserError(f"unknown fstab option {key!r} (bucketfs mount's options, written as "
+                                   "max_memory=4G or allow_other; see bucketfs mount --help)", errors.EXIT_USAGE)
+        if known[option] != bool(sep):
+            wanted = f"{name}=VALUE" if known[option] else f"{name}, without a value"
+            raise errors.UserError(f"fstab option {item!r}: write it as {wanted}", errors.EXIT_USAGE)
         if name == "shard_globs":
             value = value.replace(":", ",")  # (the CLI's comma list; commas split fstab options)
-        if sep:
-            argv += [f"--{name.replace('_', '-')}", value]
-        elif name in _FLAGS:
-            argv.append(f"--{name.replace('_', '-')}")
-        else:
-            raise errors.UserError(f"unknown mount option {item!r} (options are bucketfs mount's, as key=value)", errors.EXIT_USAGE)
+        argv += [option, value] if sep else [option]
     return argv
 
 
@@ -66,10 +76,29 @@ def parse_mount_args(args: list):
     return positional[0], positional[1], ",".join(options)
 
 
+def already_mounted(source: str, mountpoint: str) -> bool:
+    """This very line is mounted and serving: `mount /mnt/data` again is then a no-op, as
+    `mount -a` makes it (a dead mount is not: a new mount recovers it)."""
+    from bucketfs import mount  # imports pyfuse3: only needed for mounting
+
+    path = os.path.realpath(mountpoint)
+    if mount.mount_entry(path) != (mount.FUSE_TYPE, source):
+        return False
+    try:
+        os.stat(path)  # the daemon answers this itself, without asking the store
+    except OSError:
+        return False  # ENOTCONN: its daemon died
+    return True
+
+
 def main(argv=None) -> int:
     try:
         source, mountpoint, options = parse_mount_args(list(sys.argv[1:] if argv is None else argv))
-        return cli.main(["mount", source, mountpoint, *options_to_argv(options)])
+        mount_argv = options_to_argv(options)
+        if already_mounted(source, mountpoint):
+            print(f"bucketfs: {source} is already mounted on {mountpoint}", file=sys.stderr)
+            return errors.EXIT_OK
+        return cli.main(["mount", source, mountpoint, *mount_argv])
     except errors.UserError as exc:
         print(f"bucketfs: {exc}", file=sys.stderr)
         return exc.exit_code

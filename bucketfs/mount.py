@@ -54,9 +54,9 @@ SHUTDOWN_GRACE_S = 30.0
 STOP_DEADLINE_S = 3.0
 # fusermount3 -uz normally takes milliseconds; bounded so a hard stop stays prompt.
 UNMOUNT_DEADLINE_S = 5.0
-# What fuse_options names our mounts in /proc/self/mountinfo.
+# What fuse_options names our mounts in /proc/self/mountinfo: the type; the source is
+# the URL as given (fstab's first field, so mount(8) sees the line is mounted).
 FUSE_TYPE = "fuse.bucketfs"
-FSNAME_PREFIX = "bucketfs:"
 # Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
@@ -161,7 +161,7 @@ def check_ours_to_unmount(path: str) -> None:
     if entry is None:
         raise errors.UserError(f"{path} is not mounted", errors.EXIT_BAD_MOUNTPOINT)
     fstype, source = entry
-    if fstype == FUSE_TYPE or source.startswith(FSNAME_PREFIX):
+    if fstype == FUSE_TYPE:
         return
     if fstype.split(".")[0] in ("fuse", "fuseblk") and _is_dead_mount(path):
         return
@@ -295,9 +295,19 @@ def _reopen_log_files() -> None:
 
 
 # -- serving ----------------------------------------------------------------------
+def fuse_option_value(text: str) -> str:
+    """`text` escaped for libfuse's option parser, which splits at ',' and reads '\\'
+    as escaping the next character and '\\ooo' as an octal byte. Every byte but
+    printable ASCII goes as '\\ooo': pyfuse3 passes options as ASCII, and a URL may not
+    be (a key prefix is any UTF-8)."""
+    return "".join(chr(byte) if 0x20 < byte < 0x7F and byte not in b"\\," else f"\\{byte:03o}"
+                   for byte in text.encode("utf-8", "surrogateescape"))
+
+
 def fuse_options(config) -> set:
     options = set(pyfuse3.default_options)
-    options |= {"ro", f"fsname={FSNAME_PREFIX}{config.url}".replace(",", "_"), f"subtype={FUSE_TYPE.split('.')[1]}"}
+    fsname = fuse_option_value(config.source or str(config.url))
+    options |= {"ro", f"fsname={fsname}", f"subtype={FUSE_TYPE.split('.')[1]}"}
     if config.allow_other:
         options.add("allow_other")
     return options

@@ -93,16 +93,38 @@ def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, empty_dir):
     assert not os.path.ismount(empty_dir)
     bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", empty_dir, "-o", "ro,frobnicate"], capture_output=True,
                          text=True, timeout=30)
-    assert bad.returncode == errors.EXIT_USAGE and "unknown mount option 'frobnicate'" in bad.stderr
+    assert bad.returncode == errors.EXIT_USAGE and "unknown fstab option 'frobnicate'" in bad.stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mount(8) with a helper needs root")
-def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tmp_path):
-    rclone_server.write_files(s3_bucket, {"p/b.txt": b"b"})
+@pytest.fixture
+def fstab_helper():
+    """mount(8) finds the helper in /sbin: linked there for the test if it is not."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mount(8) with a helper needs root")
     helper = "/sbin/mount.fuse.bucketfs"
     created = not os.path.exists(helper)
     if created:
         os.symlink(shutil.which("mount.fuse.bucketfs"), helper)
+    yield helper
+    if created:
+        os.unlink(helper)
+
+
+def mounts_on(path: str) -> list:
+    """(source, fstype) of every mount on `path`, as /proc/self/mountinfo has them."""
+    from bucketfs.mount import _unescape_mountinfo
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            rest = fields[fields.index("-") + 1:]
+            if _unescape_mountinfo(fields[4]) == path:
+                found.append((_unescape_mountinfo(rest[1]), rest[0]))
+    return found
+
+
+def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tmp_path, fstab_helper):
+    rclone_server.write_files(s3_bucket, {"p/b.txt": b"b"})
     fstab = tmp_path / "fstab"
     # `defaults` (no `ro`): mount(8) passes `rw` to the helper, which must still mount, read-only.
     fstab.write_text(f"s3://{s3_bucket}/p {empty_dir} fuse.bucketfs defaults,_netdev,nofail,shard_globs=*.tar:*.shard,"
@@ -117,8 +139,43 @@ def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tm
         assert denied.value.errno == errno.EROFS
     finally:
         force_unmount(empty_dir)
-        if created:
-            os.unlink(helper)
+
+
+def test_mounting_an_fstab_line_again_is_a_no_op(rclone_server, s3_bucket, empty_dir, tmp_path, fstab_helper):
+    """The mount's source was `bucketfs:s3://bkt/p/`, not fstab's `s3://bkt/p`: mount(8)
+    did not see the line mounted, and a second `mount -a` failed ("already a mount")."""
+    rclone_server.write_files(s3_bucket, {"p/b.txt": b"b"})
+    source = f"s3://{s3_bucket}/p"
+    fstab = tmp_path / "fstab"
+    fstab.write_text(f"{source} {empty_dir} fuse.bucketfs ro,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
+    env = env_for(rclone_server)
+    try:
+        for command in (["mount", "-a", "-T", str(fstab)], ["mount", "-a", "-T", str(fstab)],
+                        ["mount", "--fstab", str(fstab), empty_dir]):
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, (command, proc.stderr)
+            assert mounts_on(empty_dir) == [(source, "fuse.bucketfs")]
+        assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
+        assert subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30).returncode == 0
+        assert mounts_on(empty_dir) == []
+    finally:
+        force_unmount(empty_dir)
+
+
+@pytest.mark.parametrize("prefix", ["back\\slash", "comma,in", "spa ce", "日本語"])
+def test_the_mount_source_is_the_url_as_written(rclone_server, s3_bucket, empty_dir, prefix):
+    """libfuse's option parser ate a backslash (only commas were escaped), and a
+    non-ASCII URL failed the mount (exit 1): pyfuse3 passes options as ASCII."""
+    rclone_server.write_files(s3_bucket, {f"{prefix}/f.txt": b"f"})
+    source = f"s3://{s3_bucket}/{prefix}"
+    m = Mount(source, empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        assert mounts_on(empty_dir) == [(source, "fuse.bucketfs")]
+        assert os.listdir(empty_dir) == ["f.txt"]
+        assert subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30).returncode == 0
+        assert m.proc.wait(timeout=30) == 0
+    finally:
+        m.close()
 
 
 def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_path):

@@ -202,3 +202,36 @@ def test_log_file_is_watched_for_rotation(tmp_path):
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+
+
+@pytest.mark.parametrize("options, fragments", [
+    ("ro,foreground", ["'foreground'", "wait forever"]),  # mount(8) hung
+    ("ro,max_memry=4G", ["unknown fstab option 'max_memry'", "max_memory=4G"]),  # was reported as --max-memry
+    ("allow_other=1", ["'allow_other=1'", "without a value"]),
+    ("max_memory", ["max_memory=VALUE"]),
+])
+def test_fstab_options_are_refused_in_fstab_form(options, fragments):
+    from bucketfs.fstab import options_to_argv
+    with pytest.raises(errors.UserError) as refused:
+        options_to_argv(options)
+    assert refused.value.exit_code == errors.EXIT_USAGE and "--" not in str(refused.value).split("(")[0]
+    for fragment in fragments:
+        assert fragment in str(refused.value)
+
+
+def test_the_fstab_helper_refuses_foreground_in_one_line(capsys):
+    from bucketfs import fstab
+    assert fstab.main(["s3://bkt/x", "/nonexistent", "-o", "ro,foreground"]) == errors.EXIT_USAGE
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("bucketfs: fstab option 'foreground'")
+
+
+@pytest.mark.parametrize("url, fsname", [
+    ("s3://bkt/data", "s3://bkt/data"),
+    ("s3://bkt/back\\sl", "s3://bkt/back\\134sl"),  # libfuse read '\s' as 's'
+    ("s3://bkt/a,b", "s3://bkt/a\\054b"),
+    ("s3://bkt/é", "s3://bkt/\\303\\251"),  # pyfuse3 passes options as ASCII
+])
+def test_the_fsname_is_the_url_escaped_for_libfuse(url, fsname):
+    from bucketfs.mount import fuse_option_value
+    assert fuse_option_value(url) == fsname
