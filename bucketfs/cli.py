@@ -8,6 +8,8 @@ returns only once the mount answers (or has failed and left nothing mounted).
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
 import logging
 import logging.handlers
 import math
@@ -24,7 +26,13 @@ from bucketfs.core.cachedir import check_cache_dir
 
 log = logging.getLogger("bucketfs")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+# A number, then K/M/G/T (binary; KiB spelled out too) or B or nothing.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i|ib)?|b)?\s*$", re.I)
+# KB/MB/GB/TB: decimal to disk vendors and SI, binary to JEDEC and many tools. A guess
+# either way is off by 7% at G: refused instead.
+_AMBIGUOUS_SIZE_RE = re.compile(r"^\s*\d+(?:\.\d+)?\s*[kmgt]b\s*$", re.I)
+SIZE_HELP = ("SIZE is a number of bytes, or a number with K, M, G or T (binary: 1K = 1024 bytes; KiB, MiB, GiB, "
+             "TiB also), decimals allowed with a suffix (1.5G); KB, MB, GB and TB are refused as ambiguous.")
 
 
 KiB, MiB = 1024, 1024 * 1024
@@ -42,15 +50,20 @@ LIST_AHEAD_MAX = 1024
 RETRIES_MAX = 100
 ID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel: not an owner
 PORT_MAX = 65535
+DEFAULT_METRICS_ADDRESS = "127.0.0.1"  # counters name buckets and prefixes: not for the network unless asked
 MODE_MAX = 0o7777
 
 
 def parse_size(text: str) -> int:
-    """'64M', '1GiB', '512k', '1048576' -> bytes (binary multiples)."""
+    """'64M', '1GiB', '1.5G', '512k', '1048576' -> bytes (binary multiples, rounded down)."""
+    if _AMBIGUOUS_SIZE_RE.match(text):
+        unit = text.strip()[-2].upper()
+        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous (decimal or binary?): sizes here are binary, "
+                                         f"write {unit} or {unit}iB (1{unit} = {1024 ** ' KMGT'.index(unit):,} bytes)")
     m = _SIZE_RE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1048576, 512K, 64M, 2G)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+    if not m or ("." in m.group(1) and not m.group(2)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1048576, 512K, 64M, 1.5G, 2T)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
 
 
 def _human_bytes(n_bytes: int) -> str:
@@ -111,6 +124,14 @@ def parse_timeout(text: str) -> float:
     return value
 
 
+def ip_address(text: str) -> str:
+    """An IPv4 or IPv6 address to listen on (a name could resolve to several, or none)."""
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (examples: 127.0.0.1, 0.0.0.0, ::)") from None
+
+
 def parse_mode(text: str) -> int:
     try:
         value = int(text, 8)
@@ -133,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"bucketfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    m = sub.add_parser("mount", help="mount URL on MOUNTPOINT", description="Mount s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] read-only on MOUNTPOINT. Returns once the mount answers.")
+    m = sub.add_parser("mount", help="mount URL on MOUNTPOINT", description="Mount s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] read-only on MOUNTPOINT. Returns once the mount answers.", epilog=SIZE_HELP)
     m.add_argument("url", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
     m.add_argument("mountpoint", help="an existing empty directory")
     g = m.add_argument_group("store access")
@@ -149,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--read-timeout", type=parse_timeout, default=30.0, metavar="S", help="seconds a response may stall, > 0 (default 30)")
     g = m.add_argument_group("presentation")
     g.add_argument("--allow-other", action="store_true", help="let other users access the mount (needs user_allow_other in /etc/fuse.conf for non-root)")
-    g.add_argument("--uid", type=int_between(0, ID_MAX), help="owner of every file (default: the mounting user)")
-    g.add_argument("--gid", type=int_between(0, ID_MAX), help="group of every file (default: the mounting user's group)")
+    g.add_argument("--uid", type=int_between(0, ID_MAX), help=f"owner of every file, 0..{ID_MAX}; another user than the one mounting needs --allow-other (default: the mounting user)")
+    g.add_argument("--gid", type=int_between(0, ID_MAX), help=f"group of every file, 0..{ID_MAX}; another group than the mounting user's needs --allow-other (default: the mounting user's group)")
     g.add_argument("--file-mode", type=parse_mode, default=0o444, help="permission bits of files, octal 0..7777 (default 0444)")
     g.add_argument("--dir-mode", type=parse_mode, default=0o555, help="permission bits of directories, octal 0..7777 (default 0555)")
     g = m.add_argument_group("caching and prefetch")
     g.add_argument("--metadata-ttl", type=parse_seconds, default=math.inf, metavar="S", help="seconds listings and attributes stay valid; 'inf' (default) for data that does not change while mounted")
-    g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing, below --metadata-ttl (default: the metadata TTL)")
+    g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing; needs --metadata-ttl, and at most its value (default: the metadata TTL)")
     g.add_argument("--max-memory", type=size_at_least(MAX_MEMORY_MIN_BYTES), default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), the block cache and all prefetch buffers; at least 16M (default 1G)")
     g.add_argument("--small-file-bytes", type=size_at_least(SMALL_FILE_MIN_BYTES), default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open; 4K up to half of --max-memory (default 8M)")
     g.add_argument("--block-size", type=size_at_least(BLOCK_SIZE_MIN_BYTES), default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads; 4K up to half of --max-memory (default 64K)")
@@ -163,13 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--readahead-max", type=size_at_least(PART_SIZE_MIN_BYTES), default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader; at least 64K, raised to --part-size if below (default 128M)")
     g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
     g.add_argument("--cache-dir", metavar="DIR", help="keep fetched bytes on this local disk too, for epochs the page cache cannot hold and for later mounts (default: off)")
-    g.add_argument("--cache-size", type=size_at_least(CACHE_SIZE_MIN_BYTES), default=parse_size("10G"), metavar="SIZE", help="most bytes --cache-dir may hold; at least 1M (default 10G)")
-    g.add_argument("--list-ahead", type=int_between(0, LIST_AHEAD_MAX), default=16, metavar="N", help="subdirectory listings run concurrently ahead of a directory walk (default 16; 0 disables)")
+    g.add_argument("--cache-size", type=size_at_least(CACHE_SIZE_MIN_BYTES), default=parse_size("10G"), metavar="SIZE", help="most disk space --cache-dir may take, as du counts it; at least 1M (default 10G)")
+    g.add_argument("--list-ahead", type=int_between(0, LIST_AHEAD_MAX), default=16, metavar="N", help=f"subdirectory listings run concurrently ahead of a directory walk, 0..{LIST_AHEAD_MAX} (default 16; 0 disables)")
     g = m.add_argument_group("process")
+    g.add_argument("--check", action="store_true", help="check URL and options, then exit 0 without mounting (exit 2 and the reason if one is wrong); the mountpoint, FUSE and the store are not checked")
     g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
     g.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level (default INFO)")
     g.add_argument("--log-file", metavar="PATH", help="write the log to this file, daemonised or with --foreground (default: syslog when daemonised, stderr with --foreground); a file rotated away is reopened by itself")
-    g.add_argument("--metrics-port", type=int_between(1, PORT_MAX, "a port number"), metavar="PORT", help="serve Prometheus metrics on http://127.0.0.1:PORT/metrics, 1..65535 (default: off)")
+    g.add_argument("--metrics-port", type=int_between(1, PORT_MAX, "a port number"), metavar="PORT", help="serve Prometheus metrics on http://ADDRESS:PORT/metrics, 1..65535 (default: off)")
+    g.add_argument("--metrics-address", type=ip_address, metavar="ADDRESS", help=f"the local IP address --metrics-port listens on: 0.0.0.0 (or ::) for every interface, so Prometheus on another host can scrape (default {DEFAULT_METRICS_ADDRESS}: this host only)")
 
     u = sub.add_parser("unmount", help="unmount MOUNTPOINT", description="Unmount a bucketfs mount (also recovers a mountpoint left by a crashed daemon).")
     u.add_argument("mountpoint")
@@ -197,6 +220,38 @@ def _check_endpoint_url(url: str) -> None:
         parts = None
     if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise errors.UserError(f"--endpoint-url {url!r} is not an http:// or https:// URL with a host", errors.EXIT_USAGE)
+    if parts.netloc.endswith(":"):  # urlsplit reads 'host:' as no port; botocore then fails to connect (exit 5)
+        raise errors.UserError(f"--endpoint-url {url!r} has an empty port (write host:PORT, or no ':')", errors.EXIT_USAGE)
+
+
+def _check_store_options(args, url) -> None:
+    """An option for the other store would be silently ignored: the user would mount
+    with other credentials, region or addressing than they asked for."""
+    if url.scheme == "gs":
+        for option, value in (("--profile", args.profile), ("--region", args.region),
+                              ("--addressing-style", args.addressing_style)):
+            if value is not None:
+                raise errors.UserError(f"{option} is an S3 option and {args.url} is a GCS URL "
+                                       "(GCS: --key-file, or Application Default Credentials)", errors.EXIT_USAGE)
+    elif args.key_file is not None:
+        raise errors.UserError(f"--key-file is a GCS option and {args.url} is an S3 URL "
+                               "(S3: --profile, or the AWS credential chain)", errors.EXIT_USAGE)
+    if args.key_file is not None and args.no_sign_request:
+        raise errors.UserError("--key-file and --no-sign-request contradict each other: a key signs requests, "
+                               "--no-sign-request sends them anonymously", errors.EXIT_USAGE)
+
+
+def _check_ttls(args) -> None:
+    if args.negative_ttl is None:
+        return
+    if math.isinf(args.metadata_ttl) and not math.isinf(args.negative_ttl):
+        # Silently ignoring it would leave a user waiting for names that never appear.
+        raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
+                               "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
+    if args.negative_ttl > args.metadata_ttl:
+        raise errors.UserError(f"--negative-ttl {args.negative_ttl:g} is above --metadata-ttl {args.metadata_ttl:g}: "
+                               "a listing is fetched again after the metadata TTL anyway, so it would mean nothing",
+                               errors.EXIT_USAGE)
 
 
 def _check_cross_limits(args) -> None:
@@ -226,14 +281,14 @@ def config_from_args(args) -> Config:
         url = parse_bucket_url(args.url)
     except ValueError as exc:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
-    if args.negative_ttl is not None and math.isinf(args.metadata_ttl) and not math.isinf(args.negative_ttl):
-        # Silently ignoring it would leave a user waiting for names that never appear.
-        raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
-                               "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
+    _check_ttls(args)
+    _check_store_options(args, url)
     _check_cross_limits(args)
     _check_owner_can_enter(args)
     if args.endpoint_url is not None:
         _check_endpoint_url(args.endpoint_url)
+    if args.metrics_address is not None and args.metrics_port is None:
+        raise errors.UserError("--metrics-address needs --metrics-port", errors.EXIT_USAGE)
     path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
     return Config(
         url=url,
@@ -272,6 +327,7 @@ def config_from_args(args) -> Config:
         log_level=args.log_level,
         log_file=os.path.abspath(args.log_file) if args.log_file else None,
         metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address or DEFAULT_METRICS_ADDRESS,
     )
 
 
@@ -323,6 +379,9 @@ def run_mount(config: Config) -> int:
     mount.check_allow_other_permitted(config.allow_other)
     mount.check_mountpoint(config.mountpoint)
     if config.cache_dir:
+        if os.path.exists(config.cache_dir) and not os.path.isdir(config.cache_dir):
+            # (check_cache_dir would say "File exists", of its makedirs)
+            raise errors.UserError(f"--cache-dir {config.cache_dir} is not a directory", errors.EXIT_BAD_CACHE_DIR)
         check_cache_dir(config.cache_dir)
     if config.log_file:
         check_log_file(config.log_file)
@@ -460,21 +519,50 @@ def _stop_daemon(pid: int) -> None:
         os.close(pidfd)
 
 
+# Output cut short (`bucketfs stats M | head -1`): exit as a tool killed by SIGPIPE does,
+# as shells report it (128 + 13), without a traceback.
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
+def _stats_root(path: str) -> str:
+    """The root of the mount holding `path` (whose counters `bucketfs stats` reads)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        raise errors.UserError(f"{path} does not exist", errors.EXIT_BAD_MOUNTPOINT) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise errors.UserError(f"{path} is a dead mount (its daemon exited): bucketfs unmount {path}",
+                                   errors.EXIT_BAD_MOUNTPOINT) from None
+        raise errors.UserError(f"{path}: {exc.strerror}", errors.EXIT_BAD_MOUNTPOINT) from None
+    root = path
+    while not os.path.ismount(root) and root != "/":
+        root = os.path.dirname(root)  # (a path inside the mount: the counters are its root's)
+    return root
+
+
 def print_stats(mountpoint: str, as_json: bool) -> int:
     import json
 
     from bucketfs.metrics import STATS_XATTR, format_stats
 
     mountpoint = os.path.realpath(mountpoint)
-    root = mountpoint
-    while not os.path.ismount(root) and root != "/":
-        root = os.path.dirname(root)  # (a path inside the mount: the counters are its root's)
+    root = _stats_root(mountpoint)
     try:
         raw = os.getxattr(root, STATS_XATTR)
     except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):  # some other file system's answer
+            raise errors.UserError(f"{mountpoint} is not a bucketfs mount or a path inside one",
+                                   errors.EXIT_BAD_MOUNTPOINT) from None
         raise errors.UserError(f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT) from None
     snapshot = json.loads(raw)
-    print(json.dumps(snapshot, indent=2, sort_keys=True) if as_json else format_stats(snapshot))
+    try:
+        print(json.dumps(snapshot, indent=2, sort_keys=True) if as_json else format_stats(snapshot), flush=True)
+    except BrokenPipeError:
+        # The reader left: no traceback, and no second one from the interpreter's own
+        # flush of stdout at exit (the Python docs' recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return errors.EXIT_OK
 
 
@@ -482,7 +570,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "mount":
-            return run_mount(config_from_args(args))
+            config = config_from_args(args)
+            return errors.EXIT_OK if args.check else run_mount(config)
         if args.command == "unmount":
             from bucketfs import mount
 

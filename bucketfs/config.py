@@ -114,6 +114,7 @@ class Config:
     log_level: str = "INFO"
     log_file: Optional[str] = None
     metrics_port: Optional[int] = None
+    metrics_address: str = "127.0.0.1"
 
     @property
     def immutable(self) -> bool:

@@ -30,7 +30,8 @@ _GENERIC = {
 }
 # mount(8) waits for its helper to return: a foreground mount never would.
 _REFUSED = {"foreground": "mount(8) would wait forever for a mount that never returns (the helper "
-                          "daemonises once mounted, as mount(8) expects)"}
+                          "daemonises once mounted, as mount(8) expects)",
+            "check": "it would mount nothing (run bucketfs mount --check instead)"}
 
 
 def options_to_argv(options: str) -> list:

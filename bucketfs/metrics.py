@@ -25,8 +25,8 @@ _SIMPLE = [
     ("backend.calls_queued", "bucketfs_backend_queued_requests", "Requests that waited for a free connection (--max-connections)", "counter"),
     ("backend.urgent_overtakes", "bucketfs_backend_urgent_overtakes", "Free connections given to a request a reader waits on ahead of older read-ahead", "counter"),
     ("cache.hits", "bucketfs_cache_hits", "Block cache hits", "counter"),
-    ("cache.misses", "bucketfs_cache_misses", "Block cache misses (a GET was started)", "counter"),
-    ("cache.shared_misses", "bucketfs_cache_shared_misses", "Misses that joined a GET already in flight", "counter"),
+    ("cache.misses", "bucketfs_cache_misses", "Blocks not in the block cache and fetched (one GET per run of consecutive blocks)", "counter"),
+    ("cache.shared_misses", "bucketfs_cache_shared_misses", "Blocks not in the block cache that joined a GET already in flight (not in bucketfs_cache_misses)", "counter"),
     ("cache.evictions", "bucketfs_cache_evictions", "Blocks evicted from the cache", "counter"),
     ("cache.bytes", "bucketfs_cache_bytes", "Bytes held by the block cache", "gauge"),
     ("prefetch.fetched_bytes", "bucketfs_prefetch_fetched_bytes", "Bytes fetched by sequential read-ahead", "counter"),
@@ -54,6 +54,7 @@ _SIMPLE = [
     ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
     ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
     ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored: too many writes pending (a slow disk), no memory in the budget to hold them, or the journal being rewritten", "counter"),
+    ("disk_cache.skipped_stores", "bucketfs_disk_cache_skipped_stores", "Fetches not stored in the local disk cache (their bytes are in bucketfs_disk_cache_skipped_bytes)", "counter"),
     ("disk_cache.evictions", "bucketfs_disk_cache_evictions", "Objects deleted from the local disk cache", "counter"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
     ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
@@ -96,8 +97,8 @@ class _Collector:
         yield errs
 
 
-def start_metrics_server(port: int, snapshot_on_trio_thread) -> None:
-    """Serve /metrics on 127.0.0.1:`port` from a daemon thread."""
+def start_metrics_server(address: str, port: int, snapshot_on_trio_thread) -> None:
+    """Serve /metrics on `address`:`port` from a daemon thread."""
     token = trio.lowlevel.current_trio_token()
 
     def snapshot():
@@ -105,8 +106,8 @@ def start_metrics_server(port: int, snapshot_on_trio_thread) -> None:
 
     registry = CollectorRegistry()
     registry.register(_Collector(snapshot))
-    start_http_server(port, addr="127.0.0.1", registry=registry)
-    log.info("metrics on http://127.0.0.1:%d/metrics", port)
+    start_http_server(port, addr=address, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", f"[{address}]" if ":" in address else address, port)
 
 
 # The stats xattr's length, in steps: a caller asks for its size, then for its value,
@@ -125,13 +126,20 @@ def format_stats(snapshot: dict) -> str:
     mib = 1024 * 1024
     get = snapshot.get
     reqs = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.requests.")}
-    hits, misses = get("cache.hits", 0), get("cache.misses", 0) + get("cache.shared_misses", 0)
+    failures = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.failures.")}
+    # Counted in blocks, not requests: one GET fetches a run of missing blocks. Misses
+    # are bucketfs_cache_misses; blocks that waited on a GET already started are apart.
+    hits, misses, joined = get("cache.hits", 0), get("cache.misses", 0), get("cache.shared_misses", 0)
+    lookups = hits + misses + joined
     used, wasted = get("prefetch.bytes_used", 0), get("prefetch.bytes_wasted", 0)
     lines = [
         f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}",
+        f"store         retries {get('backend.retries', 0)}; failed after retries: "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(failures.items())) or 'none'}",
         f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",
-        f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; hits {hits}, misses {misses}"
-        + (f" ({100 * hits / (hits + misses):.0f}% hit)" if hits + misses else "") + f", evictions {get('cache.evictions', 0)}",
+        f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; blocks looked up: {hits} hits, {misses} misses fetched, "
+        f"{joined} joined a fetch in flight" + (f" ({100 * hits / lookups:.0f}% hit)" if lookups else "")
+        + f"; evictions {get('cache.evictions', 0)}",
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "
         f"{get('prefetch.warming_skipped', 0)} shards opened out of order",
@@ -146,7 +154,8 @@ def format_stats(snapshot: dict) -> str:
            f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB; "
            f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
            f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
-           f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB"]
+           f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB "
+           f"in {get('disk_cache.skipped_stores', 0)} fetches"]
           if "disk_cache.capacity_bytes" in snapshot else []),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}",
     ]

@@ -27,6 +27,7 @@ import socket
 import stat as stat_mod
 import subprocess
 import sys
+import tempfile
 from typing import Callable, Optional
 
 import pyfuse3
@@ -384,14 +385,11 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
             if config.metrics_port:
                 # Bound before mounting: a port in use fails the mount with one line
                 # rather than ending a mount that is already serving.
-                _start_metrics(config.metrics_port, fs.snapshot)
+                _start_metrics(config.metrics_address, config.metrics_port, fs.snapshot)
             # Signals from here on are the watcher's: one that arrives before the FUSE
             # loop runs is handled once it does, so nothing is left mounted.
             await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops(config))
-            try:
-                pyfuse3.init(ops, config.mountpoint, fuse_options(config))
-            except RuntimeError as exc:
-                raise errors.UserError(f"mount {config.mountpoint} failed: {exc}", errors.EXIT_MOUNT_FAILED) from None
+            _mount(ops, config)
             mounted = True
             ops.start(nursery)
             log.info("mounted %s on %s", config.url, config.mountpoint)
@@ -422,13 +420,43 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
             await backend.aclose()
 
 
-def _start_metrics(port: int, snapshot) -> None:
+def _mount(ops, config) -> None:
+    """pyfuse3.init, with libfuse's and fusermount3's own reason for a refusal in the
+    error: they write it to stderr, which is /dev/null in a daemon."""
+    with tempfile.TemporaryFile() as captured:
+        sys.stderr.flush()
+        saved_stderr_fd = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            pyfuse3.init(ops, config.mountpoint, fuse_options(config))
+            failure = None
+        except RuntimeError as exc:
+            failure = exc
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_stderr_fd, 2)
+            os.close(saved_stderr_fd)
+        captured.seek(0)
+        said = captured.read().decode(errors="replace").strip()
+    if failure is None:
+        if said:
+            print(said, file=sys.stderr)  # (a warning of libfuse's, or a log line of ours meanwhile)
+        return
+    reason = " ".join(said.splitlines()[-1].split()) if said else str(failure)
+    raise errors.UserError(
+        f"mount {config.mountpoint} failed: {reason} (check that /dev/fuse works here - a container needs "
+        "--device /dev/fuse --cap-add SYS_ADMIN - and, for a user other than root, that fusermount3 is "
+        "installed setuid root and /etc/fuse.conf's mount_max is not reached)", errors.EXIT_MOUNT_FAILED)
+
+
+def _start_metrics(address: str, port: int, snapshot) -> None:
     from bucketfs.metrics import start_metrics_server
 
     try:
-        start_metrics_server(port, snapshot)
+        start_metrics_server(address, port, snapshot)
     except OSError as exc:
-        raise errors.UserError(f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port} ({exc.strerror})",
+        where = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        raise errors.UserError(f"--metrics-port {port}: cannot serve metrics on {where} ({exc.strerror})",
                                errors.EXIT_METRICS_PORT) from None
 
 

@@ -4,6 +4,7 @@ nothing left mounted; daemon mode returns once mounted; signals unmount cleanly.
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -560,3 +561,32 @@ def test_ctrl_c_in_the_foreground_is_prompt_while_the_store_hangs(empty_dir):
     assert proc.returncode == errors.EXIT_INTERRUPTED
     assert err.strip().splitlines()[-1] == "bucketfs: interrupted"
     assert not os.path.ismount(empty_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a private /dev/fuse needs root and unshare")
+@pytest.mark.parametrize("foreground", [False, True])
+def test_a_mount_the_kernel_refuses_gives_libfuses_reason(rclone_server, s3_bucket, empty_dir, foreground):
+    """Exit 8 said only 'fuse_session_mount failed' (libfuse's reason went to the
+    daemon's /dev/null). /dev/null bound over /dev/fuse in a private mount namespace:
+    the device exists, and the kernel refuses the mount."""
+    command = bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                           *(["-f"] if foreground else []))
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                           'mount --bind /dev/null /dev/fuse && exec "$@"', "-", *command],
+                          env=server_env(rclone_server), capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == errors.EXIT_MOUNT_FAILED, proc.stderr
+    assert len(lines) == 1 or foreground, proc.stderr  # (in the foreground the log comes first)
+    assert lines[-1].startswith("bucketfs: mount ") and "Traceback" not in proc.stderr
+    assert "fuse: mount failed: Invalid argument" in lines[-1] and "--device /dev/fuse" in lines[-1]
+
+
+def test_python_dash_m_bucketfs_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "bucketfs", "--version"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.startswith("bucketfs "), proc.stderr
+
+
+def test_stats_of_a_path_that_is_no_mount_says_what_it_is(tmp_path):
+    """It said '(No data available)' of the root file system's xattr."""
+    assert_one_line_error(run_cli("stats", str(tmp_path / "nonexistent")), errors.EXIT_BAD_MOUNTPOINT, "does not exist")
+    assert_one_line_error(run_cli("stats", str(tmp_path)), errors.EXIT_BAD_MOUNTPOINT, "is not a bucketfs mount")

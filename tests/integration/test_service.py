@@ -213,6 +213,33 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
     assert bad.returncode == errors.EXIT_BAD_MOUNTPOINT and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_stats_into_a_closed_pipe_exits_quietly(rclone_server, s3_bucket, empty_dir):
+    """`bucketfs stats M | head -1` printed a BrokenPipeError traceback."""
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
+    try:
+        read_fd, write_fd = os.pipe()
+        os.close(read_fd)  # the reader is gone before the first line
+        with os.fdopen(write_fd, "wb") as closed_pipe:
+            proc = subprocess.run(bucketfs_cmd("stats", m.mountpoint), stdout=closed_pipe, stderr=subprocess.PIPE,
+                                  text=True, timeout=30)
+        assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == ""  # as `yes | head -1` does
+    finally:
+        m.close()
+
+
+def test_metrics_on_another_address(rclone_server, s3_bucket, empty_dir):
+    """--metrics-address: a Prometheus on another host can scrape (here: every interface)."""
+    port = free_port()
+    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server),
+              ("--endpoint-url", rclone_server.endpoint_url, "--metrics-port", str(port), "--metrics-address", "0.0.0.0"))
+    try:
+        with socket.create_connection((socket.gethostname(), port), timeout=10):
+            pass  # listening beyond loopback
+        assert f"metrics on http://0.0.0.0:{port}/metrics" in m.stderr_text
+    finally:
+        m.close()
+
+
 def test_install_script_writes_unit_config_and_helper(tmp_path):
     dest = tmp_path / "root"
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "imagenet", "s3://b/imagenet", "/mnt/imagenet",

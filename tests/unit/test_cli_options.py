@@ -80,7 +80,8 @@ def test_a_buffer_larger_than_half_the_budget_is_refused(capsys, option):
                        option, "half of --max-memory")
 
 
-@pytest.mark.parametrize("url", ["notaurl", "http://", "ftp://host", "http://host:99999", "http://[::1"])
+@pytest.mark.parametrize("url", ["notaurl", "http://", "ftp://host", "http://host:99999", "http://[::1",
+                                 "http://127.0.0.1:"])  # an empty port was let through, then exit 5
 def test_an_endpoint_url_that_is_no_url_is_refused(capsys, url):
     assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--endpoint-url", url], "--endpoint-url")
 
@@ -235,3 +236,106 @@ def test_the_fstab_helper_refuses_foreground_in_one_line(capsys):
 def test_the_fsname_is_the_url_escaped_for_libfuse(url, fsname):
     from bucketfs.mount import fuse_option_value
     assert fuse_option_value(url) == fsname
+
+
+@pytest.mark.parametrize("url, option, value", [
+    ("gs://bkt/x", "--profile", "p"), ("gs://bkt/x", "--region", "us-east-1"), ("gs://bkt/x", "--addressing-style", "path"),
+    ("s3://bkt/x", "--key-file", "/etc/sa.json"),
+])
+def test_an_option_for_the_other_store_is_refused(capsys, url, option, value):
+    """It was silently ignored: the mount went ahead with other credentials than asked."""
+    assert_usage_error(capsys, ["mount", url, MISSING_MOUNTPOINT, option, value], option)
+
+
+def test_a_key_file_with_no_sign_request_is_refused(capsys):
+    assert_usage_error(capsys, ["mount", "gs://bkt/x", MISSING_MOUNTPOINT, "--key-file", "/etc/sa.json",
+                                "--no-sign-request"], "--key-file", "--no-sign-request")
+
+
+def test_metrics_address(capsys):
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--metrics-port", "9101",
+                                "--metrics-address", "metrics.example"], "--metrics-address")
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--metrics-address", "0.0.0.0"],
+                       "--metrics-address needs --metrics-port")
+    args = cli.build_parser().parse_args(["mount", "s3://bkt/x", "/mnt", "--metrics-port", "9101"])
+    assert cli.config_from_args(args).metrics_address == "127.0.0.1"  # this host only, unless asked
+    for address, kept in (("0.0.0.0", "0.0.0.0"), ("::", "::"), ("[::1]", "::1")):
+        args = cli.build_parser().parse_args(["mount", "s3://bkt/x", "/mnt", "--metrics-port", "9101",
+                                              "--metrics-address", address])
+        assert cli.config_from_args(args).metrics_address == kept
+
+
+def test_a_negative_ttl_above_the_metadata_ttl_is_refused(capsys):
+    """The help said "below --metadata-ttl" and the CLI took any value."""
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--metadata-ttl", "5", "--negative-ttl", "10"],
+                       "--negative-ttl 10 is above --metadata-ttl 5")
+    code, err = run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--metadata-ttl", "5", "--negative-ttl", "5")
+    assert code in (errors.EXIT_BAD_MOUNTPOINT, errors.EXIT_NO_FUSE), err
+
+
+@pytest.mark.parametrize("text, size_bytes", [("64M", 64 << 20), ("64MiB", 64 << 20), ("1.5G", 3 << 29), ("2T", 2 << 40),
+                                              ("512k", 512 << 10), ("1048576", 1 << 20), ("4096B", 4096)])
+def test_sizes(text, size_bytes):
+    assert cli.parse_size(text) == size_bytes
+
+
+@pytest.mark.parametrize("text, fragment", [("1GB", "ambiguous"), ("4kb", "ambiguous"), ("1.5", "not a size"),
+                                            ("lots", "not a size")])
+def test_a_size_that_is_ambiguous_or_no_size_is_refused(capsys, text, fragment):
+    """'1GB' silently meant 1 GiB."""
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--max-memory", text], "--max-memory", fragment)
+
+
+def _mount_help() -> str:
+    import argparse
+    parser = cli.build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return " ".join(subparsers.choices["mount"].format_help().split())
+
+
+def test_the_help_says_what_the_parser_enforces():
+    text = _mount_help()
+    assert "needs --metadata-ttl, and at most its value" in text
+    assert "0..1024 (default 16; 0 disables)" in text  # --list-ahead
+    assert "owner of every file, 0..4294967294; another user than the one mounting needs --allow-other" in text
+    assert "as du counts it" in text  # --cache-size
+    assert "KB, MB, GB and TB are refused" in text and "1.5G" in text
+
+
+def test_every_mount_option_is_in_the_readme_table():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    table = readme[readme.index("### Options of `bucketfs mount URL MOUNTPOINT`"):readme.index("### Exit codes")]
+    missing = [option for option in cli.mount_options() if f"`{option}" not in table and f", `{option}" not in table]
+    assert missing == []
+    assert "KB, MB, GB and TB are refused" in " ".join(table.replace("`", "").split())  # sizes, as the help says
+
+
+def test_check_validates_without_mounting(capsys):
+    assert run_main(capsys, "mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--check", "--max-memory", "2G") == (errors.EXIT_OK, "")
+    assert_usage_error(capsys, ["mount", "s3://bkt/x", MISSING_MOUNTPOINT, "--check", "--max-memry", "2G"], "--max-memry")
+    assert_usage_error(capsys, ["mount", "s3:/bkt/x", MISSING_MOUNTPOINT, "--check"], "not a bucket URL")
+
+
+def test_a_cache_dir_that_is_a_file_says_so(capsys, monkeypatch, tmp_path):
+    """It said 'File exists' (of a makedirs)."""
+    from bucketfs import mount
+    monkeypatch.setattr(mount, "check_fuse_available", lambda: None)
+    (tmp_path / "mp").mkdir()
+    (tmp_path / "afile").write_text("x")
+    code, err = run_main(capsys, "mount", "s3://bkt/x", str(tmp_path / "mp"), "--cache-dir", str(tmp_path / "afile"))
+    assert code == errors.EXIT_BAD_CACHE_DIR and err == f"bucketfs: --cache-dir {tmp_path / 'afile'} is not a directory\n"
+
+
+def test_the_stats_summary_shows_the_store_and_labels_blocks():
+    from bucketfs.metrics import _Collector, format_stats
+    snapshot = {"backend.requests.get": 10, "backend.retries": 8, "backend.failures.TransientError": 2, "errors.EIO": 2,
+                "cache.hits": 5, "cache.misses": 20, "cache.shared_misses": 3, "disk_cache.capacity_bytes": 1 << 30,
+                "disk_cache.skipped_stores": 4}
+    lines = {line.split("  ")[0]: line for line in format_stats(snapshot).splitlines()}
+    assert lines["store"] == "store         retries 8; failed after retries: TransientError 2"  # it showed neither
+    # The misses Prometheus counts (bucketfs_cache_misses), apart from blocks that joined a fetch.
+    assert "5 hits, 20 misses fetched, 3 joined a fetch in flight" in lines["block cache"]
+    assert "in 4 fetches" in lines["disk cache"]
+    metrics = {family.name: family for family in _Collector(lambda: snapshot).collect()}
+    assert metrics["bucketfs_disk_cache_skipped_stores"].samples[0].value == 4
+    assert metrics["bucketfs_cache_misses"].samples[0].value == 20
