@@ -3,6 +3,8 @@
 #   sudo scripts/install-systemd.sh NAME URL MOUNTPOINT [bucketfs mount options...]
 #   sudo scripts/install-systemd.sh imagenet s3://my-bucket/imagenet /mnt/imagenet --allow-other --max-memory 2G
 # then: systemctl daemon-reload && systemctl enable --now bucketfs@imagenet
+# BUCKETFS=/path/to/bucketfs names the executable (a venv's or pyenv's, which sudo's
+# secure_path hides); mount.fuse.bucketfs is taken from beside it.
 set -euo pipefail
 usage() {
   cat >&2 <<'USAGE'
@@ -12,6 +14,7 @@ then: systemctl daemon-reload && systemctl enable --now bucketfs@NAME
 USAGE
   exit 2
 }
+fail() { echo "install-systemd.sh: $1" >&2; exit "${2:-2}"; }
 [ $# -ge 3 ] || usage
 
 # The config is read twice: systemd's EnvironmentFile parser removes one level of
@@ -28,17 +31,34 @@ split_escape() {  # for systemd's whitespace split of $BUCKETFS_OPTIONS
 }
 
 name=$1 url=$2 mountpoint=$3; shift 3
+# NAME becomes /etc/bucketfs/NAME.conf and the unit bucketfs@NAME.
+case $name in ''|*/*) fail "NAME '$name' must be a non-empty name without '/' (it names /etc/bucketfs/NAME.conf and bucketfs@NAME)";; esac
+# The unit runs from /, and creates the mountpoint: a relative one would land there.
+case $mountpoint in /*) ;; *) fail "MOUNTPOINT '$mountpoint' must be an absolute path";; esac
 root=${DESTDIR:-}
 here=$(cd "$(dirname "$0")/.." && pwd)
-bin=$(command -v bucketfs) || { echo "bucketfs is not installed (pip install bucketfs)" >&2; exit 1; }
-helper=$(command -v mount.fuse.bucketfs) || { echo "mount.fuse.bucketfs is not installed" >&2; exit 1; }
+if [ -n "${BUCKETFS:-}" ]; then
+  bin=$BUCKETFS
+  [ -x "$bin" ] || fail "BUCKETFS=$bin is not an executable" 1
+  helper=$(dirname "$bin")/mount.fuse.bucketfs
+else
+  bin=$(command -v bucketfs) || fail "bucketfs is not on PATH (pip install bucketfs). Installed in a venv or with pyenv? sudo's secure_path hides it: run sudo env PATH=\"\$PATH\" scripts/install-systemd.sh ..., or sudo BUCKETFS=\"\$(command -v bucketfs)\" scripts/install-systemd.sh ..." 1
+  helper=$(command -v mount.fuse.bucketfs) || helper=$(dirname "$bin")/mount.fuse.bucketfs
+fi
+[ -x "$helper" ] || fail "mount.fuse.bucketfs is not installed beside $bin" 1
 options=()
 for arg in "$@"; do
-  case $arg in *$'\n'*) echo "an option value contains a newline, which a systemd config line cannot hold" >&2; exit 2;; esac
+  case $arg in *$'\n'*) fail "an option value contains a newline, which a systemd config line cannot hold";; esac
   options+=("$(split_escape "$arg")")
 done
-install -d "$root/etc/systemd/system" "$root/etc/bucketfs" "$root/usr/local/bin" "$root/sbin"
+# bucketfs's own parser judges the URL and options, as the unit will run them (it says
+# why, in one line): an error at install time, not at systemctl start.
+"$bin" mount --check "$url" "$mountpoint" --foreground "$@" || exit $?
+install -d "$root/etc/systemd/system" "$root/etc/bucketfs" "$root/usr/local/bin" "$root/sbin" \
+  "$root/usr/local/share/doc/bucketfs"
 install -m 0644 "$here/systemd/bucketfs@.service" "$root/etc/systemd/system/bucketfs@.service"
+# The unit's Documentation= points here.
+install -m 0644 "$here/README.md" "$root/usr/local/share/doc/bucketfs/README.md"
 # systemd's PATH and mount(8) look in fixed places: link the pip-installed entry points there.
 [ "$bin" = "$root/usr/local/bin/bucketfs" ] || ln -sf "$bin" "$root/usr/local/bin/bucketfs"
 ln -sf "$helper" "$root/sbin/mount.fuse.bucketfs"

@@ -242,13 +242,61 @@ def test_metrics_on_another_address(rclone_server, s3_bucket, empty_dir):
 
 def test_install_script_writes_unit_config_and_helper(tmp_path):
     dest = tmp_path / "root"
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "imagenet", "s3://b/imagenet", "/mnt/imagenet",
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "imagenet", "s3://bkt/imagenet", "/mnt/imagenet",
                            "--allow-other", "--max-memory", "2G"], env=dict(os.environ, DESTDIR=str(dest)), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert (dest / "etc/systemd/system/bucketfs@.service").exists()
     conf = (dest / "etc/bucketfs/imagenet.conf").read_text().splitlines()
-    assert conf == ["BUCKETFS_URL=s3://b/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS='--allow-other --max-memory 2G'"]
+    assert conf == ["BUCKETFS_URL=s3://bkt/imagenet", "BUCKETFS_MOUNTPOINT=/mnt/imagenet", "BUCKETFS_OPTIONS='--allow-other --max-memory 2G'"]
     assert os.path.islink(dest / "sbin/mount.fuse.bucketfs")
+
+
+def run_install_script(dest, *args, env=None):
+    return subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), *args],
+                          env=dict(env or os.environ, DESTDIR=str(dest)), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["data", "s3:/bkt/x", "/mnt/data"], "not a bucket URL"),
+    (["data", "s3://bkt/x", "/mnt/data", "--max-memry", "2G"], "--max-memry"),
+    (["data", "gs://bkt/x", "/mnt/data", "--profile", "p"], "--profile is an S3 option"),
+    (["data", "s3://bkt/x", "mnt/data"], "must be an absolute path"),
+    (["a/b", "s3://bkt/x", "/mnt/data"], "without '/'"),
+])
+def test_install_script_refuses_what_the_unit_would_fail_on(tmp_path, args, fragment):
+    """It wrote a bad URL, an unknown option or a relative mountpoint and exited 0: the
+    error came only at systemctl start."""
+    proc = run_install_script(tmp_path, *args)
+    assert proc.returncode == errors.EXIT_USAGE, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert not (tmp_path / "etc").exists()
+
+
+def test_install_script_takes_bucketfs_from_BUCKETFS_where_sudo_hides_it(tmp_path):
+    """Under sudo's secure_path a venv or pyenv install is not on PATH: the script said
+    'not installed (pip install bucketfs)'."""
+    import sysconfig
+    bin_path = os.path.join(sysconfig.get_path("scripts"), "bucketfs")
+    secure_path = dict(os.environ, PATH="/usr/sbin:/usr/bin:/sbin:/bin")
+    hidden = run_install_script(tmp_path / "a", "data", "s3://bkt/x", "/mnt/data", env=secure_path)
+    assert hidden.returncode == 1 and 'sudo env PATH="$PATH"' in hidden.stderr and "BUCKETFS=" in hidden.stderr
+    named = run_install_script(tmp_path / "b", "data", "s3://bkt/x", "/mnt/data", env=dict(secure_path, BUCKETFS=bin_path))
+    assert named.returncode == 0, named.stderr
+    assert os.readlink(tmp_path / "b/usr/local/bin/bucketfs") == bin_path
+    assert os.readlink(tmp_path / "b/sbin/mount.fuse.bucketfs") == os.path.join(os.path.dirname(bin_path), "mount.fuse.bucketfs")
+
+
+def test_the_units_documentation_is_what_the_script_installs_and_its_stop_tolerates_a_gone_mount(tmp_path):
+    unit = open(os.path.join(REPO, "systemd", "bucketfs@.service")).read()
+    (documentation,) = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("Documentation=")]
+    assert documentation.startswith("file:/")  # not an invented web address
+    assert run_install_script(tmp_path, "data", "s3://bkt/x", "/mnt/data").returncode == 0
+    assert (tmp_path / documentation[len("file:/"):]).read_text() == open(os.path.join(REPO, "README.md")).read()
+    # ExecStop runs after the daemon exited too (a `bucketfs unmount` by hand): its
+    # "not mounted" (exit 6) must not fail the unit.
+    (exec_stop,) = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStop=")]
+    assert exec_stop.startswith("-") and "bucketfs unmount" in exec_stop
 
 
 def _as_systemd_reads(conf_path) -> tuple:
@@ -266,7 +314,7 @@ def _as_systemd_reads(conf_path) -> tuple:
 def test_install_script_keeps_values_with_spaces_and_quotes_whole(tmp_path):
     dest = tmp_path / "root"
     options = ["--allow-other", "--cache-dir", "/var/cache/my data", "--log-file", "/var/log/it's.log", "--max-memory", "2G"]
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "data", "s3://b/p", "/mnt/my data", *options],
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-systemd.sh"), "data", "s3://bkt/p", "/mnt/my data", *options],
                           env=dict(os.environ, DESTDIR=str(dest)), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert _as_systemd_reads(dest / "etc/bucketfs/data.conf") == ("/mnt/my data", options)
