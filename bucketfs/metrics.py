@@ -137,8 +137,8 @@ def format_stats(snapshot: dict) -> str:
         f"store         retries {get('backend.retries', 0)}; failed after retries: "
         f"{', '.join(f'{k} {v}' for k, v in sorted(failures.items())) or 'none'}",
         f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",
-        f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; blocks looked up: {hits} hits, {misses} misses fetched, "
-        f"{joined} joined a fetch in flight" + (f" ({100 * hits / lookups:.0f}% hit)" if lookups else "")
+        f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; blocks: {hits} hits, {misses} misses (fetched, one GET "
+        f"per run of them), {joined} joined a fetch in flight" + (f" ({100 * hits / lookups:.0f}% hit)" if lookups else "")
         + f"; evictions {get('cache.evictions', 0)}",
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import pathlib
@@ -136,10 +137,14 @@ def run_loader(name: str, title: str, module, argv, mountpoint: str) -> list:
     """A cold then a warm epoch of an example training script (in this process)."""
     print(f"\n== {name}  {title}")
     rows = []
-    for label in ("cold (from the bucket)", "warm (page cache)"):
-        print(f"-- epoch {len(rows) + 1}: {label}")
+    for number, label in enumerate(("cold (from the bucket)", "warm (page cache)"), start=1):
+        print(f"-- epoch {number}: {label}")
         before = bucket_requests(mountpoint)
-        result = module.train(module.parse_args(argv))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            result = module.train(module.parse_args(argv))
+        # Each run is one epoch of the script's own (--epochs 1), which it numbers 1.
+        print(re.sub(r"^epoch 1:", f"epoch {number}:", printed.getvalue(), flags=re.M), end="")
         after = bucket_requests(mountpoint)
         epoch = result["epochs"][0]
         if epoch["samples"] == 0:

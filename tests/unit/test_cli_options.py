@@ -334,7 +334,7 @@ def test_the_stats_summary_shows_the_store_and_labels_blocks():
     lines = {line.split("  ")[0]: line for line in format_stats(snapshot).splitlines()}
     assert lines["store"] == "store         retries 8; failed after retries: TransientError 2"  # it showed neither
     # The misses Prometheus counts (bucketfs_cache_misses), apart from blocks that joined a fetch.
-    assert "5 hits, 20 misses fetched, 3 joined a fetch in flight" in lines["block cache"]
+    assert "blocks: 5 hits, 20 misses (fetched, one GET per run of them), 3 joined a fetch in flight" in lines["block cache"]
     assert "in 4 fetches" in lines["disk cache"]
     metrics = {family.name: family for family in _Collector(lambda: snapshot).collect()}
     assert metrics["bucketfs_disk_cache_skipped_stores"].samples[0].value == 4
