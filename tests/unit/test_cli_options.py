@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bucketfs import cli, errors
+from bucketfs import cli, daemon, errors
 from bucketfs.config import parse_bucket_url
 
 MISSING_MOUNTPOINT = "/nonexistent/bucketfs-test-mountpoint"
@@ -162,7 +162,7 @@ def _parent_hears(config, report: str):
     read_fd, write_fd = os.pipe()
     os.write(write_fd, report.encode())
     os.close(write_fd)
-    return cli._wait_for_daemon(config, 0, read_fd)
+    return daemon.wait_for_daemon(config, 0, read_fd)
 
 
 def test_a_daemon_with_nowhere_to_log_says_so_once_mounted(capsys, monkeypatch, tmp_path):
@@ -170,7 +170,7 @@ def test_a_daemon_with_nowhere_to_log_says_so_once_mounted(capsys, monkeypatch, 
     import socket
 
     from bucketfs.config import Config
-    monkeypatch.setattr(cli, "SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
+    monkeypatch.setattr(daemon, "SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
     config = Config(url=parse_bucket_url("s3://bkt/x"), mountpoint="/nonexistent")
     assert _parent_hears(config, "READY\n") == errors.EXIT_OK
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -195,8 +195,8 @@ def test_log_file_is_watched_for_rotation(tmp_path):
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level  # pytest's own capture
     try:
-        for daemon in (True, False):  # --foreground too
-            cli.setup_logging(config, daemon=daemon)
+        for in_background in (True, False):  # --foreground too
+            daemon.setup_logging(config, daemon=in_background)
             (handler,) = root.handlers
             assert isinstance(handler, logging.handlers.WatchedFileHandler)
             handler.close()

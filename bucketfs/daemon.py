@@ -1,0 +1,190 @@
+"""Running a mount as a process: logging, daemonising, and the readiness report.
+
+Invariants: a daemonised mount reports READY, or its error as one line, on a pipe to
+the `bucketfs mount` that forked it, which returns only then; a Ctrl-C of that command
+stops the daemon (nothing is left mounted or running), and a daemon whose command is
+gone takes its failed report as cancelled. A daemon's log goes to --log-file or syslog,
+and the user hears once when it has nowhere to go.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import signal
+import stat as stat_mod
+import sys
+
+from bucketfs import errors
+from bucketfs.config import Config
+
+log = logging.getLogger(__name__)
+
+SYSLOG_SOCKET = "/dev/log"
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def syslog_available() -> bool:
+    try:
+        return stat_mod.S_ISSOCK(os.stat(SYSLOG_SOCKET).st_mode)
+    except OSError:
+        return False
+
+
+def setup_logging(config: Config, daemon: bool) -> None:
+    root = logging.getLogger()
+    root.handlers.clear()
+    if config.log_file:
+        # Watched: once logrotate has renamed the file, the next line opens a new one
+        # by itself (no SIGHUP, no copytruncate). With --foreground too: the user asked.
+        handler = logging.handlers.WatchedFileHandler(config.log_file)
+        handler.setFormatter(logging.Formatter("%(asctime)s " + LOG_FORMAT))
+    elif not daemon:
+        handler = logging.StreamHandler(sys.stderr)
+        # Under systemd stderr goes to the journal, which stamps each line itself.
+        stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
+        handler.setFormatter(logging.Formatter(stamp + LOG_FORMAT))
+    elif syslog_available():
+        handler = logging.handlers.SysLogHandler(SYSLOG_SOCKET)
+        handler.setFormatter(logging.Formatter("bucketfs[%(process)d]: " + LOG_FORMAT))
+    else:
+        handler = logging.NullHandler()  # (wait_for_daemon tells the user, once mounted)
+    root.addHandler(handler)
+    root.setLevel(config.log_level)
+    # SDK debug logs carry request signatures and headers: never let them through.
+    for noisy in ("botocore", "boto3", "urllib3", "google", "s3transfer"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def log_is_kept(config: Config) -> bool:
+    """A daemon's log goes somewhere: --log-file, or syslog."""
+    return bool(config.log_file) or syslog_available()
+
+
+def check_log_file(path: str) -> None:
+    """Open --log-file here, before forking or serving: the daemon's stderr is /dev/null,
+    so its failure to open it would only show as "the daemon exited"."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise errors.UserError(f"--log-file {path}: {exc.strerror}", errors.EXIT_USAGE) from None
+
+
+def serve_here(config: Config, on_ready) -> int:
+    import trio
+
+    from bucketfs import mount
+
+    mount.tune_memory_allocator()
+    trio.run(mount.serve, config, on_ready)
+    return errors.EXIT_OK
+
+
+# How long a Ctrl-C'd `bucketfs mount` waits for its daemon to stop: one still probing
+# the store dies at SIGTERM; one that has just mounted detaches (no file is open yet).
+DAEMON_STOP_TIMEOUT_S = 10.0
+
+
+def daemonise(config: Config) -> int:
+    """Fork; the child mounts and reports readiness or its error through a pipe."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        _run_daemon(config, write_fd)  # (never returns)
+    os.close(write_fd)
+    return wait_for_daemon(config, pid, read_fd)
+
+
+def _run_daemon(config: Config, write_fd: int) -> None:
+    """The forked child: detach, mount, report READY or the error on `write_fd`, exit."""
+    os.setsid()
+    # Do not pin the filesystem we were started from (it could not be unmounted
+    # while the mount lives). Every path in config is absolute already.
+    os.chdir("/")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    setup_logging(config, daemon=True)
+    report = os.fdopen(write_fd, "w")
+
+    def on_ready():
+        # A BrokenPipeError here (the parent is gone) cancels the mount: mount.py.
+        report.write("READY\n")
+        report.flush()
+
+    def tell_parent(line: str) -> None:
+        try:
+            report.write(line + "\n")
+        except OSError:
+            pass  # the parent is gone: nobody to tell
+
+    code = errors.EXIT_FAILURE
+    try:
+        code = serve_here(config, on_ready)
+    except errors.UserError as exc:
+        code = exc.exit_code
+        tell_parent(f"ERROR {exc.exit_code} {exc}")
+    except BaseException as exc:  # noqa: BLE001 - the parent must hear of it, the log gets the trace
+        log.exception("bucketfs daemon failed")
+        trace = "the log has the trace" if log_is_kept(config) else "--foreground shows the trace"
+        what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: the report is line-based
+        tell_parent(f"ERROR {errors.EXIT_FAILURE} daemon failed ({what}); {trace}")
+    finally:
+        try:
+            report.close()
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def wait_for_daemon(config: Config, pid: int, read_fd: int) -> int:
+    """The parent: wait for the daemon's report on `read_fd`; its exit code or UserError."""
+    report = os.fdopen(read_fd)
+    try:
+        line = report.readline().strip()
+    except KeyboardInterrupt:
+        # Ctrl-C before the mount answered: the daemon is in another session and never
+        # saw it. Closing the pipe first makes its readiness report fail, which it
+        # takes as cancelled, should it mount before the SIGTERM lands.
+        report.close()
+        stop_daemon(pid)
+        raise errors.UserError("interrupted", errors.EXIT_INTERRUPTED) from None
+    report.close()
+    if line == "READY":
+        if not log_is_kept(config):
+            # Containers and minimal hosts have no syslog: said once, where it is seen,
+            # rather than a default log file in a place the user never chose. Said with
+            # the success only: an error stays one line (and says where to look).
+            print(f"bucketfs: warning: no syslog here ({SYSLOG_SOCKET} is missing), so the daemon's log is "
+                  "discarded; add --log-file PATH to keep it", file=sys.stderr)
+        return errors.EXIT_OK
+    if line.startswith("ERROR "):
+        _, code, message = line.split(" ", 2)
+        raise errors.UserError(message, int(code))
+    _, status = os.waitpid(pid, 0)
+    raise errors.UserError(f"mount failed: the daemon exited ({os.waitstatus_to_exitcode(status)}) before the mount answered", errors.EXIT_MOUNT_FAILED)
+
+
+def stop_daemon(pid: int) -> None:
+    """SIGTERM the daemon child and reap it, waiting at most DAEMON_STOP_TIMEOUT_S."""
+    import select
+
+    try:
+        pidfd = os.pidfd_open(pid)  # readable once the child has exited
+    except OSError:
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+        try:
+            exited = select.select([pidfd], [], [], DAEMON_STOP_TIMEOUT_S)[0]
+        except KeyboardInterrupt:
+            exited = []  # a second Ctrl-C: stop waiting
+        if exited:
+            os.waitpid(pid, 0)
+        else:
+            print(f"bucketfs: the daemon (pid {pid}) is still stopping", file=sys.stderr)
+    finally:
+        os.close(pidfd)
