@@ -207,6 +207,7 @@ def test_log_file_is_watched_for_rotation(tmp_path):
 
 @pytest.mark.parametrize("options, fragments", [
     ("ro,foreground", ["'foreground'", "wait forever"]),  # mount(8) hung
+    ("check", ["'check'", "bucketfs mount --check"]),
     ("ro,max_memry=4G", ["unknown fstab option 'max_memry'", "max_memory=4G"]),  # was reported as --max-memry
     ("allow_other=1", ["'allow_other=1'", "without a value"]),
     ("max_memory", ["max_memory=VALUE"]),
