@@ -1,7 +1,8 @@
 """Running a mount as a process: logging, daemonising, and the readiness report.
 
 Invariants: a daemonised mount reports READY, or its error as one line, on a pipe to
-the `bucketfs mount` that forked it, which returns only then; a Ctrl-C of that command
+the `bucketfs mount` that forked it, which returns only then (with READY, printing the
+warnings logged before it, one line each); a Ctrl-C of that command
 stops the daemon (nothing is left mounted or running), and a daemon whose command is
 gone takes its failed report as cancelled. A daemon's log goes to --log-file or syslog,
 and the user hears once when it has nowhere to go.
@@ -15,6 +16,7 @@ import os
 import signal
 import stat as stat_mod
 import sys
+from typing import Callable
 
 from bucketfs import errors
 from bucketfs.config import Config
@@ -110,16 +112,21 @@ def _run_daemon(config: Config, write_fd: int) -> None:
     setup_logging(config, daemon=True)
     report = os.fdopen(write_fd, "w")
 
-    def on_ready():
-        # A BrokenPipeError here (the parent is gone) cancels the mount: mount.py.
-        report.write("READY\n")
-        report.flush()
-
     def tell_parent(line: str) -> None:
         try:
             report.write(line + "\n")
+            report.flush()
         except OSError:
             pass  # the parent is gone: nobody to tell
+
+    startup_warnings = StartupWarnings(tell_parent)
+    logging.getLogger().addHandler(startup_warnings)
+
+    def on_ready():
+        logging.getLogger().removeHandler(startup_warnings)
+        # A BrokenPipeError here (the parent is gone) cancels the mount: mount.py.
+        report.write("READY\n")
+        report.flush()
 
     code = errors.EXIT_FAILURE
     try:
@@ -140,11 +147,28 @@ def _run_daemon(config: Config, write_fd: int) -> None:
         os._exit(code)
 
 
+class StartupWarnings(logging.Handler):
+    """Warnings the daemon logs before its mount answers (an empty prefix, a cache
+    directory it cannot use) go to the terminal that started it, not only to a log
+    the user may never read."""
+
+    def __init__(self, tell_parent: Callable[[str], None]):
+        super().__init__(logging.WARNING)
+        self.tell_parent = tell_parent
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.tell_parent("WARNING " + " ".join(record.getMessage().split()))  # one line: the report is line-based
+
+
 def wait_for_daemon(config: Config, pid: int, read_fd: int) -> int:
     """The parent: wait for the daemon's report on `read_fd`; its exit code or UserError."""
     report = os.fdopen(read_fd)
     try:
+        warnings = []  # said with the success only: an error stays one line
         line = report.readline().strip()
+        while line.startswith("WARNING "):
+            warnings.append(line.split(" ", 1)[1])
+            line = report.readline().strip()
     except KeyboardInterrupt:
         # Ctrl-C before the mount answered: the daemon is in another session and never
         # saw it. Closing the pipe first makes its readiness report fail, which it
@@ -154,6 +178,8 @@ def wait_for_daemon(config: Config, pid: int, read_fd: int) -> int:
         raise errors.UserError("interrupted", errors.EXIT_INTERRUPTED) from None
     report.close()
     if line == "READY":
+        for warning in warnings:
+            print(f"bucketfs: warning: {warning}", file=sys.stderr)
         if not log_is_kept(config):
             # Containers and minimal hosts have no syslog: said once, where it is seen,
             # rather than a default log file in a place the user never chose. Said with

@@ -169,6 +169,23 @@ def test_second_signal_stops_at_once(rclone_server, s3_bucket, empty_dir):
         m.close()
 
 
+def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone_server, s3_bucket, empty_dir, tmp_path):
+    """An empty prefix (a typo) is said where the user looks: the terminal, not only
+    the daemon's log."""
+    rclone_server.write_files(s3_bucket, {"data/a.jpg": b"x"})
+    log_file = tmp_path / "bucketfs.log"
+    proc = run_cli("mount", f"s3://{s3_bucket}/dat", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
+                   "--log-file", str(log_file), env=server_env(rclone_server))
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"bucketfs: warning: s3://{s3_bucket}/dat/ is empty: nothing is stored under it (a mistyped prefix?)"]
+        assert os.path.ismount(empty_dir)
+    finally:
+        assert run_cli("unmount", empty_dir).returncode == 0
+        force_unmount(empty_dir)
+
+
 def test_daemon_mode_returns_once_mounted_and_unmount_stops_it(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"p/hello.txt": b"hello"})
     log_file = tmp_path / "bucketfs.log"
