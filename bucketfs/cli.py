@@ -17,7 +17,7 @@ import signal
 import sys
 import urllib.parse
 
-from bucketfs import __version__, daemon, errors
+from bucketfs import __version__, daemon, errors, mountpoints
 from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
 from bucketfs.core.cachedir import check_cache_dir
 
@@ -327,11 +327,9 @@ def config_from_args(args) -> Config:
 
 
 def run_mount(config: Config) -> int:
-    from bucketfs import mount  # imports pyfuse3: only needed for mounting
-
-    mount.check_fuse_available()
-    mount.check_allow_other_permitted(config.allow_other)
-    mount.check_mountpoint(config.mountpoint)
+    mountpoints.check_fuse_available()
+    mountpoints.check_allow_other_permitted(config.allow_other)
+    mountpoints.check_mountpoint(config.mountpoint)
     if config.cache_dir:
         if os.path.exists(config.cache_dir) and not os.path.isdir(config.cache_dir):
             # (check_cache_dir would say "File exists", of its makedirs)
@@ -340,6 +338,8 @@ def run_mount(config: Config) -> int:
     if config.log_file:
         daemon.check_log_file(config.log_file)
     if config.foreground:
+        from bucketfs import mount  # imports pyfuse3: only needed for mounting
+
         daemon.setup_logging(config, daemon=False)
         return daemon.serve_here(config, on_ready=lambda: mount.sd_notify("READY=1"))
     return daemon.daemonise(config)
@@ -399,10 +399,8 @@ def main(argv=None) -> int:
             config = config_from_args(args)
             return errors.EXIT_OK if args.check else run_mount(config)
         if args.command == "unmount":
-            from bucketfs import mount
-
             # realpath: mountinfo lists the resolved path, whatever symlink led to it.
-            mount.unmount(os.path.realpath(args.mountpoint), lazy=args.lazy)
+            mountpoints.unmount(os.path.realpath(args.mountpoint), lazy=args.lazy)
             return errors.EXIT_OK
         if args.command == "stats":
             return print_stats(args.mountpoint, args.json)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from bucketfs import cli, errors
+from bucketfs import cli, errors, mountpoints
 
 # Options mount(8), systemd or fstab conventions pass along that mean nothing to us.
 # `rw` among them: mount(8) adds it to every line without `ro` (`defaults`), and the
@@ -80,10 +80,8 @@ def parse_mount_args(args: list):
 def already_mounted(source: str, mountpoint: str) -> bool:
     """This very line is mounted and serving: `mount /mnt/data` again is then a no-op, as
     `mount -a` makes it (a dead mount is not: a new mount recovers it)."""
-    from bucketfs import mount  # imports pyfuse3: only needed for mounting
-
     path = os.path.realpath(mountpoint)
-    if mount.mount_entry(path) != (mount.FUSE_TYPE, source):
+    if mountpoints.mount_entry(path) != (mountpoints.FUSE_TYPE, source):
         return False
     try:
         os.stat(path)  # the daemon answers this itself, without asking the store

@@ -145,16 +145,16 @@ def test_fstab_options_mount8_adds_and_lists_inside_values_are_understood():
 
 def test_allow_other_as_a_user_needs_user_allow_other_in_fuse_conf(tmp_path, monkeypatch):
     # fusermount3 refuses it; a daemonised mount would only have said "mount failed".
-    from bucketfs import mount
+    from bucketfs import mountpoints
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     conf = tmp_path / "fuse.conf"
     conf.write_text("# user_allow_other\nmount_max = 1000\n")
     with pytest.raises(errors.UserError) as refused:
-        mount.check_allow_other_permitted(True, str(conf))
+        mountpoints.check_allow_other_permitted(True, str(conf))
     assert refused.value.exit_code == errors.EXIT_USAGE and "user_allow_other" in str(refused.value)
-    mount.check_allow_other_permitted(False, str(conf))  # not asked for: fine
+    mountpoints.check_allow_other_permitted(False, str(conf))  # not asked for: fine
     conf.write_text("user_allow_other  # for bucketfs\n")
-    mount.check_allow_other_permitted(True, str(conf))
+    mountpoints.check_allow_other_permitted(True, str(conf))
 
 
 def _parent_hears(config, report: str):
@@ -319,8 +319,8 @@ def test_check_validates_without_mounting(capsys):
 
 def test_a_cache_dir_that_is_a_file_says_so(capsys, monkeypatch, tmp_path):
     """It said 'File exists' (of a makedirs)."""
-    from bucketfs import mount
-    monkeypatch.setattr(mount, "check_fuse_available", lambda: None)
+    from bucketfs import mountpoints
+    monkeypatch.setattr(mountpoints, "check_fuse_available", lambda: None)
     (tmp_path / "mp").mkdir()
     (tmp_path / "afile").write_text("x")
     code, err = run_main(capsys, "mount", "s3://bkt/x", str(tmp_path / "mp"), "--cache-dir", str(tmp_path / "afile"))
