@@ -60,13 +60,21 @@ SHARD_WARM_FRACTION = 0.25
 SHARD_WARM_TARGETS_MAX = 4
 
 
+# A READ that failed after every retry is sent again by the kernel at once (a failed
+# read-ahead, then the single page the reader waits on): without this, a reader of a
+# store that stopped answering waited 2 x --read-timeout x --retries for its EIO. The
+# same handle asking again inside the failed range within this long fails at once.
+KERNEL_RETRY_WINDOW_S = 1.0
+
+
 class FileHandle:
-    __slots__ = ("node", "key", "version", "size_bytes", "reader")
+    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed")
 
     def __init__(self, node: Node, key: str, reader):
         self.node, self.key = node, key
         self.version, self.size_bytes = node.version, node.size_bytes
         self.reader = reader
+        self.failed: Optional[tuple] = None  # (start, end, trio time) of the last READ out of retries
 
 
 class DirHandle:
@@ -179,6 +187,10 @@ class Filesystem:
             return b""
         self.stats["read.calls"] += 1
         self.stats["read.bytes"] += end - off
+        failed, handle.failed = handle.failed, None
+        if failed is not None and failed[0] <= off < failed[1] and trio.current_time() - failed[2] < KERNEL_RETRY_WINDOW_S:
+            self.stats["read.kernel_retries_failed"] += 1
+            raise errors.TransientError(f"{handle.key}: [{off}, {end}) failed a moment ago, after every retry")
         started_s = time.monotonic()
         try:
             if handle.reader is None:
@@ -188,6 +200,9 @@ class Filesystem:
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
             else:
                 data = await handle.reader.read(off, end)
+        except errors.TransientError:
+            handle.failed = (off, end, trio.current_time())
+            raise
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
         if end == handle.size_bytes:

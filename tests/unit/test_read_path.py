@@ -183,6 +183,39 @@ def test_backend_failure_is_an_error_for_that_read_only():
     assert run_fs(backend, body) == b"y" * 1000
 
 
+@pytest.mark.parametrize("path", ["small.jpg", "shard.tar"])
+def test_the_kernels_second_read_of_a_range_that_just_failed_fails_at_once(path):
+    """The kernel sends a READ that failed again at once (a failed read-ahead, then
+    the page the reader waits on): with a store that stopped answering, each cost a
+    full --read-timeout x --retries, so the reader waited twice the documented bound.
+    Later, or elsewhere in the file, the store is asked again."""
+    files = {"small.jpg": b"j" * 100_000, "shard.tar": b"t" * (4 * MiB)}
+    backend = MemoryBackend(files)
+    store_down = [True]
+
+    def hook(op, key):
+        if op == "get" and store_down[0]:
+            raise errors.TransientError("no answer (retries exhausted)")
+
+    backend.fail_hook = hook
+
+    async def body(fs):
+        fh = await fs.open((await resolve(fs, path)).ino, 0)
+        with pytest.raises(errors.TransientError):
+            await fs.read(fh, 0, 128 * 1024)
+        gets_after_first = backend.requests["get"]
+        with pytest.raises(errors.TransientError, match="a moment ago"):
+            await fs.read(fh, 0, 4096)  # the kernel asking again for the first page
+        assert backend.requests["get"] == gets_after_first  # no second round of retries
+        store_down[0] = False
+        await trio.sleep(2)  # past the window: a reader's own retry reaches the store
+        assert await fs.read(fh, 0, 4096) == files[path][:4096]
+        assert backend.requests["get"] > gets_after_first
+        return fs.stats["read.kernel_retries_failed"]
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0)) == 1
+
+
 def test_memory_budget_holds_with_many_concurrent_readers():
     files = {f"s/{i:02d}.tar": blob(24 * MiB, i) for i in range(8)}
     files.update({f"img/{i:03d}.jpg": blob(2 * MiB, 100 + i) for i in range(64)})
