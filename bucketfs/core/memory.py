@@ -159,6 +159,10 @@ class MemoryBudget:
                 return
 
     def release(self, n_bytes: int) -> None:
+        if n_bytes <= 0:
+            # Nothing freed: waking every waiter would only have each reclaim (nothing)
+            # and wake the others, around and around (a core at 100% while reads wait).
+            return
         self.used_bytes -= n_bytes
         assert self.used_bytes >= 0, "released more memory than reserved"
         self._freed.set()

@@ -560,6 +560,27 @@ def test_a_read_never_waits_on_memory_forever(monkeypatch):
     assert data == blob(2 * MiB, 12) and overcommits == 1
 
 
+def test_reads_waiting_for_memory_sleep_instead_of_waking_each_other(monkeypatch):
+    """The block cache released 0 bytes when it had nothing to evict, and a release
+    wakes every waiter, each of which reclaims (nothing) and wakes the others: with
+    two readers waiting the daemon spun a core at 100% (1.7 M waits in 60 s)."""
+    import bucketfs.core.memory as memory
+
+    monkeypatch.setattr(memory, "DEMAND_WAIT_MAX_S", 0.5)
+    backend = MemoryBackend({"a": blob(2 * MiB, 1), "b": blob(2 * MiB, 2)})
+
+    async def body(fs):
+        fs.budget._take(fs.budget.capacity_bytes)  # someone holds the whole budget
+        handles = [await fs.open((await resolve(fs, name)).ino, 0) for name in ("a", "b")]
+        async with trio.open_nursery() as nursery:
+            for fh in handles:
+                nursery.start_soon(fs.read, fh, 0, 2 * MiB)
+        return fs.stats["memory.demand_waits"], fs.stats["memory.overcommits"]
+
+    waits, overcommits = run_fs(backend, body, max_memory_bytes=4 * MiB)
+    assert overcommits == 2 and waits <= 10, waits
+
+
 def test_part_buffers_are_reused_and_stay_in_the_budget():
     """Streaming one file after another receives parts into the buffers earlier parts
     left (no fresh 8 MiB allocation per part); pooled buffers stay counted in the
