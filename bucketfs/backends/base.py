@@ -164,6 +164,19 @@ class Backend(abc.ABC):
         return b""
 
 
+class ShortBody(ConnectionError):
+    """An answer for the pinned version with fewer bytes than the range asked for (a
+    cut Content-Length, a proxy's partial answer): the object did not change, so it is
+    retried like a reset, not reported as ESTALE."""
+
+
+def check_not_short(key: str, start: int, end: int, received_bytes: int) -> None:
+    """Raise ShortBody (in the worker thread, inside the retries) for a short answer of
+    the pinned version; call only once the answer is known to be that version."""
+    if received_bytes < end - start:
+        raise ShortBody(f"GET {key!r} [{start}, {end}): {received_bytes} bytes of {end - start}")
+
+
 def lists_entries(keys, prefixes_count: int, prefix: str) -> bool:
     """What check_bucket answers, from a probe page of at most two entries (the
     first of which may be the prefix's own directory marker)."""

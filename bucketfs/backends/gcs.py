@@ -42,7 +42,8 @@ from google.cloud import storage
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, gone_message, lists_entries, read_body)
+                                    check_not_short, check_object_size, gone_message,
+                                    lists_entries, read_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,8 @@ class GCSBackend(Backend):
                 if response.status_code == 200 and "Content-Range" not in response.headers:
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
+                if served and int(served) == generation:
+                    check_not_short(key, start, end, len(data))
                 return data, int(served) if served else None, response.headers.get("Content-Range")
             finally:
                 response.close()

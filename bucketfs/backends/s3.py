@@ -37,7 +37,7 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_object_size, copy_into, gone_message, lists_entries,
+                                    check_not_short, check_object_size, copy_into, gone_message, lists_entries,
                                     read_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
@@ -190,6 +190,8 @@ class S3Backend(Backend):
                     return None
                 if not content_range:  # a server that ignores Range: the whole object came back
                     body = _into(buffer, body[start:end])
+                if normalise_etag(etag) == version:
+                    check_not_short(key, start, end, body if buffer is not None else len(body))
                 return normalise_etag(etag), content_range, body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
@@ -208,6 +210,8 @@ class S3Backend(Backend):
         if not response.get("ContentRange"):
             # A server that ignores Range answers 200 with the whole object.
             data = data[start:end]
+        if normalise_etag(response.get("ETag", "")) == version:
+            check_not_short(key, start, end, len(data))
         return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------
