@@ -170,11 +170,17 @@ class ShortBody(ConnectionError):
     retried like a reset, not reported as ESTALE."""
 
 
-def check_not_short(key: str, start: int, end: int, received_bytes: int) -> None:
+def check_not_short(key: str, start: int, end: int, received_bytes: int, content_range: Optional[str]) -> None:
     """Raise ShortBody (in the worker thread, inside the retries) for a short answer of
-    the pinned version; call only once the answer is known to be that version."""
-    if received_bytes < end - start:
-        raise ShortBody(f"GET {key!r} [{start}, {end}): {received_bytes} bytes of {end - start}")
+    the pinned version; call only once the answer is known to be that version. The
+    range may run past the object's end (its size, from `Content-Range`); without
+    that header the whole object came back, sliced, so it cannot be short."""
+    total = content_range.rpartition("/")[2] if content_range else ""
+    if not total.isdigit():
+        return
+    expected_bytes = max(min(end, int(total)) - start, 0)
+    if received_bytes < expected_bytes:
+        raise ShortBody(f"GET {key!r} [{start}, {end}): {received_bytes} bytes of {expected_bytes}")
 
 
 def lists_entries(keys, prefixes_count: int, prefix: str) -> bool:

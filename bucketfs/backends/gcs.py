@@ -232,7 +232,7 @@ class GCSBackend(Backend):
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
                 if served and int(served) == generation:
-                    check_not_short(key, start, end, len(data))
+                    check_not_short(key, start, end, len(data), response.headers.get("Content-Range"))
                 return data, int(served) if served else None, response.headers.get("Content-Range")
             finally:
                 response.close()

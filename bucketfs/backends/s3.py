@@ -191,7 +191,7 @@ class S3Backend(Backend):
                 if not content_range:  # a server that ignores Range: the whole object came back
                     body = _into(buffer, body[start:end])
                 if normalise_etag(etag) == version:
-                    check_not_short(key, start, end, body if buffer is not None else len(body))
+                    check_not_short(key, start, end, body if buffer is not None else len(body), content_range)
                 return normalise_etag(etag), content_range, body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
@@ -211,7 +211,7 @@ class S3Backend(Backend):
             # A server that ignores Range answers 200 with the whole object.
             data = data[start:end]
         if normalise_etag(response.get("ETag", "")) == version:
-            check_not_short(key, start, end, len(data))
+            check_not_short(key, start, end, len(data), response.get("ContentRange"))
         return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------
