@@ -32,8 +32,9 @@ ATTEMPTS_COUNT = 2
 
 
 @contextlib.contextmanager
-def trickling_store():
-    """(endpoint URL, number of requests answered) of a server that trickles every body."""
+def socket_store(respond):
+    """(endpoint URL, request lines answered) of a server on 127.0.0.1 that reads each
+    request and calls `respond(conn, number of requests so far, stop event)`."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
     answered = []
@@ -47,16 +48,7 @@ def trickling_store():
                     return
                 request += chunk
             answered.append(request.split(b"\r\n", 1)[0])
-            conn.sendall(("HTTP/1.1 206 Partial Content\r\n"
-                         f"Content-Length: {BODY_BYTES}\r\nContent-Range: bytes 0-{BODY_BYTES - 1}/{BODY_BYTES}\r\n"
-                         'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode())
-            for _ in range(BODY_BYTES):
-                if stop.wait(TRICKLE_GAP_S):
-                    return
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    return  # the client gave up on this attempt
+            respond(conn, len(answered), stop)
 
     def serve():
         while not stop.is_set():
@@ -72,6 +64,28 @@ def trickling_store():
     finally:
         stop.set()
         listener.close()
+
+
+def _headers(sent_bytes: int) -> bytes:
+    return ("HTTP/1.1 206 Partial Content\r\n"
+            f"Content-Length: {sent_bytes}\r\nContent-Range: bytes 0-{sent_bytes - 1}/{BODY_BYTES}\r\n"
+            'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode()
+
+
+def trickling_store():
+    """A server that answers every request with a 206 and trickles the body."""
+
+    def respond(conn, _count, stop):
+        conn.sendall(_headers(BODY_BYTES))
+        for _ in range(BODY_BYTES):
+            if stop.wait(TRICKLE_GAP_S):
+                return
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                return  # the client gave up on this attempt
+
+    return socket_store(respond)
 
 
 def _config(scheme: str, endpoint: str) -> Config:
@@ -122,42 +136,16 @@ def test_a_range_answered_from_another_offset_is_not_served():
     base.check_object_size("k", "bytes */1000", 1000, start=100)  # (a 416 names no range)
 
 
-@contextlib.contextmanager
 def short_then_whole_store():
-    """(endpoint URL, requests answered) of a server whose first answer is short but
-    self-consistent (Content-Length and Content-Range of fewer bytes than asked, as a
-    proxy's partial answer), and whose later answers are whole."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    answered = []
+    """A server whose first answer is short but self-consistent (Content-Length and
+    Content-Range of fewer bytes than asked, as a proxy's partial answer), and whose
+    later answers are whole."""
 
-    def answer(conn):
-        with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                request += chunk
-            answered.append(request.split(b"\r\n", 1)[0])
-            sent_bytes = BODY_BYTES - 10 if len(answered) == 1 else BODY_BYTES
-            conn.sendall(("HTTP/1.1 206 Partial Content\r\n"
-                         f"Content-Length: {sent_bytes}\r\nContent-Range: bytes 0-{sent_bytes - 1}/{BODY_BYTES}\r\n"
-                         'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n'
-                         "Connection: close\r\n\r\n").encode() + b"x" * sent_bytes)
+    def respond(conn, count, _stop):
+        sent_bytes = BODY_BYTES - 10 if count == 1 else BODY_BYTES
+        conn.sendall(_headers(sent_bytes) + b"x" * sent_bytes)
 
-    def serve():
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=answer, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", answered
-    finally:
-        listener.close()
+    return socket_store(respond)
 
 
 @pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
