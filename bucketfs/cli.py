@@ -331,9 +331,6 @@ def run_mount(config: Config) -> int:
     mountpoints.check_allow_other_permitted(config.allow_other)
     mountpoints.check_mountpoint(config.mountpoint)
     if config.cache_dir:
-        if os.path.exists(config.cache_dir) and not os.path.isdir(config.cache_dir):
-            # (check_cache_dir would say "File exists", of its makedirs)
-            raise errors.UserError(f"--cache-dir {config.cache_dir} is not a directory", errors.EXIT_BAD_CACHE_DIR)
         check_cache_dir(config.cache_dir)
     if config.log_file:
         daemon.check_log_file(config.log_file)

@@ -71,6 +71,9 @@ class CacheDir:
 
 def check_cache_dir(path: str) -> None:
     """--cache-dir must be a directory this process can create files in (created if missing)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        # (makedirs would say "File exists")
+        raise errors.UserError(f"--cache-dir {path} is not a directory", errors.EXIT_BAD_CACHE_DIR)
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         probe = tempfile.TemporaryFile(dir=path)
