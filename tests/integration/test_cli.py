@@ -169,13 +169,17 @@ def test_second_signal_stops_at_once(rclone_server, s3_bucket, empty_dir):
         m.close()
 
 
+def mount_daemonised(server, url: str, mountpoint, log_file):
+    """`bucketfs mount` without --foreground (it returns once mounted), logging to `log_file`."""
+    return run_cli("mount", url, mountpoint, "--endpoint-url", server.endpoint_url, "--log-file", str(log_file),
+                   env=server_env(server))
+
+
 def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone_server, s3_bucket, empty_dir, tmp_path):
     """An empty prefix (a typo) is said where the user looks: the terminal, not only
     the daemon's log."""
     rclone_server.write_files(s3_bucket, {"data/a.jpg": b"x"})
-    log_file = tmp_path / "bucketfs.log"
-    proc = run_cli("mount", f"s3://{s3_bucket}/dat", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--log-file", str(log_file), env=server_env(rclone_server))
+    proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/dat", empty_dir, tmp_path / "bucketfs.log")
     try:
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.splitlines() == [
@@ -189,8 +193,7 @@ def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone
 def test_daemon_mode_returns_once_mounted_and_unmount_stops_it(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"p/hello.txt": b"hello"})
     log_file = tmp_path / "bucketfs.log"
-    proc = run_cli("mount", f"s3://{s3_bucket}/p", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--log-file", str(log_file), env=server_env(rclone_server))
+    proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/p", empty_dir, log_file)
     try:
         assert proc.returncode == 0, proc.stderr
         assert os.path.ismount(empty_dir)  # mounted when the command returned: no waiting
@@ -505,23 +508,33 @@ def silent_store():
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", listener
 
 
-def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path):
-    """The parent exited 130 silently and left the daemon running; it mounted later."""
+def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_probing=lambda proc: None):
+    """`bucketfs mount` against a store that never answers, sent SIGINT once its probe
+    has connected: (process, stdout, stderr, what `while_probing(process)` returned
+    just before the signal)."""
     with silent_store() as (url, listener):
-        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", url,
-                                             "--log-file", str(tmp_path / "bucketfs.log")),
+        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", mountpoint, "--endpoint-url", url, *args),
                                 env=dict(os.environ, **FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
         try:
-            conn, _ = listener.accept()  # the daemon is probing the store, the parent waits for it
+            conn, _ = listener.accept()  # the probe waits on the store
             with conn:
-                (daemon_pid,) = _child_pids(proc.pid)
+                seen = while_probing(proc)
                 proc.send_signal(signal.SIGINT)
-                out, err = proc.communicate(timeout=30)
+                out, err = proc.communicate(timeout=timeout_s)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate(timeout=10)
+    return proc, out, err, seen
+
+
+def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path):
+    """The parent exited 130 silently and left the daemon running; it mounted later."""
+    proc, out, err, daemon_pids = ctrl_c_while_the_store_hangs(
+        empty_dir, "--log-file", str(tmp_path / "bucketfs.log"), timeout_s=30,
+        while_probing=lambda proc: _child_pids(proc.pid))  # (the daemon probes, the parent waits for it)
+    (daemon_pid,) = daemon_pids
     assert proc.returncode == errors.EXIT_INTERRUPTED, err
     assert err == "bucketfs: interrupted\n" and out == ""
     assert _pid_is_gone(daemon_pid)
@@ -560,21 +573,9 @@ def test_a_daemon_whose_mount_command_is_gone_unmounts_without_a_traceback(tmp_p
 
 
 def test_ctrl_c_in_the_foreground_is_prompt_while_the_store_hangs(empty_dir):
-    """trio delivered the KeyboardInterrupt only once the probe's thread returned (7.6 s)."""
-    with silent_store() as (url, listener):
-        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", empty_dir, "-f", "--endpoint-url", url),
-                                env=dict(os.environ, **FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_die_with_parent)
-        try:
-            conn, _ = listener.accept()
-            with conn:
-                proc.send_signal(signal.SIGINT)
-                # The probe's read timeout is 10 s: an answer well within it was not waiting for the thread.
-                out, err = proc.communicate(timeout=5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=10)
+    """trio delivered the KeyboardInterrupt only once the probe's thread returned (7.6 s).
+    The probe's read timeout is 10 s: an answer well within it was not waiting for the thread."""
+    proc, _, err, _ = ctrl_c_while_the_store_hangs(empty_dir, "-f", timeout_s=5)
     assert proc.returncode == errors.EXIT_INTERRUPTED
     assert err.strip().splitlines()[-1] == "bucketfs: interrupted"
     assert not os.path.ismount(empty_dir)
