@@ -64,6 +64,9 @@ SHARD_WARM_TARGETS_MAX = 4
 # read-ahead, then the single page the reader waits on): without this, a reader of a
 # store that stopped answering waited 2 x --read-timeout x --retries for its EIO. The
 # same handle asking again inside the failed range within this long fails at once.
+# Only after a READ that itself waited out at least one --read-timeout: one that met a
+# part failed earlier (read-ahead that ran into an outage now over) gets the kernel's
+# second try, which fetches again.
 KERNEL_RETRY_WINDOW_S = 1.0
 
 
@@ -191,7 +194,7 @@ class Filesystem:
         if failed is not None and failed[0] <= off < failed[1] and trio.current_time() - failed[2] < KERNEL_RETRY_WINDOW_S:
             self.stats["read.kernel_retries_failed"] += 1
             raise errors.TransientError(f"{handle.key}: [{off}, {end}) failed a moment ago, after every retry")
-        started_s = time.monotonic()
+        started_s, started_trio_s = time.monotonic(), trio.current_time()
         try:
             if handle.reader is None:
                 if not self.cache.holds(handle.key, handle.version, off):
@@ -201,7 +204,9 @@ class Filesystem:
             else:
                 data = await handle.reader.read(off, end)
         except errors.TransientError:
-            handle.failed = (off, end, trio.current_time())
+            now_s = trio.current_time()
+            if now_s - started_trio_s >= self.config.read_timeout_s:
+                handle.failed = (off, end, now_s)
             raise
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s

@@ -15,6 +15,7 @@ from bucketfs.core.namespace import LISTED_ENTRY_BYTES
 from tests.unit.helpers import read_all, resolve, run_fs
 
 MiB = 1024 * 1024
+READ_TIMEOUT_S = 5.0
 
 
 def blob(n_bytes: int, seed: int = 0) -> bytes:
@@ -192,12 +193,15 @@ def test_the_kernels_second_read_of_a_range_that_just_failed_fails_at_once(path)
     files = {"small.jpg": b"j" * 100_000, "shard.tar": b"t" * (4 * MiB)}
     backend = MemoryBackend(files)
     store_down = [True]
+    read_range = backend.read_range
 
-    def hook(op, key):
-        if op == "get" and store_down[0]:
+    async def stalled_read_range(*args, **kwargs):
+        if store_down[0]:
+            await trio.sleep(READ_TIMEOUT_S * 2)  # each attempt stalls for the read timeout
             raise errors.TransientError("no answer (retries exhausted)")
+        return await read_range(*args, **kwargs)
 
-    backend.fail_hook = hook
+    backend.read_range = stalled_read_range
 
     async def body(fs):
         fh = await fs.open((await resolve(fs, path)).ino, 0)
@@ -213,7 +217,32 @@ def test_the_kernels_second_read_of_a_range_that_just_failed_fails_at_once(path)
         assert backend.requests["get"] > gets_after_first
         return fs.stats["read.kernel_retries_failed"]
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0)) == 1
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), read_timeout_s=READ_TIMEOUT_S) == 1
+
+
+def test_a_read_that_meets_a_part_failed_earlier_is_not_remembered_as_failed():
+    """Read-ahead that ran into an outage now over: the READ that meets its failed part
+    fails at once, and the kernel's second try must fetch again, not fail too (a
+    whole-shard pread after a store came back was cut short)."""
+    files = {"small.jpg": b"j" * 100_000}
+    backend = MemoryBackend(files)
+    store_down = [True]
+
+    def hook(op, key):
+        if op == "get" and store_down[0]:
+            raise errors.TransientError("failed a while ago")
+
+    backend.fail_hook = hook
+
+    async def body(fs):
+        fh = await fs.open((await resolve(fs, "small.jpg")).ino, 0)
+        with pytest.raises(errors.TransientError):
+            await fs.read(fh, 0, 4096)  # met a failure without waiting out a read timeout
+        store_down[0] = False
+        return bytes(await fs.read(fh, 0, 4096))  # the kernel's immediate second try
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                  read_timeout_s=READ_TIMEOUT_S) == files["small.jpg"][:4096]
 
 
 def test_memory_budget_holds_with_many_concurrent_readers():
