@@ -51,6 +51,10 @@ SHUTDOWN_GRACE_S = 30.0
 STOP_DEADLINE_S = 3.0
 # fusermount3 -uz normally takes milliseconds; bounded so a hard stop stays prompt.
 UNMOUNT_DEADLINE_S = 5.0
+# After the FUSE loop ends, how long queued disk-cache writes may take to land (64 MiB
+# at most are queued; a disk that cannot write them in this long loses them). With
+# SHUTDOWN_GRACE_S and STOP_DEADLINE_S: 43 s, within the unit's TimeoutStopSec=45.
+FINISH_WRITES_DEADLINE_S = 10.0
 # Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
@@ -260,7 +264,8 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
                 _start_metrics(config.metrics_address, config.metrics_port, fs.snapshot)
             # Signals from here on are the watcher's: one that arrives before the FUSE
             # loop runs is handled once it does, so nothing is left mounted.
-            await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops(config))
+            watcher = trio.CancelScope()  # ended with the FUSE loop: the writes below are not a hung stop
+            await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops(config), watcher)
             _mount(ops, config)
             mounted = True
             ops.start(nursery)
@@ -278,6 +283,9 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
                 log.info("FUSE connection closed by the kernel")
             log.info("FUSE loop ended; unmounting %s", config.mountpoint)
             sd_notify("STOPPING=1")
+            watcher.cancel()
+            with trio.move_on_after(FINISH_WRITES_DEADLINE_S):
+                await fs.finish_writes()
             nursery.cancel_scope.cancel()
     except* errors.UserError as group:
         # A problem the user must fix, found inside the nursery (an unreadable disk
@@ -332,8 +340,13 @@ def _start_metrics(address: str, port: int, snapshot) -> None:
                                errors.EXIT_METRICS_PORT) from None
 
 
-async def _watch_signals(mountpoint: str, detached: list, hangup_stops: bool,
+async def _watch_signals(mountpoint: str, detached: list, hangup_stops: bool, scope: trio.CancelScope,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with scope:
+        await _stop_on_signals(mountpoint, detached, hangup_stops, task_status)
+
+
+async def _stop_on_signals(mountpoint: str, detached: list, hangup_stops: bool, task_status) -> None:
     """First signal: detach the mount (no new opens) and let open files finish; the
     FUSE loop ends by itself when the last one closes. A second signal, or the grace
     period running out, ends it at once. SIGHUP counts only if `hangup_stops`;

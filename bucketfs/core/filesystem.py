@@ -311,6 +311,12 @@ class Filesystem:
                     yield self.key_prefix + nxt.path, nxt
 
     # -- misc ---------------------------------------------------------------------
+    async def finish_writes(self) -> None:
+        """Until the disk cache has written what it holds (at unmount: bytes already
+        fetched are worth a next mount's GET; at most PENDING_WRITES_MAX_BYTES)."""
+        if isinstance(self.backend, DiskCache):
+            await self.backend.wait_idle()
+
     def snapshot(self) -> dict:
         stats = self.stats.snapshot()
         stats.update({

@@ -311,6 +311,10 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     after = m.stats()
     assert after["backend.requests.get"] - before["backend.requests.get"] <= skipped_stores
     assert after["disk_cache.hits"] >= len(files) // 2  # the rest were still in memory
+    # What the next mount cannot find on disk: at most what a store skipped, in either
+    # epoch (a chunk skipped twice counts twice). Stores still queued land at unmount.
+    never_stored_bytes = after.get("disk_cache.skipped_bytes", 0)
+    never_stored_count = after.get("disk_cache.skipped_stores", 0)
     m.close()
     assert len(list(cache_dir.iterdir())) == 1  # kept for the next mount
 
@@ -319,8 +323,8 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     m = mount_factory(rclone_server, s3_bucket, "dc", "--cache-dir", str(cache_dir), "--max-memory", "16M")
     epoch()  # byte-identical to the bucket as it is now, or it fails here
     after = m.stats()
-    assert 1 <= after["backend.requests.get"] <= 1 + skipped_stores  # the changed object (and what was skipped)
-    assert after["disk_cache.loaded_bytes"] >= total_bytes
+    assert 1 <= after["backend.requests.get"] <= 1 + never_stored_count  # the changed object (and what was skipped)
+    assert after["disk_cache.loaded_bytes"] >= total_bytes - never_stored_bytes
     assert after["disk_cache.read_ahead_bytes"] == after["disk_cache.loaded_bytes"]  # (42 MB: within half the free memory)
     assert after.get("disk_cache.bad_reads", 0) == 0
     if pagecache.no_wait_reads():  # files the last mount wrote are in the page cache: read on the event loop

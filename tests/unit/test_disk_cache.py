@@ -45,7 +45,7 @@ def run_cached(backend, tmp_path, body, **overrides):
             fs = Filesystem(backend, config, nursery, str(cache_dir))
             with trio.fail_after(30):
                 result = await body(fs)
-                await fs.backend.wait_idle()  # background writes and deletes are done
+                await fs.finish_writes()  # background writes and deletes are done (as at unmount)
             nursery.cancel_scope.cancel()
         return result
 
