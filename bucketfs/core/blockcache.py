@@ -145,6 +145,7 @@ class BlockCache:
                 self._blocks[(key, version, i)] = block
             self.cached_bytes += len(data)
             reserved_bytes = 0  # ownership moved to the cache; eviction releases it
+            self.budget.reclaimable_grew()
             self.stats["cache.fetched_bytes"] += len(data)
         except errors.BucketfsError as exc:
             flight.error = exc

@@ -15,7 +15,8 @@ Invariants:
 - Prefetch only takes memory with `try_reserve`, which fails rather than wait and
   always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
 - Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
-  warm shard heads, then prefetch parts nobody waits on), then waits for releases,
+  warm shard heads, then prefetch parts nobody waits on), then waits for releases
+  or for held memory to become reclaimable (`reclaimable_grew`),
   but never longer than `DEMAND_WAIT_MAX_S`: after that it takes the memory anyway
   (a bounded overshoot, logged) rather than leave a reader hanging.
 """
@@ -158,6 +159,19 @@ class MemoryBudget:
                 self._take(n_bytes)
                 return
 
+    def reclaimable_grew(self) -> None:
+        """Memory already reserved has become reclaimable (a fetch's bytes passed to the
+        block cache, a part finished or was read): readers waiting for memory must
+        reclaim again. Without this they slept on until a release that might never
+        come, every byte held by what they could have evicted (64 readers on 16 MiB:
+        each READ waited out DEMAND_WAIT_MAX_S)."""
+        if self._demands_pending:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._freed.set()
+        self._freed = trio.Event()
+
     def release(self, n_bytes: int) -> None:
         if n_bytes <= 0:
             # Nothing freed: waking every waiter would only have each reclaim (nothing)
@@ -165,5 +179,4 @@ class MemoryBudget:
             return
         self.used_bytes -= n_bytes
         assert self.used_bytes >= 0, "released more memory than reserved"
-        self._freed.set()
-        self._freed = trio.Event()
+        self._wake()

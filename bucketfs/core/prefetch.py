@@ -178,6 +178,8 @@ class Prefetcher:
         finally:
             if part.data is None:
                 self.release(part)
+            else:
+                self.budget.reclaimable_grew()  # (sheddable once nobody waits on it)
             part.done.set()
 
     def release(self, part: Part) -> int:
@@ -267,6 +269,13 @@ class Prefetcher:
         return freed_bytes
 
 
+def _covers_exactly(parts: list, off: int, end: int) -> bool:
+    """`parts` (in order) hold every byte of [off, end), with no gap."""
+    if not parts or parts[0].start > off or parts[-1].end < end:
+        return False
+    return all(a.end == b.start for a, b in zip(parts, parts[1:]))
+
+
 class SequentialStream:
     def __init__(self, prefetcher: Prefetcher, key, version, size_bytes, start, window_bytes, max_window_bytes):
         self.pf = prefetcher
@@ -298,10 +307,12 @@ class SequentialStream:
     async def read(self, off: int, end: int):
         if end > self.fetch_end:
             # The reader caught up: fetch what it needs now, as demand, in a small part.
-            self._issue(self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demanded=True)
+            self._issue(self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end)
         self.read_end = max(self.read_end, end)
         self._top_up()
         wanted = [p for p in self.parts if p.end > off and p.start < end]
+        if not _covers_exactly(wanted, off, end):
+            raise PartCancelled()  # a part inside was shed under memory pressure: the block cache reads it
         pieces = []
         for part in wanted:
             data = await part.wait()  # state re-check after: the stream may have moved on
@@ -311,14 +322,20 @@ class SequentialStream:
                 part.consumed = True
                 self.window_bytes = min(self.window_bytes * 2, self.max_window_bytes)
         self._drop_behind()
+        self.pf.budget.reclaimable_grew()  # the parts just read are sheddable now
         self._top_up()
         self.pf.stats["prefetch.bytes_used"] += end - off
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    def _issue(self, start: int, end: int, demanded: bool) -> bool:
+    def _issue(self, start: int, end: int, demand_end: int = 0) -> bool:
+        """Parts for [start, end): those starting before `demand_end` are demand (a READ
+        waits on them, so they wait for memory); the rest are read-ahead, issued only
+        while memory is free. A part past the READ reserved as demand would hold memory
+        nobody waits on while READs wait for it (64 readers on 16 MiB: every READ
+        stalled until the overcommit deadline)."""
         while start < end:
             part_end = min(end, start + self.part_size_bytes)
-            part = self.pf.fetch(self.key, self.version, self.size_bytes, start, part_end, demanded)
+            part = self.pf.fetch(self.key, self.version, self.size_bytes, start, part_end, start < demand_end)
             if part is None:
                 return False
             self.parts.append(part)
@@ -329,7 +346,7 @@ class SequentialStream:
         """Keep `window_bytes` in flight ahead of the reader, in parts of the window's size."""
         while self.fetch_end < self.size_bytes and self.fetch_end - self.read_end < self.window_bytes:
             size = min(self.part_size_bytes, self.window_bytes)
-            if not self._issue(self.fetch_end, min(self.fetch_end + size, self.size_bytes), demanded=False):
+            if not self._issue(self.fetch_end, min(self.fetch_end + size, self.size_bytes)):
                 return
 
     def _drop_behind(self) -> None:
@@ -338,19 +355,23 @@ class SequentialStream:
 
     def shed(self, wanted_bytes: int) -> int:
         """Give back memory under demand pressure: first the complete parts the reader
-        has passed (kept only for reordered READs), then the furthest-ahead parts
-        nobody waits on. Without the first step, streams each holding the part behind
-        them while waiting for the next could fill the budget and wait on each other."""
+        has passed (kept only for reordered READs), wherever they are in the window,
+        then the furthest-ahead parts nobody waits on (or is fetching for a READ).
+        The kernel's READs of one file finish out of order, so passed parts sit behind
+        one still being fetched; kept, streams each holding them while waiting for
+        memory for the next could fill the budget and wait on each other. A READ that
+        then finds a part gone reads through the block cache."""
         freed_bytes = 0
-        while self.parts and freed_bytes < wanted_bytes:
-            part = self.parts[0]
-            if part.waiters or part.end > self.read_end or not part.done.is_set():
+        for part in [p for p in self.parts if p.done.is_set() and not p.waiters and p.end <= self.read_end]:
+            if freed_bytes >= wanted_bytes:
                 break
-            self.parts.popleft()
+            self.parts.remove(part)
             freed_bytes += self.pf.drop(part)
-        while len(self.parts) > 1 and freed_bytes < wanted_bytes:
+        while self.parts and freed_bytes < wanted_bytes:
             part = self.parts[-1]
-            if part.waiters or part.start <= self.read_end:
+            # (a part the reader is partway through, complete and not waited on, goes
+            # too: its next READ may be queued in the kernel behind READs waiting here)
+            if part.waiters or (part.start < self.read_end and not part.done.is_set()):
                 break
             self.parts.pop()
             self.fetch_end = part.start

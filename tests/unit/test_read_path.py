@@ -846,3 +846,47 @@ def test_listings_that_shrink_the_budget_push_out_warm_heads_for_real():
     used_bytes, capacity_bytes, head_parts = run_fs(backend, body, list_ahead_count=0, max_memory_bytes=128 * MiB)
     assert head_parts >= 2
     assert used_bytes <= capacity_bytes, f"{(used_bytes - capacity_bytes) / MiB:.0f} MiB over"
+
+
+@pytest.mark.parametrize("small_file_bytes", [8 * MiB, 1 * MiB])  # one GET at open; streams
+@pytest.mark.parametrize("part_size_bytes", [1 * MiB, 8 * MiB])
+def test_many_readers_on_a_tiny_budget_never_wait_out_the_memory_deadline(part_size_bytes, small_file_bytes):
+    """64 sequential readers over 16 MiB of memory, each with READs in flight ahead of it
+    as the kernel's read-ahead sends them, and the kernel's cap on READs in flight over
+    all files. Parts nobody waits on (a demand part's extension past the READ, parts
+    the reader has passed behind one still being fetched) held the whole budget while
+    every READ in flight waited for memory: each went through only at the 60 s overcommit
+    (mock clock here). Every READ must go through on the budget, with the right bytes."""
+    files = {f"f{i:02d}.bin": blob(6 * MiB + i, i) for i in range(16)}
+    backend = MemoryBackend(files, delay_s=0.002)
+    read_bytes, ahead_reads, kernel_slots = 1 * MiB, 4, trio.Semaphore(24)
+
+    async def body(fs):
+        async def one_read(fh, off, results, answered):
+            async with kernel_slots:
+                results[off] = bytes(await fs.read(fh, off, read_bytes))
+            answered.set()
+
+        async def reader(path):
+            node = await resolve(fs, path)
+            fh = await fs.open(node.ino, 0)
+            results, answered = {}, {}
+            async with trio.open_nursery() as reads:
+                for off in range(0, node.size_bytes, read_bytes):
+                    for ahead in range(off, min(off + ahead_reads * read_bytes, node.size_bytes), read_bytes):
+                        if ahead not in answered:
+                            answered[ahead] = trio.Event()
+                            reads.start_soon(one_read, fh, ahead, results, answered[ahead])
+                    await answered[off].wait()  # the reader's own READ (the others are read-ahead)
+            fs.release(fh)
+            assert b"".join(results[o] for o in sorted(results)) == files[path], path
+
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(reader, f"f{i % 16:02d}.bin")
+        return fs.stats["memory.overcommits"], fs.budget.peak_bytes
+
+    overcommits, peak_bytes = run_fs(backend, body, max_memory_bytes=16 * MiB, part_size_bytes=part_size_bytes,
+                                     small_file_bytes=small_file_bytes, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert overcommits == 0
+    assert peak_bytes <= 16 * MiB
