@@ -17,7 +17,7 @@ import signal
 import sys
 import urllib.parse
 
-from bucketfs import __version__, daemon, errors, mountpoints
+from bucketfs import __version__, backends, daemon, errors, mountpoints
 from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
 from bucketfs.core.cachedir import check_cache_dir
 
@@ -199,11 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def mount_parser() -> argparse.ArgumentParser:
+    """The parser of `bucketfs mount` (argparse has no public way to reach a subparser)."""
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return subparsers.choices["mount"]
+
+
 def mount_options() -> dict:
     """{long option of `bucketfs mount`: whether it takes a value}, for the fstab helper."""
-    parser = build_parser()
-    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return {name: action.nargs != 0 for action in subparsers.choices["mount"]._actions
+    return {name: action.nargs != 0 for action in mount_parser()._actions
             for name in action.option_strings if name.startswith("--") and name != "--help"}
 
 
@@ -394,7 +398,13 @@ def main(argv=None) -> int:
     try:
         if args.command == "mount":
             config = config_from_args(args)
-            return errors.EXIT_OK if args.check else run_mount(config)
+            if args.check:
+                try:
+                    backends.check_options(config)
+                except errors.BucketfsError as exc:
+                    raise errors.user_error_for(exc, str(config.url)) from None
+                return errors.EXIT_OK
+            return run_mount(config)
         if args.command == "unmount":
             # realpath: mountinfo lists the resolved path, whatever symlink led to it.
             mountpoints.unmount(os.path.realpath(args.mountpoint), lazy=args.lazy)

@@ -17,3 +17,12 @@ def make_backend(config):
 
         return GCSBackend(config)
     raise ValueError(f"no backend for scheme {config.url.scheme!r}")
+
+
+def check_options(config) -> None:
+    """Refuse (errors.InvalidOption) what the store's SDK would refuse when the daemon
+    builds its client, without building one: `mount --check` then catches it too."""
+    if config.url.scheme == "s3" and config.region:
+        from bucketfs.backends.s3 import check_region
+
+        check_region(config.region)

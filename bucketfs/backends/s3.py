@@ -31,6 +31,7 @@ from typing import Optional
 import boto3
 import botocore.config
 import botocore.exceptions
+import botocore.utils
 import trio
 import urllib3.exceptions
 from botocore import UNSIGNED
@@ -127,6 +128,14 @@ def _mtime_ns(when: datetime.datetime) -> int:
     return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
 
 
+def check_region(region: str) -> None:
+    """botocore's own rule for a region name, not a copy of it."""
+    try:
+        botocore.utils.validate_region_name(region)
+    except botocore.exceptions.InvalidRegionError as exc:
+        raise errors.InvalidOption(f"--region {region!r}: {exc}") from None
+
+
 class S3Backend(Backend):
     receives_into = True  # the lean path's socket reads land in the part buffer
 
@@ -135,13 +144,13 @@ class S3Backend(Backend):
         super().__init__()
         self.bucket = config.url.bucket
         self._config = config
+        if config.region:
+            check_region(config.region)
         try:
             self._session = session or boto3.session.Session(profile_name=config.profile)
             self.client = self._make_client(config.connect_timeout_s, config.read_timeout_s)
         except botocore.exceptions.ProfileNotFound as exc:
             raise errors.AccessDenied(str(exc)) from None
-        except botocore.exceptions.InvalidRegionError as exc:  # botocore's rule, not a copy of it
-            raise errors.InvalidOption(f"--region {config.region!r}: {exc}") from None
         except ValueError as exc:  # "Invalid endpoint": the CLI's usage error
             raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
