@@ -13,12 +13,11 @@ import ipaddress
 import math
 import os
 import re
-import signal
 import sys
 import urllib.parse
 
 from bucketfs import __version__, backends, daemon, errors, mountpoints
-from bucketfs.config import DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
+from bucketfs.config import DEFAULT_METRICS_ADDRESS, DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
 from bucketfs.core.cachedir import check_cache_dir
 
 # A number, then K/M/G/T (binary; KiB spelled out too) or B or nothing.
@@ -45,7 +44,6 @@ LIST_AHEAD_MAX = 1024
 RETRIES_MAX = 100
 ID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel: not an owner
 PORT_MAX = 65535
-DEFAULT_METRICS_ADDRESS = "127.0.0.1"  # counters name buckets and prefixes: not for the network unless asked
 MODE_MAX = 0o7777
 
 
@@ -346,11 +344,6 @@ def run_mount(config: Config) -> int:
     return daemon.daemonise(config)
 
 
-# Output cut short (`bucketfs stats M | head -1`): exit as a tool killed by SIGPIPE does,
-# as shells report it (128 + 13), without a traceback.
-EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
-
-
 def _stats_root(path: str) -> str:
     """The root of the mount holding `path` (whose counters `bucketfs stats` reads)."""
     try:
@@ -389,7 +382,7 @@ def print_stats(mountpoint: str, as_json: bool) -> int:
         # The reader left: no traceback, and no second one from the interpreter's own
         # flush of stdout at exit (the Python docs' recipe).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+        return errors.EXIT_BROKEN_PIPE
     return errors.EXIT_OK
 
 

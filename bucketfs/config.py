@@ -53,6 +53,7 @@ def parse_bucket_url(url: str) -> BucketURL:
 
 
 DEFAULT_SHARD_GLOBS = ("*.tar", "*.tar.gz", "*.tgz", "*.tar.zst")
+DEFAULT_METRICS_ADDRESS = "127.0.0.1"  # counters name buckets and prefixes: not for the network unless asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Config:
     log_level: str = "INFO"
     log_file: Optional[str] = None
     metrics_port: Optional[int] = None
-    metrics_address: str = "127.0.0.1"
+    metrics_address: str = DEFAULT_METRICS_ADDRESS
 
     @property
     def immutable(self) -> bool:

@@ -114,7 +114,7 @@ def _run_daemon(config: Config, write_fd: int) -> None:
 
     def tell_parent(line: str) -> None:
         try:
-            report.write(line + "\n")
+            report.write(" ".join(line.split()) + "\n")  # one line: the report is line-based
             report.flush()
         except OSError:
             pass  # the parent is gone: nobody to tell
@@ -137,8 +137,7 @@ def _run_daemon(config: Config, write_fd: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent must hear of it, the log gets the trace
         log.exception("bucketfs daemon failed")
         trace = "the log has the trace" if log_is_kept(config) else "--foreground shows the trace"
-        what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line: the report is line-based
-        tell_parent(f"ERROR {errors.EXIT_FAILURE} daemon failed ({what}); {trace}")
+        tell_parent(f"ERROR {errors.EXIT_FAILURE} daemon failed ({type(exc).__name__}: {exc}); {trace}")
     finally:
         try:
             report.close()
@@ -157,7 +156,7 @@ class StartupWarnings(logging.Handler):
         self.tell_parent = tell_parent
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.tell_parent("WARNING " + " ".join(record.getMessage().split()))  # one line: the report is line-based
+        self.tell_parent("WARNING " + record.getMessage())
 
 
 def wait_for_daemon(config: Config, pid: int, read_fd: int) -> int:

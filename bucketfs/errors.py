@@ -81,6 +81,9 @@ EXIT_MOUNT_FAILED = 8  # the kernel refused the mount or the mount never answere
 EXIT_BAD_CACHE_DIR = 9  # --cache-dir cannot be created, written or read
 EXIT_METRICS_PORT = 10  # --metrics-port cannot be bound (in use, or not allowed)
 EXIT_INTERRUPTED = 130  # Ctrl-C before the mount answered (128 + SIGINT, as shells report it)
+# Output cut short (`bucketfs stats M | head -1`): exit as a tool killed by SIGPIPE does,
+# as shells report it (128 + 13), without a traceback.
+EXIT_BROKEN_PIPE = 141
 
 # Codes no restart can fix without a change by the user: systemd's unit lists them in
 # RestartPreventExitStatus= (tests check it matches). An unreachable endpoint (5), a

@@ -8,8 +8,8 @@ options (ro, rw, defaults, _netdev, nofail, x-systemd.*, ...) are accepted and i
 the mount is read-only whatever they say (mount(8) itself adds `rw` to any line
 without `ro`). Lists inside a value (`shard_globs`) use `:` between items, since `,`
 separates the options. The helper daemonises and returns once the mount answers, as
-mount(8) expects (so `foreground` is refused). Errors name options as fstab writes
-them. A line already mounted and serving is not mounted again (exit 0): the mount's
+mount(8) expects (so `foreground` is refused). An unknown option is named as fstab
+writes it; a bad value is reported by the mount's own parser (as `--max-memory`). A line already mounted and serving is not mounted again (exit 0): the mount's
 source is SOURCE as written, which is also how `mount -a` tells it is mounted.
 """
 

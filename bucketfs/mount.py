@@ -158,10 +158,10 @@ def hangup_stops(config) -> bool:
     return config.foreground and has_controlling_terminal()
 
 
-def _install_startup_signal_handlers(config) -> None:
+def _install_startup_signal_handlers(hangup_stops: bool) -> None:
     _sigint_exits_now[0] = True
     signal.signal(signal.SIGINT, _on_sigint_at_startup)
-    if not hangup_stops(config):
+    if not hangup_stops:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the watcher logs it once mounted)
 
 
@@ -210,7 +210,8 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
-    _install_startup_signal_handlers(config)
+    hangup = hangup_stops(config)  # (once: it opens /dev/tty)
+    _install_startup_signal_handlers(hangup)
     # The user named an endpoint (an option or the SDKs' own variables): an odd answer
     # points at it; otherwise at something between us and the default endpoint.
     endpoint_given = bool(config.endpoint_url or any(
@@ -228,7 +229,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         await backend.aclose()
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     if not config.cache_dir:
-        return await _serve(config, backend, None, on_ready, on_fs)
+        return await _serve(config, backend, None, on_ready, on_fs, hangup)
     try:
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
@@ -239,19 +240,20 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         await backend.aclose()
         raise
     if cache_dir is None:  # (no room on its disk for a directory: logged)
-        return await _serve(config, backend, None, on_ready, on_fs)
+        return await _serve(config, backend, None, on_ready, on_fs, hangup)
     # Disk-cache writes run in worker threads that need the GIL back after every
     # syscall. At the default 5 ms switch interval a busy event loop holds them off
     # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
     # At 0.5 ms all of it was, at about the same files/s.
     sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
     try:
-        await _serve(config, backend, cache_dir, on_ready, on_fs)
+        await _serve(config, backend, cache_dir, on_ready, on_fs, hangup)
     finally:
         cache_dir.close()  # (a private one is removed: no later mount will find it)
 
 
-async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Callable[[], None], on_fs: Optional[Callable]) -> None:
+async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Callable[[], None], on_fs: Optional[Callable],
+                 hangup_stops: bool) -> None:
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
     try:
@@ -265,7 +267,7 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
             # Signals from here on are the watcher's: one that arrives before the FUSE
             # loop runs is handled once it does, so nothing is left mounted.
             watcher = trio.CancelScope()  # ended with the FUSE loop: the writes below are not a hung stop
-            await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops(config), watcher)
+            await nursery.start(_watch_signals, config.mountpoint, detached, hangup_stops, watcher)
             _mount(ops, config)
             mounted = True
             ops.start(nursery)
@@ -361,27 +363,24 @@ async def _stop_on_signals(mountpoint: str, detached: list, hangup_stops: bool, 
             log.info("received SIGHUP; log file reopened, the mount serves on (SIGTERM stops it)")
         raise AssertionError("a signal receiver never ends")
 
-    try:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            _sigint_exits_now[0] = False
-            task_status.started()
-            name = await next_stop_signal(signals)
-            log.info("received %s; detaching %s (open files may finish for %.0f s)", name, mountpoint, SHUTDOWN_GRACE_S)
-            sd_notify("STOPPING=1")
-            try:
-                # Under systemd, ExecStop (bucketfs unmount --lazy) has usually detached it already.
-                if await trio.to_thread.run_sync(os.path.ismount, mountpoint):
-                    await trio.to_thread.run_sync(unmount, mountpoint, True)
-                detached.append(True)
-            except errors.UserError as exc:
-                log.warning("%s; stopping now", exc)
-            if detached:
-                with trio.move_on_after(SHUTDOWN_GRACE_S):
-                    log.info("received %s again; stopping now", await next_stop_signal(signals))
-    finally:
-        # Back to the startup handler, which now ignores SIGINT: the stop is bounded
-        # by the deadline below.
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        # From here on, once this receiver is closed too, the startup handler ignores
+        # SIGINT: the stop is bounded by the deadline below.
         _sigint_exits_now[0] = False
+        task_status.started()
+        name = await next_stop_signal(signals)
+        log.info("received %s; detaching %s (open files may finish for %.0f s)", name, mountpoint, SHUTDOWN_GRACE_S)
+        sd_notify("STOPPING=1")
+        try:
+            # Under systemd, ExecStop (bucketfs unmount --lazy) has usually detached it already.
+            if await trio.to_thread.run_sync(os.path.ismount, mountpoint):
+                await trio.to_thread.run_sync(unmount, mountpoint, True)
+            detached.append(True)
+        except errors.UserError as exc:
+            log.warning("%s; stopping now", exc)
+        if detached:
+            with trio.move_on_after(SHUTDOWN_GRACE_S):
+                log.info("received %s again; stopping now", await next_stop_signal(signals))
     pyfuse3.terminate()
     # Cancelled when the FUSE loop ends in time (the nursery is cancelled then).
     await trio.sleep(STOP_DEADLINE_S)
