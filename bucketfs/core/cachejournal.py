@@ -47,7 +47,8 @@ _CHUNKS = struct.Struct("<cQ")  # b"C", entry number; then (chunk index, CRC-32)
 _PAIR = struct.Struct("<II")
 _DELETE = struct.Struct("<cQ")  # b"D", entry number
 # Rewritten (at load, or while mounted) once it holds this many times the bytes its
-# live records need, plus COMPACT_MIN_BYTES (evictions leave dead records behind).
+# live records need, plus a margin (evictions leave dead records behind): the caller's
+# `min_bytes`, at most COMPACT_MIN_BYTES.
 COMPACT_RATIO = 2
 COMPACT_MIN_BYTES = 1024 * 1024
 LOAD_BLOCK_BYTES = 8 * 1024 * 1024
@@ -100,21 +101,19 @@ class Entry:
             return (present >> first) & mask == mask
         return present.find(0, first, last) < 0
 
-    def add(self, chunk: int, crc: int, chunk_bytes: int) -> int:
-        """Mark a chunk stored; the bytes it adds to disk use (0 if it was there)."""
+    def add(self, chunk: int, crc: int, chunk_bytes: int) -> None:
+        """Mark a chunk stored (its bytes count in stored_bytes once)."""
         self.crcs[chunk] = crc
         present = self.present
         if type(present) is int:
             if present >> chunk & 1:
-                return 0
+                return
             self.present = present | 1 << chunk
         else:
             if present[chunk]:
-                return 0
+                return
             present[chunk] = 1
-        size = min(chunk_bytes, self.object_bytes - chunk * chunk_bytes)
-        self.stored_bytes += size
-        return size
+        self.stored_bytes += min(chunk_bytes, self.object_bytes - chunk * chunk_bytes)
 
     def present_chunks(self) -> list:
         """The indexes of the chunks on disk, in order."""
@@ -274,9 +273,6 @@ class Journal:
                     os.ftruncate(fd, self.size_bytes)
                 finally:
                     os.close(fd)
-        else:
-            self.entries.clear()  # (nothing in another format or chunk size is usable)
-            self.ids.clear()
         self.next_entry_no = highest_no + 1  # never an earlier number, even a deleted one's
 
     def needs_compacting(self, live_record_bytes: int, min_bytes: int) -> bool:

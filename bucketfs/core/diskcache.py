@@ -331,8 +331,9 @@ class DiskCache:
             # Held until written: memory the budget must know of (it is --max-memory's,
             # once the block cache lets go of these bytes). Lent only from what no
             # reader needs; the block cache gives way (priority 0): it holds these same bytes.
+            budget = self._budget
             if (self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES
-                    and (self._budget is None or self._budget.try_reserve(len(data), reclaim_priority=0))):
+                    and (budget is None or budget.try_reserve(len(data), reclaim_priority=0, refused_stat=None))):
                 self._pending_bytes += len(data)
                 self._in_background(self._store_pending, eid, key, version, start, data, object_bytes)
             else:

@@ -63,7 +63,7 @@ SHARD_WARM_TARGETS_MAX = 4
 # A READ that failed after every retry is sent again by the kernel at once (a failed
 # read-ahead, then the single page the reader waits on): without this, a reader of a
 # store that stopped answering waited 2 x --read-timeout x --retries for its EIO. The
-# same handle asking again inside the failed range within this long fails at once.
+# same handle's next READ, if inside the failed range and within this long, fails at once.
 # Only after a READ that itself waited out at least one --read-timeout: one that met a
 # part failed earlier (read-ahead that ran into an outage now over) gets the kernel's
 # second try, which fetches again.
@@ -81,7 +81,9 @@ class FileHandle:
 
 
 class DirHandle:
-    """A snapshot of a directory's children: offsets stay stable while it is open."""
+    """A snapshot of a directory's children: offsets stay stable while it is open.
+    `read_from_start`: a READDIR has been answered from it (a later one from offset 0
+    is a rewinddir)."""
 
     __slots__ = ("ino", "children", "read_from_start")
 
@@ -312,8 +314,9 @@ class Filesystem:
 
     # -- misc ---------------------------------------------------------------------
     async def finish_writes(self) -> None:
-        """Until the disk cache has written what it holds (at unmount: bytes already
-        fetched are worth a next mount's GET; at most PENDING_WRITES_MAX_BYTES)."""
+        """Until the disk cache's background work is done: its queued writes (at most
+        PENDING_WRITES_MAX_BYTES; at unmount, bytes already fetched are worth a next
+        mount's GET), deletes and a journal rewrite under way."""
         if isinstance(self.backend, DiskCache):
             await self.backend.wait_idle()
 

@@ -12,7 +12,7 @@ Invariants:
   except by one demand request larger than the whole budget (let through alone so
   a reader is never deadlocked), or for a moment after listings grow while buffers
   are held that cannot be reclaimed (they are released as their reads finish).
-- Prefetch only takes memory with `try_reserve`, which fails rather than wait and
+- Prefetch (and the disk cache's queued writes) only take memory with `try_reserve`, which fails rather than wait and
   always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
 - Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
   warm shard heads, then prefetch parts nobody waits on), then waits for releases
@@ -108,14 +108,17 @@ class MemoryBudget:
                 return
             wanted_bytes -= reclaim(wanted_bytes)
 
-    def try_reserve(self, n_bytes: int, reclaim_priority: int = 0) -> bool:
-        """Prefetch: reserve now or fail; may evict reclaimers up to `reclaim_priority`."""
+    def try_reserve(self, n_bytes: int, reclaim_priority: int = 0, refused_stat: str | None = "memory.prefetch_refused") -> bool:
+        """Memory nobody waits on (read-ahead, the disk cache's queued writes): reserve
+        now or fail, counting a refusal in `refused_stat` (None: the caller counts it); may evict reclaimers up to
+        `reclaim_priority`."""
         limit_bytes = self.capacity_bytes - self.demand_headroom_bytes
         over_bytes = self.used_bytes + n_bytes - limit_bytes
         if over_bytes > 0:
             self._reclaim(over_bytes, reclaim_priority)
             if self.used_bytes + n_bytes > limit_bytes:
-                self.stats["memory.prefetch_refused"] += 1
+                if refused_stat:
+                    self.stats[refused_stat] += 1
                 return False
         self._take(n_bytes)
         return True
