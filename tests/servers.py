@@ -301,22 +301,14 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
     client.meta.events.register(f"before-send.s3.{_S3_OPERATIONS[op]}", before_send)
 
 
-class _FakeLeanResponse:
+class _FakeLeanResponse(_FakeRaw):
+    """The same, as the lean path's urllib3 response (status and headers included)."""
+
     def __init__(self, status: int, headers: dict, body: bytes, broken: bool = False):
-        self.status, self.headers, self._body, self._broken = status, headers, body, broken
-
-    def read(self, *_args, **_kwargs):
-        if self._broken:
-            raise urllib3.exceptions.ProtocolError("Connection broken: IncompleteRead(0 bytes read, 10 more expected)")
-        body, self._body = self._body, b""
-        return body
-
-    read1 = read
+        super().__init__(body, broken)
+        self.status, self.headers = status, headers
 
     def release_conn(self):
-        pass
-
-    def close(self):
         pass
 
 

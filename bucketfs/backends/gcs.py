@@ -7,7 +7,8 @@ Invariants:
 - `version` is the object's generation as a decimal string. Size, mtime and
   generation come from listing pages; there is no metadata GET per file.
 - A read pinned to a generation returns bytes of exactly that generation or
-  raises ObjectChanged/NotFound. The GET targets the generation (`generation=`)
+  raises ObjectChanged (a generation gone or replaced; BackendError if the store
+  still lists it but will not serve it). The GET targets the generation (`generation=`)
   and sends `ifGenerationMatch`, and the generation the response reports
   (`x-goog-generation`) is checked; endpoints that omit that header (the
   gcp-storage-emulator ignores both parameters) get a metadata GET after the

@@ -26,7 +26,7 @@ from bucketfs.config import BucketURL, Config
 pytestmark = pytest.mark.timeout(60)
 
 BODY_BYTES = 2000
-TRICKLE_GAP_S = 0.05  # a byte every 50 ms: 200 s for the body, never a 1 s silence
+TRICKLE_GAP_S = 0.05  # a byte every 50 ms: 100 s for the body, never a 1 s silence
 READ_TIMEOUT_S = 1.0
 ATTEMPTS_COUNT = 2
 
