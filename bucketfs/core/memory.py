@@ -12,17 +12,22 @@ Invariants:
   except by one demand request larger than the whole budget (let through alone so
   a reader is never deadlocked), or for a moment after listings grow while buffers
   are held that cannot be reclaimed (they are released as their reads finish).
-- Prefetch (and the disk cache's queued writes) only take memory with `try_reserve`, which fails rather than wait and
-  always leaves `demand_headroom_bytes` free for reads a caller is waiting on.
+- Prefetch (and the disk cache's queued writes) only take memory with `try_reserve`,
+  which fails rather than wait, always leaves `demand_headroom_bytes` free for reads
+  a caller is waiting on, and takes nothing while such a read waits.
 - Demand (`reserve`) first reclaims evictable memory (the block cache, unclaimed
   warm shard heads, then prefetch parts nobody waits on), then waits for releases
   or for held memory to become reclaimable (`reclaimable_grew`),
   but never longer than `DEMAND_WAIT_MAX_S`: after that it takes the memory anyway
   (a bounded overshoot, logged) rather than leave a reader hanging.
+- Waiting demands are served oldest first: a later one (waiting or new) takes memory
+  only if what is left still fits the oldest's request. Woken together, they used to
+  race for each freed part, and an unlucky READ lost for many seconds.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable
 
@@ -36,6 +41,15 @@ DEMAND_WAIT_MAX_S = 60.0
 # Listings and the disk cache's index may take up to this share of the budget; the
 # rest always stays for buffers.
 LISTINGS_SHARE_MAX = 0.75
+
+
+class _Waiter:
+    """A demand waiting for memory. Compared by identity: `deque.remove` of an equal
+    value (two waiters for the same size) would drop another reader's place."""
+    __slots__ = ("n_bytes",)
+
+    def __init__(self, n_bytes: int):
+        self.n_bytes = n_bytes
 
 
 class MemoryBudget:
@@ -54,6 +68,7 @@ class MemoryBudget:
         self._freed = trio.Event()
         self._pressure_logged = False
         self._demands_pending = 0  # demands reclaiming or waiting right now
+        self._waiting: collections.deque = collections.deque()  # a _Waiter per waiting demand, oldest first
 
     def _set_capacity(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes  # for buffers: the budget less the listings
@@ -114,6 +129,10 @@ class MemoryBudget:
         `reclaim_priority`."""
         limit_bytes = self.capacity_bytes - self.demand_headroom_bytes
         over_bytes = self.used_bytes + n_bytes - limit_bytes
+        if self._waiting:  # what is freed goes to the reads waiting for it
+            if refused_stat:
+                self.stats[refused_stat] += 1
+            return False
         if over_bytes > 0:
             self._reclaim(over_bytes, reclaim_priority)
             if self.used_bytes + n_bytes > limit_bytes:
@@ -139,28 +158,47 @@ class MemoryBudget:
 
     async def _reserve(self, n_bytes: int) -> None:
         deadline_s = trio.current_time() + DEMAND_WAIT_MAX_S
-        while True:
-            over_bytes = self.used_bytes + n_bytes - self.capacity_bytes
-            if over_bytes > 0:
-                self._reclaim(over_bytes, max_priority=1 << 30)
-                over_bytes = self.used_bytes + n_bytes - self.capacity_bytes
-            if over_bytes <= 0 or self.used_bytes == 0:
-                self._take(n_bytes)
+        ticket = None
+        try:
+            while not self._may_take(n_bytes, ticket):
+                if ticket is None:
+                    ticket = _Waiter(n_bytes)
+                    self._waiting.append(ticket)
+                self.stats["memory.demand_waits"] += 1
+                if not self._pressure_logged:
+                    self._pressure_logged = True
+                    log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
+                                "reads wait for buffers to drain", self.capacity_bytes >> 20,
+                                (self.listings_bytes + self.disk_index_bytes) >> 20)
+                with trio.move_on_at(deadline_s) as scope:
+                    await self._freed.wait()  # state re-check after: others may have taken the freed bytes
+                if scope.cancelled_caught:
+                    self.stats["memory.overcommits"] += 1
+                    log.warning("a read waited %.0f s for memory; taking %d bytes over the budget",
+                                DEMAND_WAIT_MAX_S, n_bytes)
+                    break
+            self._take(n_bytes)
+            if not self._waiting or self._waiting[0] is ticket:
                 self._pressure_logged = False
-                return
-            self.stats["memory.demand_waits"] += 1
-            if not self._pressure_logged:
-                self._pressure_logged = True
-                log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
-                            "reads wait for buffers to drain", self.capacity_bytes >> 20,
-                            (self.listings_bytes + self.disk_index_bytes) >> 20)
-            with trio.move_on_at(deadline_s) as scope:
-                await self._freed.wait()  # state re-check after: others may have taken the freed bytes
-            if scope.cancelled_caught:
-                self.stats["memory.overcommits"] += 1
-                log.warning("a read waited %.0f s for memory; taking %d bytes over the budget", DEMAND_WAIT_MAX_S, n_bytes)
-                self._take(n_bytes)
-                return
+        finally:
+            if ticket is not None:
+                was_oldest = self._waiting[0] is ticket
+                self._waiting.remove(ticket)
+                if was_oldest and self._waiting:
+                    self._wake()  # the next oldest may fit now; it alone may take what is left
+
+    def _may_take(self, n_bytes: int, ticket) -> bool:
+        """Whether a demand of `n_bytes` (waiting as `ticket`, or new if None) may take
+        its memory now, reclaiming what it needs. Beside an older waiter it must leave
+        that one's request free, so the oldest is served first and none starves."""
+        oldest = self._waiting[0] if self._waiting else ticket
+        ahead_bytes = 0 if oldest is ticket else oldest.n_bytes
+        over_bytes = self.used_bytes + n_bytes + ahead_bytes - self.capacity_bytes
+        if over_bytes > 0:
+            self._reclaim(over_bytes, max_priority=1 << 30)
+            over_bytes = self.used_bytes + n_bytes + ahead_bytes - self.capacity_bytes
+        # One request larger than the whole budget goes through alone, so it never deadlocks.
+        return over_bytes <= 0 or (self.used_bytes == 0 and not ahead_bytes)
 
     def reclaimable_grew(self) -> None:
         """Memory already reserved has become reclaimable (a fetch's bytes passed to the
