@@ -66,25 +66,6 @@ def read_body(response, deadline_s: float) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def check_object_size(key: str, content_range: Optional[str], object_bytes: Optional[int],
-                      start: Optional[int] = None) -> None:
-    """ObjectChanged if a `Content-Range: bytes a-b/TOTAL` answer reports another size
-    than the pinned version has. A server that ignores If-Match and serves a rewrite
-    can still name the old ETag (a store whose writes are not atomic); the size is a
-    second witness. Nothing to compare: no header, `*`, or no size given. With `start`
-    (the range asked for), an answer for a range starting elsewhere is a BackendError:
-    its bytes belong at another offset."""
-    if not content_range:
-        return
-    span, _, total = content_range.removeprefix("bytes").strip().partition("/")
-    first = span.partition("-")[0]
-    if start is not None and first.isdigit() and int(first) != start:
-        raise errors.BackendError(f"{key}: asked for bytes from {start}, answered {content_range!r}")
-    total = total.strip()
-    if object_bytes is not None and total.isdigit() and int(total) != object_bytes:
-        raise errors.ObjectChanged(f"{key}: {object_bytes} bytes when listed, {total} now")
-
-
 def copy_into(buffer: bytearray, data: bytes) -> int:
     """`data` written at the start of `buffer`; its length (read_range_into's answer)."""
     buffer[: len(data)] = data
@@ -170,17 +151,34 @@ class ShortBody(ConnectionError):
     retried like a reset, not reported as ESTALE."""
 
 
-def check_not_short(key: str, start: int, end: int, received_bytes: int, content_range: Optional[str]) -> None:
-    """Raise ShortBody (in the worker thread, inside the retries) for a short answer of
-    the pinned version; call only once the answer is known to be that version. The
-    range may run past the object's end (its size, from `Content-Range`); without
-    that header the whole object came back, sliced, so it cannot be short."""
-    total = content_range.rpartition("/")[2] if content_range else ""
-    if not total.isdigit():
+def check_answer(key: str, start: int, end: int, received_bytes: Optional[int], content_range: Optional[str],
+                 object_bytes: Optional[int]) -> None:
+    """Check a ranged GET's answer, once it is known to be of the pinned version (a
+    short answer of another version is ObjectChanged, not retried), against its
+    `Content-Range: bytes a-b/TOTAL`, parsed here only. In the worker thread: there
+    BlockingCaller retries the ShortBody, and passes the bucketfs errors on at once.
+    - ShortBody: fewer than the `[start, end)` bytes asked for came, clipped at TOTAL
+      (a range may run past the object's end). `received_bytes` None: not checked.
+    - BackendError: an answer for a range starting elsewhere (its bytes belong at
+      another offset).
+    - ObjectChanged: TOTAL is not `object_bytes`, the pinned version's size (None: not
+      compared). A server that ignores If-Match and serves a rewrite can still name the
+      old ETag (a store whose writes are not atomic); the size is a second witness.
+    Nothing to check without the header (the whole object came back, sliced: it cannot
+    be short) or with `*`."""
+    if not content_range:
         return
-    expected_bytes = max(min(end, int(total)) - start, 0)
-    if received_bytes < expected_bytes:
-        raise ShortBody(f"GET {key!r} [{start}, {end}): {received_bytes} bytes of {expected_bytes}")
+    span, _, total = content_range.removeprefix("bytes").strip().partition("/")
+    first, total = span.partition("-")[0], total.strip()
+    answered_bytes = int(total) if total.isdigit() else None
+    if received_bytes is not None and answered_bytes is not None:
+        expected_bytes = max(min(end, answered_bytes) - start, 0)
+        if received_bytes < expected_bytes:
+            raise ShortBody(f"GET {key!r} [{start}, {end}): {received_bytes} bytes of {expected_bytes}")
+    if first.isdigit() and int(first) != start:
+        raise errors.BackendError(f"{key}: asked for bytes from {start}, answered {content_range!r}")
+    if object_bytes is not None and answered_bytes is not None and answered_bytes != object_bytes:
+        raise errors.ObjectChanged(f"{key}: {object_bytes} bytes when listed, {total} now")
 
 
 def lists_entries(keys, prefixes_count: int, prefix: str) -> bool:

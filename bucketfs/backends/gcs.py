@@ -43,8 +43,7 @@ from google.cloud import storage
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_not_short, check_object_size, gone_message,
-                                    lists_entries, read_body)
+                                    check_answer, gone_message, lists_entries, read_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -229,12 +228,13 @@ class GCSBackend(Backend):
                 if response.status_code not in (200, 206):
                     raise gexc.from_http_response(response)
                 data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
-                if response.status_code == 200 and "Content-Range" not in response.headers:
+                content_range = response.headers.get("Content-Range")
+                if response.status_code == 200 and content_range is None:
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
                 if served and int(served) == generation:
-                    check_not_short(key, start, end, len(data), response.headers.get("Content-Range"))
-                return data, int(served) if served else None, response.headers.get("Content-Range")
+                    check_answer(key, start, end, len(data), content_range, object_bytes)
+                return data, int(served) if served else None, content_range
             finally:
                 response.close()
 
@@ -246,11 +246,14 @@ class GCSBackend(Backend):
         if result is None:
             return await self.confirm_past_end(key, version)
         data, served_generation, content_range = result
-        if served_generation is None:
+        if served_generation is None:  # (so fetch could not check the answer)
             served_generation = await self._live_generation_after_read(key)
+            if served_generation == generation:
+                # Known to be the pinned generation only now, past the retries: its size
+                # is checked, but a short answer cannot be retried here.
+                check_answer(key, start, end, None, content_range, object_bytes)
         if served_generation != generation:
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
-        check_object_size(key, content_range, object_bytes, start)
         self.bytes_fetched += len(data)
         return data
 

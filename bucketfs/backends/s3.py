@@ -38,8 +38,7 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_not_short, check_object_size, copy_into, gone_message, lists_entries,
-                                    read_body)
+                                    check_answer, copy_into, gone_message, lists_entries, read_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -188,7 +187,21 @@ class S3Backend(Backend):
         # (including characters XML 1.0 cannot carry) round-trips exactly.
         return client.list_objects_v2(**kwargs)
 
-    def _get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None):
+    def _get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray],
+                      object_bytes: Optional[int]):
+        """The bytes, or with `buffer` the number of bytes written into it; None when the
+        range starts past the end (416). Checked here, in the worker, where a short
+        answer is retried (check_answer)."""
+        answer = self._get_unchecked_blocking(key, start, end, version, buffer)
+        if answer is None:
+            return None
+        etag, content_range, body = answer
+        if etag != version or not etag:
+            raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
+        check_answer(key, start, end, body if buffer is not None else len(body), content_range, object_bytes)
+        return body
+
+    def _get_unchecked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
         """(etag, content_range, bytes), or with `buffer` (etag, content_range, bytes
         written into it); None when the range starts past the end (416)."""
         if self.lean.usable:
@@ -199,8 +212,6 @@ class S3Backend(Backend):
                     return None
                 if not content_range:  # a server that ignores Range: the whole object came back
                     body = _into(buffer, body[start:end])
-                if normalise_etag(etag) == version:
-                    check_not_short(key, start, end, body if buffer is not None else len(body), content_range)
                 return normalise_etag(etag), content_range, body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
@@ -219,8 +230,6 @@ class S3Backend(Backend):
         if not response.get("ContentRange"):
             # A server that ignores Range answers 200 with the whole object.
             data = data[start:end]
-        if normalise_etag(response.get("ETag", "")) == version:
-            check_not_short(key, start, end, len(data), response.get("ContentRange"))
         return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------
@@ -272,17 +281,13 @@ class S3Backend(Backend):
         # the memory budget until it returns (a dropped read-ahead part waits for them),
         # and no thread writes into a buffer after its part has let go of it.
         try:
-            result = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
-                                            version, buffer)
+            body = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
+                                          version, buffer, object_bytes)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
-        if result is None:
+        if body is None:
             data = await self.confirm_past_end(key, version)
             return data if buffer is None else 0
-        etag, content_range, body = result
-        if etag != version or not etag:
-            raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
-        check_object_size(key, content_range, object_bytes, start)
         self.bytes_fetched += body if buffer is not None else len(body)
         return body
 

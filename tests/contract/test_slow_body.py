@@ -129,13 +129,6 @@ def test_a_trickling_body_ends_in_an_error_within_its_bound(kind, monkeypatch):
         assert len(answered) == ATTEMPTS_COUNT  # each attempt cut at its deadline, then retried
 
 
-def test_a_range_answered_from_another_offset_is_not_served():
-    with pytest.raises(errors.BackendError):
-        base.check_object_size("k", "bytes 0-99/1000", 1000, start=100)
-    base.check_object_size("k", "bytes 100-199/1000", 1000, start=100)
-    base.check_object_size("k", "bytes */1000", 1000, start=100)  # (a 416 names no range)
-
-
 def short_then_whole_store():
     """A server whose first answer is short but self-consistent (Content-Length and
     Content-Range of fewer bytes than asked, as a proxy's partial answer), and whose
