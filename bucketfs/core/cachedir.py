@@ -149,17 +149,8 @@ def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
     return private
 
 
-def make_private_dir(path: str) -> CacheDir:
-    """This mount's own locked directory under `path` (removed by close()), after
-    removing the ones mounts that are gone left behind."""
-    try:
-        remove_stale_private_dirs(path)
-        return _make_private_dir(path)
-    except OSError as exc:
-        raise dir_error(path, exc) from None
-
-
 def _make_private_dir(path: str) -> CacheDir:
+    """This mount's own locked directory under `path`, removed by close()."""
     for _ in range(CLAIM_ATTEMPTS):
         private = tempfile.mkdtemp(prefix=f"bucketfs-{os.getpid()}-", dir=path)
         try:

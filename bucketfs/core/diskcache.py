@@ -128,10 +128,16 @@ class DiskCache:
 
     @property
     def stored_bytes(self) -> int:
-        """What the cache takes on disk: its data files' blocks, its journal and its
-        directories (as of the last _measure_dirs)."""
-        unit = self._unit_bytes
-        return self._data_disk_bytes + -(-self._journal.size_bytes // unit) * unit + self._dirs_disk_bytes
+        """What the cache takes on disk (as of the last _measure_dirs)."""
+        return self._disk_use_bytes(self._journal.size_bytes)
+
+    def _disk_use_bytes(self, journal_bytes: int) -> int:
+        """The cache's data files' blocks, a journal of `journal_bytes`, and its directories."""
+        return self._data_disk_bytes + self._round_up(journal_bytes) + self._dirs_disk_bytes
+
+    def _round_up(self, n_bytes: int) -> int:
+        """`n_bytes` rounded up to the file system's allocation unit."""
+        return -(-n_bytes // self._unit_bytes) * self._unit_bytes
 
     def _measure_dirs(self) -> None:
         """The blocks of the cache's directories (the data directory grows by a block
@@ -144,10 +150,9 @@ class DiskCache:
         """The blocks the entry's data file takes: its chunks sit at multiples of the
         chunk size, so each chunk takes its bytes rounded up to the allocation unit
         (one unit more where the chunk size is not a multiple of it)."""
-        unit = self._unit_bytes
-        rounded = -(-entry.stored_bytes // unit) * unit
-        if self.chunk_bytes % unit:
-            rounded += (entry.stored_bytes // self.chunk_bytes + 1) * unit
+        rounded = self._round_up(entry.stored_bytes)
+        if self.chunk_bytes % self._unit_bytes:
+            rounded += (entry.stored_bytes // self.chunk_bytes + 1) * self._unit_bytes
         return rounded
 
     def _load(self):
@@ -220,10 +225,8 @@ class DiskCache:
         """Drop the least recently used entries until the cache fits (a smaller
         --cache-size than last time), counting the journal as its rewrite will be;
         how many. Their files become orphans: one pass removes them all."""
-        unit = self._unit_bytes
         evicted_count = 0
-        while self._entries and (self._data_disk_bytes + -(-(header_bytes + self._live_record_bytes) // unit) * unit
-                                 + self._dirs_disk_bytes > self.capacity_bytes):
+        while self._entries and self._disk_use_bytes(header_bytes + self._live_record_bytes) > self.capacity_bytes:
             _, entry = self._entries.popitem(last=False)
             self._forget(entry)
             evicted_count += 1

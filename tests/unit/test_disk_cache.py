@@ -17,7 +17,7 @@ import trio
 
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.core import cachejournal, diskcache, pagecache
-from bucketfs.core.cachedir import claim_dir, make_private_dir
+from bucketfs.core.cachedir import claim_dir
 from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
@@ -262,6 +262,8 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
     """Liveness is the directory's lock, not a PID: a PID is meaningless in another
     PID namespace (containers sharing a cache disk) or once reused, and a mount killed
     with -9 leaves a directory whose lock is free."""
+    identity = "s3://b/ at x"
+    shared = claim_dir(str(tmp_path), identity, "s3-b")  # a live mount of the bucket: the next gets a private one
     pid_max = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text())
     held = tmp_path / f"bucketfs-{pid_max + 1}-abc"  # a live mount in another PID namespace: no such PID here
     left = tmp_path / f"bucketfs-{os.getpid()}-def"  # a mount killed with -9 (its PID reused, here by us)
@@ -272,19 +274,21 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
     held_fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(held_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as its mount holds it
-        mine = make_private_dir(str(tmp_path))
+        mine = claim_dir(str(tmp_path), identity, "s3-b")
         try:
-            assert sorted(p.name for p in tmp_path.iterdir()) == sorted([held.name, other.name, pathlib.Path(mine.path).name])
+            assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+                [held.name, other.name, pathlib.Path(shared.path).name, pathlib.Path(mine.path).name])
             assert mine.private and not os.listdir(mine.path)
             os.close(os.open(tmp_path / "bucketfs-1-ghi", os.O_RDONLY | os.O_CREAT))  # (a file of that name: left alone)
-            again = make_private_dir(str(tmp_path))  # ours is held too: not removed
-            assert os.path.isdir(mine.path) and os.path.isdir(again.path)
+            again = claim_dir(str(tmp_path), identity, "s3-b")  # ours is held too: not removed
+            assert again.private and os.path.isdir(mine.path) and os.path.isdir(again.path)
             again.close()
             assert not os.path.exists(again.path)  # a private one goes at close
         finally:
             mine.close()
     finally:
         os.close(held_fd)
+        shared.close()
     left.mkdir()  # the next ordinary mount cleans up too (not only one that needs a private directory)
     claimed = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
     try:
