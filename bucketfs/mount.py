@@ -84,19 +84,29 @@ def sd_notify(message: str) -> None:
         log.warning("could not notify systemd: %s", exc)
 
 
+# glibc's mmap threshold: a block this large that no free chunk of the heap fits gets
+# a mapping of its own, returned to the system when freed. Just above a READ reply
+# (at most 1 MiB, joined on the heap: a fresh mapping would page-fault on every copy),
+# and at libfuse's request buffer (1 MiB and a page, malloc'd by each pyfuse3 worker
+# task, so one per FUSE request in progress, up to 256; freed as tasks end).
+MMAP_THRESHOLD_BYTES = 1024 * 1024 + 4096
+
+
 def tune_memory_allocator() -> None:
     """Keep freed read buffers from pinning RSS.
 
     glibc raises its mmap threshold after freeing a large block, after which 8 MiB
     parts come from the heap and freed ones stay in RSS. A fixed threshold (which
     also disables the dynamic raise) returns every large buffer to the OS on free.
+    At 2 MiB, libfuse's request buffers grew the heap by 1 MiB per concurrent
+    request, and the heap only shrinks from its top, so what later reads put there
+    stayed resident: with 64-128 concurrent readers on --max-memory 16M the malloc
+    heap reached 107 MiB (72 with 8 readers), and RSS crept for minutes.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
-        # 2 MiB: 8 MiB parts are mmapped (returned on free) while 1 MiB READ-sized
-        # buffers come from the heap (fresh mmaps would page-fault on every copy).
-        libc.mallopt(M_MMAP_THRESHOLD, 2 * 1024 * 1024)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         libc.mallopt(M_ARENA_MAX, 4)
     except (OSError, AttributeError):
         pass
