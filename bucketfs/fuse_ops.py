@@ -29,6 +29,8 @@ ATTRS_CACHE_MAX_COUNT = 200_000
 # Vanished names waiting to be invalidated in the kernel (~100 B each). Past this,
 # one is skipped: the kernel still lets go of it at revalidation or memory pressure.
 INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
+# A directory's own entries, listed first by the core; no child has these names.
+DOT_NAMES = (".", "..")
 
 
 def errno_for(exc: BaseException) -> int:
@@ -192,17 +194,20 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def readdir(self, fh, start_id, token):
         counting = self._count_lookups
-        for i, node in enumerate(await self.fs.readdir(fh, start_id), start=start_id + 1):
-            if counting:
+        for i, (name, node) in enumerate(await self.fs.readdir(fh, start_id), start=start_id + 1):
+            # The kernel takes no reference for "." and ".." (libfuse: their lookup
+            # count is not raised), and a directory's node is never replaced.
+            child = name not in DOT_NAMES
+            if counting and child:
                 # Re-listed since this handle's snapshot? Send what the name is now (a
                 # rewritten file's new node: the old one may be dropped, and its number
                 # must not reach the kernel again), or skip a name that is gone.
                 node = self._ns.current(node)
                 if node is None:
                     continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(node.name), self._attrs(node), i):
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), i):
                 return
-            if counting:
+            if counting and child:
                 self._ns.note_lookup(node)  # a READDIRPLUS entry counts as a lookup
 
     @fuse_errors

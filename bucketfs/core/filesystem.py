@@ -85,10 +85,21 @@ class DirHandle:
     `read_from_start`: a READDIR has been answered from it (a later one from offset 0
     is a rewinddir)."""
 
-    __slots__ = ("ino", "children", "read_from_start")
+    __slots__ = ("node", "children", "read_from_start")
 
-    def __init__(self, ino: int, children):
-        self.ino, self.children, self.read_from_start = ino, children, False
+    def __init__(self, node: Node, children):
+        self.node, self.children, self.read_from_start = node, children, False
+
+    def entries(self, start_index: int):
+        """(name, node) from `start_index` on: "." and ".." (as every local file system
+        lists them: `ls -a`, and tools that count them, expect both), then the children.
+        An iterator, not a slice: copying the rest of a 100,000-entry snapshot for each
+        READDIR made a listing quadratic."""
+        dots = ((".", self.node), ("..", self.node.parent))  # the root is its own parent
+        yield from dots[start_index:]
+        children = self.children
+        for i in range(max(start_index - len(dots), 0), len(children)):
+            yield children[i].name, children[i]
 
 
 class Filesystem:
@@ -125,15 +136,13 @@ class Filesystem:
         return self.ns.node(ino)
 
     async def opendir(self, ino: int) -> int:
-        handle = DirHandle(ino, await self.ns.list_dir(ino))
+        handle = DirHandle(self.ns.node(ino), await self.ns.list_dir(ino))
         dh = next(self._fh_counter)
         self._dir_handles[dh] = handle
         return dh
 
     async def readdir(self, dh: int, start_index: int):
-        """Children from `start_index` on (an iterator); entry i's next offset is i + 1.
-        Not a slice: each READDIR takes a few dozen entries, and copying the rest of a
-        100,000-entry snapshot every time made a listing quadratic."""
+        """Entries (name, node) from `start_index` on; entry i's next offset is i + 1."""
         try:
             handle = self._dir_handles[dh]
         except KeyError:
@@ -141,10 +150,9 @@ class Filesystem:
         if start_index == 0 and handle.read_from_start and not self.config.immutable:
             # rewinddir(): POSIX asks for the directory as it is now, not as it was at
             # opendir (within the TTL, the same listing).
-            handle.children = await self.ns.list_dir(handle.ino)
+            handle.children = await self.ns.list_dir(handle.node.ino)
         handle.read_from_start = True
-        children = handle.children
-        return (children[i] for i in range(start_index, len(children)))
+        return handle.entries(start_index)
 
     def releasedir(self, dh: int) -> None:
         self._dir_handles.pop(dh, None)

@@ -39,8 +39,8 @@ def test_a_file_rewritten_between_readdir_calls_is_listed_once_as_its_new_versio
         ops = FuseOperations(fs, fs.config)
         d = await resolve(fs, "d")
         dh = await ops.opendir(d.ino, None)
-        first = ReplyBuffer(3)
-        await ops.readdir(dh, 0, first)  # the kernel's buffer took f0..f2
+        first = ReplyBuffer(5)
+        await ops.readdir(dh, 0, first)  # the kernel's buffer took ., .., f0..f2
         backend.put("d/f5", b"rewritten")
         backend.delete("d/f7")
         await trio.sleep(2)  # past the TTL
@@ -51,7 +51,7 @@ def test_a_file_rewritten_between_readdir_calls_is_listed_once_as_its_new_versio
         return first.entries + rest.entries, new_f5.ino
 
     entries, new_f5_ino = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=1)
-    assert [name for name, _, _ in entries] == [f"f{i}" for i in range(10) if i != 7]
+    assert [name for name, _, _ in entries] == [".", ".."] + [f"f{i}" for i in range(10) if i != 7]
     assert dict((name, ino) for name, ino, _ in entries)["f5"] == new_f5_ino
 
 
@@ -72,13 +72,44 @@ def test_rewinddir_shows_the_directory_as_it_is_now_with_a_ttl_and_the_snapshot_
             backend.put("d/new", b"z")
             await trio.sleep(2)  # past the TTL, if any
             await ops.readdir(dh, 0, again)  # rewinddir()
-            return [e[0] for e in first.entries], [e[0] for e in again.entries]
+            return [e[0] for e in first.entries[2:]], [e[0] for e in again.entries[2:]]
 
         return run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), **config)
 
     assert names_before_and_after_rewind(metadata_ttl_s=1) == (["a", "b"], ["a", "b", "new"])
     # Immutable default: the listing is the mount's for good; a rewind costs no LIST.
     assert names_before_and_after_rewind() == (["a", "b"], ["a", "b"])
+
+
+def test_dot_and_dotdot_come_first_with_the_directory_and_its_parent_and_take_no_lookup(monkeypatch):
+    """Every local file system lists "." and ".." (`ls -a` shows them); the kernel
+    takes no reference for them, so counting them as lookups would keep a vanished
+    directory's node alive for good in TTL mode. Offsets stay stable across calls."""
+    monkeypatch.setattr(pyfuse3, "readdir_reply", fake_readdir_reply)
+    backend = MemoryBackend({"d/sub/a": b"x", "d/sub/b": b"y"})
+
+    async def body(fs):
+        ops = FuseOperations(fs, fs.config)
+        d, sub = await resolve(fs, "d"), await resolve(fs, "d/sub")
+        lookups_before = (d.lookups, sub.lookups)
+        dh = await ops.opendir(sub.ino, None)
+        first, rest = ReplyBuffer(1), ReplyBuffer(100)
+        await ops.readdir(dh, 0, first)
+        await ops.readdir(dh, first.entries[-1][2], rest)
+        root_dh = await ops.opendir(pyfuse3.ROOT_INODE, None)
+        root = ReplyBuffer(100)
+        await ops.readdir(root_dh, 0, root)
+        a, b = await resolve(fs, "d/sub/a"), await resolve(fs, "d/sub/b")
+        return (first.entries + rest.entries, root.entries[:2], (d.ino, sub.ino, a.ino, b.ino),
+                lookups_before, (d.lookups, sub.lookups, a.lookups))
+
+    entries, root_dots, (d_ino, sub_ino, a_ino, b_ino), before, after = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=60)
+    assert entries == [(".", sub_ino, 1), ("..", d_ino, 2), ("a", a_ino, 3), ("b", b_ino, 4)]
+    assert root_dots == [(".", pyfuse3.ROOT_INODE, 1), ("..", pyfuse3.ROOT_INODE, 2)]
+    # Counted: d once (a child in the root's listing), a once; sub not at all, though
+    # sent as "." of its own listing and d as its "..".
+    assert before == (0, 0) and after == (1, 0, 1)
 
 
 def test_the_stats_size_query_and_read_get_the_same_bytes():
