@@ -40,6 +40,36 @@ def bucketfs_cmd(*args) -> list:
     return [sys.executable, "-m", "bucketfs.cli", *args]
 
 
+def mount_cmd(url: str, mountpoint, *args, endpoint_url=None) -> list:
+    """`bucketfs mount URL MOUNTPOINT [--endpoint-url ENDPOINT_URL] ARGS...`."""
+    return bucketfs_cmd("mount", url, str(mountpoint), *(("--endpoint-url", endpoint_url) if endpoint_url else ()), *args)
+
+
+def server_env(server=None, **extra) -> dict:
+    """This process's environment for a `bucketfs` subprocess, with `server`'s variables
+    (S3Server.env(), GCSServer.env()) and `extra`; STORAGE_EMULATOR_HOST is left out,
+    so that only --endpoint-url (or `extra`) says where a gs:// store is."""
+    env = {k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"}
+    env.update(server.env() if server is not None else {}, **extra)
+    return env
+
+
+def run_cli(*args, env=None, timeout_s: float = 60, cwd=None) -> subprocess.CompletedProcess:
+    """`bucketfs ARGS...` run to its end, stdout and stderr captured as text."""
+    return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
+
+
+def assert_one_line_error(proc, code: int, *fragments) -> None:
+    """`proc` failed with exit `code` and one line `bucketfs: ...` holding every fragment."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("bucketfs: ")
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
 def wait_for(predicate, deadline_s: float, what: str, proc=None) -> None:
     """Poll `predicate` until true; fail after `deadline_s` or if `proc` exits first."""
     end = time.monotonic() + deadline_s
@@ -77,7 +107,8 @@ def force_unmount(mountpoint: str) -> None:
 class Mount:
     """A foreground `bucketfs mount` subprocess serving `url` on `mountpoint`."""
 
-    def __init__(self, url: str, mountpoint: str, env: dict, args=(), log_path: str | None = None, new_session: bool = False):
+    def __init__(self, url: str, mountpoint: str, env: dict, args=(), log_path: str | None = None, new_session: bool = False,
+                 endpoint_url: str | None = None):
         self.url, self.mountpoint = url, str(mountpoint)
         self._tmp_dir = tempfile.mkdtemp(prefix="bucketfs-mount-")
         self.log_path = log_path or os.path.join(self._tmp_dir, "bucketfs.log")
@@ -86,7 +117,7 @@ class Mount:
         self._sock.bind(sock_path)
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
-                bucketfs_cmd("mount", url, self.mountpoint, "--foreground", "--log-level", "INFO", *args),
+                mount_cmd(url, self.mountpoint, "--foreground", "--log-level", "INFO", *args, endpoint_url=endpoint_url),
                 env=dict(env, NOTIFY_SOCKET=sock_path), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 # new_session: a Ctrl-C at the terminal reaches the caller, which unmounts
                 # after its readers stopped, rather than the daemon mid-read.
@@ -152,8 +183,8 @@ class Mount:
 @contextlib.contextmanager
 def bucketfs_mount(url: str, mountpoint: str, log_path: str, *, endpoint_url=None, env=None, extra_args=()):
     """`with bucketfs_mount(...) as mount:` a Mount that is always torn down."""
-    args = [*extra_args] + (["--endpoint-url", endpoint_url] if endpoint_url else [])
-    mount = Mount(url, mountpoint, env if env is not None else dict(os.environ), args, log_path=log_path, new_session=True)
+    mount = Mount(url, mountpoint, env if env is not None else dict(os.environ), extra_args, log_path=log_path, new_session=True,
+                  endpoint_url=endpoint_url)
     try:
         yield mount
     finally:

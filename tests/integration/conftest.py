@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.mounting import Mount, force_unmount
+from tests.mounting import Mount, force_unmount, server_env
 
 _USE_SERVER_ENDPOINT = object()
 
@@ -26,20 +26,20 @@ def mount_factory(tmp_path):
     The URL's scheme is the server's `scheme` ("s3" when it has none, "gs" for the
     GCS emulator). `--endpoint-url` is the server's unless `endpoint_url=` says
     otherwise (None: no flag, e.g. to mount through STORAGE_EMULATOR_HOST);
-    `extra_env` is added to the mount's environment.
+    `extra_env` is added to the mount's environment (`server_env`); `new_session` as
+    for Mount.
     """
     mounts = []
 
-    def mount(server, bucket, prefix="", *args, mountpoint=None, endpoint_url=_USE_SERVER_ENDPOINT, extra_env=None):
+    def mount(server, bucket, prefix="", *args, mountpoint=None, endpoint_url=_USE_SERVER_ENDPOINT, extra_env=None,
+              new_session=False):
         mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
         os.makedirs(mp, exist_ok=True)
         url = f"{getattr(server, 'scheme', 's3')}://{bucket}/{prefix}"
-        env = {k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"}
-        env.update(server.env(), **(extra_env or {}))
         if endpoint_url is _USE_SERVER_ENDPOINT:
             endpoint_url = server.endpoint_url
-        endpoint_args = ("--endpoint-url", endpoint_url) if endpoint_url else ()
-        m = Mount(url, str(mp), env, (*endpoint_args, *args))
+        m = Mount(url, str(mp), server_env(server, **(extra_env or {})), args, new_session=new_session,
+                  endpoint_url=endpoint_url)
         mounts.append(m)
         return m
 
