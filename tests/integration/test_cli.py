@@ -14,30 +14,18 @@ import threading
 import pytest
 
 from bucketfs import errors, mount as bucketfs_mount
-from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount, wait_for
+from tests.mounting import MOUNT_DEADLINE_S, assert_one_line_error, mount_cmd, run_cli, server_env, wait_for
 from tests.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
 
 pytestmark = pytest.mark.integration
+FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40)
 
 
-def run_cli(*args, env=None, timeout_s=60, cwd=None):
-    return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
-
-
-def assert_one_line_error(proc, code, *fragments):
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("bucketfs: ")
-    assert "Traceback" not in proc.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
-
-def server_env(server, **extra):
-    env = dict(os.environ, **server.env())
-    env.update(extra)
-    return env
+def run_mount(server, url: str, mountpoint, *args, cwd=None, **extra_env):
+    """`bucketfs mount URL MOUNTPOINT --endpoint-url <server's> ARGS...` with the server's
+    credentials (and `extra_env`), run to its end."""
+    return run_cli("mount", url, str(mountpoint), "--endpoint-url", server.endpoint_url, *args,
+                   env=server_env(server, **extra_env), cwd=cwd)
 
 
 @pytest.mark.parametrize("url, fragment", [
@@ -53,16 +41,14 @@ def test_malformed_url(url, fragment, empty_dir):
 
 def test_missing_bucket(rclone_server, empty_dir, tmp_path):
     cache_dir = tmp_path / "cache"
-    proc = run_cli("mount", "s3://no-such-bucket-here/x", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--cache-dir", str(cache_dir), env=server_env(rclone_server))
+    proc = run_mount(rclone_server, "s3://no-such-bucket-here/x", empty_dir, "--cache-dir", str(cache_dir))
     assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
     assert not os.path.ismount(empty_dir)
     assert list(cache_dir.iterdir()) == []  # the mount's own cache directory went with it
 
 
 def test_access_denied(rclone_server, s3_bucket, empty_dir):
-    env = server_env(rclone_server, AWS_SECRET_ACCESS_KEY="wrong-secret-key-0000000000000000")
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
+    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, AWS_SECRET_ACCESS_KEY="wrong-secret-key-0000000000000000")
     assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "access denied")
     assert "wrong-secret" not in proc.stderr
     assert not os.path.ismount(empty_dir)
@@ -82,52 +68,44 @@ def test_unreachable_endpoint_answers_quickly(empty_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", f"http://127.0.0.1:{port}",
-                       env=dict(os.environ, AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40),
-                       timeout_s=45)
+                       env=server_env(**FAKE_KEYS), timeout_s=45)
     assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
 
 
-def test_bad_mountpoints(rclone_server, s3_bucket, tmp_path):
-    url, ep = f"s3://{s3_bucket}/", ("--endpoint-url", rclone_server.endpoint_url)
-    env = server_env(rclone_server)
-    assert_one_line_error(run_cli("mount", url, str(tmp_path / "missing"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "does not exist")
+def test_bad_mountpoints(rclone_server, s3_bucket, tmp_path, mount_factory):
+    url = f"s3://{s3_bucket}/"
+    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "missing"), errors.EXIT_BAD_MOUNTPOINT, "does not exist")
     (tmp_path / "file").write_text("x")
-    assert_one_line_error(run_cli("mount", url, str(tmp_path / "file"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "not a directory")
+    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "file"), errors.EXIT_BAD_MOUNTPOINT, "not a directory")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    assert_one_line_error(run_cli("mount", url, str(tmp_path / "full"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "not empty")
+    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "full"), errors.EXIT_BAD_MOUNTPOINT, "not empty")
     (tmp_path / "busy").mkdir()
-    m = Mount(url, str(tmp_path / "busy"), env, ep)
-    try:
-        assert_one_line_error(run_cli("mount", url, str(tmp_path / "busy"), *ep, env=env), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
-    finally:
-        m.close()
+    mount_factory(rclone_server, s3_bucket, mountpoint=tmp_path / "busy")
+    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "busy"), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
 
 
 def test_unusable_cache_dir(rclone_server, s3_bucket, empty_dir, tmp_path):
     (tmp_path / "file").write_text("x")
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--cache-dir", str(tmp_path / "file" / "cache"), env=server_env(rclone_server))
+    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, "--cache-dir", str(tmp_path / "file" / "cache"))
     assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "cache directory")
 
 
-def test_unreadable_disk_cache_journal(rclone_server, s3_bucket, empty_dir, tmp_path):
+def test_unreadable_disk_cache_journal(rclone_server, s3_bucket, empty_dir, tmp_path, mount_factory):
     """A cache directory an earlier mount left, whose journal cannot be read: one line,
     exit 9, nothing mounted (not a traceback from inside the running daemon)."""
     cache_dir = tmp_path / "cache"
-    args = ("--endpoint-url", rclone_server.endpoint_url, "--cache-dir", str(cache_dir))
-    Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), args).close()
+    mount_factory(rclone_server, s3_bucket, "", "--cache-dir", str(cache_dir), mountpoint=empty_dir).close()
     (kept,) = cache_dir.iterdir()
     (kept / "journal").unlink()
     (kept / "journal").mkdir()  # open() of it fails: IsADirectoryError
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, *args, env=server_env(rclone_server))
+    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, "--cache-dir", str(cache_dir))
     assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "cache directory")
     assert not os.path.ismount(empty_dir)
 
 
 def test_no_fuse(rclone_server, s3_bucket, empty_dir):
-    env = server_env(rclone_server, BUCKETFS_FUSE_DEVICE="/nonexistent/fuse")
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
+    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, BUCKETFS_FUSE_DEVICE="/nonexistent/fuse")
     assert_one_line_error(proc, errors.EXIT_NO_FUSE, "FUSE is not available")
 
 
@@ -138,41 +116,34 @@ def test_bad_option_value():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_detaches_lets_open_readers_finish_and_exits_zero(rclone_server, s3_bucket, empty_dir, sig):
+def test_signal_detaches_lets_open_readers_finish_and_exits_zero(rclone_server, s3_bucket, empty_dir, mount_factory, sig):
     data = os.urandom(3 * 1024 * 1024)
     rclone_server.write_files(s3_bucket, {"f.bin": data})
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        with open(m.path("f.bin"), "rb", buffering=0) as f:  # a reader mid-file when the signal arrives
-            head = f.read(1000)
-            m.proc.send_signal(sig)
-            wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
-            assert os.listdir(empty_dir) == []  # detached at once: no new opens
-            assert head + f.read() == data  # the open reader still finishes
-        assert m.proc.wait(timeout=30) == 0  # the last close ends the daemon
-    finally:
-        m.close()
-
-
-def test_second_signal_stops_at_once(rclone_server, s3_bucket, empty_dir):
-    rclone_server.write_files(s3_bucket, {"f.bin": b"x" * 100})
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        f = open(m.path("f.bin"), "rb")
-        m.proc.send_signal(signal.SIGTERM)
+    m = mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir)
+    with open(m.path("f.bin"), "rb", buffering=0) as f:  # a reader mid-file when the signal arrives
+        head = f.read(1000)
+        m.proc.send_signal(sig)
         wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
-        m.proc.send_signal(signal.SIGTERM)
-        assert m.proc.wait(timeout=30) == 0
-        with pytest.raises(OSError):
-            f.close()  # the daemon is gone: the kernel answers ENOTCONN
-    finally:
-        m.close()
+        assert os.listdir(empty_dir) == []  # detached at once: no new opens
+        assert head + f.read() == data  # the open reader still finishes
+    assert m.proc.wait(timeout=30) == 0  # the last close ends the daemon
 
 
-def mount_daemonised(server, url: str, mountpoint, log_file):
+def test_second_signal_stops_at_once(rclone_server, s3_bucket, empty_dir, mount_factory):
+    rclone_server.write_files(s3_bucket, {"f.bin": b"x" * 100})
+    m = mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir)
+    f = open(m.path("f.bin"), "rb")
+    m.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.proc.wait(timeout=30) == 0
+    with pytest.raises(OSError):
+        f.close()  # the daemon is gone: the kernel answers ENOTCONN
+
+
+def mount_daemonised(server, url: str, mountpoint, log_file, cwd=None):
     """`bucketfs mount` without --foreground (it returns once mounted), logging to `log_file`."""
-    return run_cli("mount", url, mountpoint, "--endpoint-url", server.endpoint_url, "--log-file", str(log_file),
-                   env=server_env(server))
+    return run_mount(server, url, mountpoint, "--log-file", str(log_file), cwd=cwd)
 
 
 def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone_server, s3_bucket, empty_dir, tmp_path):
@@ -187,47 +158,34 @@ def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone
         assert os.path.ismount(empty_dir)
     finally:
         assert run_cli("unmount", empty_dir).returncode == 0
-        force_unmount(empty_dir)
 
 
 def test_daemon_mode_returns_once_mounted_and_unmount_stops_it(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"p/hello.txt": b"hello"})
     log_file = tmp_path / "bucketfs.log"
     proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/p", empty_dir, log_file)
-    try:
-        assert proc.returncode == 0, proc.stderr
-        assert os.path.ismount(empty_dir)  # mounted when the command returned: no waiting
-        assert open(os.path.join(empty_dir, "hello.txt")).read() == "hello"
-        assert run_cli("unmount", empty_dir).returncode == 0
-        assert not os.path.ismount(empty_dir)
-        wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
-    finally:
-        force_unmount(empty_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.ismount(empty_dir)  # mounted when the command returned: no waiting
+    assert open(os.path.join(empty_dir, "hello.txt")).read() == "hello"
+    assert run_cli("unmount", empty_dir).returncode == 0
+    assert not os.path.ismount(empty_dir)
+    wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
 
 
-def test_unmount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir):
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        m.terminate(signal.SIGKILL)  # a crash: the mount is left dead (ENOTCONN)
-        with pytest.raises(OSError):
-            os.listdir(empty_dir)
-        assert run_cli("unmount", empty_dir).returncode == 0
-        assert os.listdir(empty_dir) == []
-    finally:
-        m.close()
+def test_unmount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir, mount_factory):
+    m = mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir)
+    m.terminate(signal.SIGKILL)  # a crash: the mount is left dead (ENOTCONN)
+    with pytest.raises(OSError):
+        os.listdir(empty_dir)
+    assert run_cli("unmount", empty_dir).returncode == 0
+    assert os.listdir(empty_dir) == []
 
 
-def test_new_mount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir):
-    env, ep = server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url)
+def test_new_mount_recovers_a_dead_mount(rclone_server, s3_bucket, empty_dir, mount_factory):
     rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, env, ep)
-    m.terminate(signal.SIGKILL)
-    m2 = Mount(f"s3://{s3_bucket}/", empty_dir, env, ep)
-    try:
-        assert os.listdir(empty_dir) == ["a.txt"]
-    finally:
-        m2.close()
-        m.close()
+    mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir).terminate(signal.SIGKILL)
+    mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir)
+    assert os.listdir(empty_dir) == ["a.txt"]
 
 
 def test_a_negative_ttl_without_a_metadata_ttl_is_refused(empty_dir):
@@ -238,14 +196,12 @@ def test_a_negative_ttl_without_a_metadata_ttl_is_refused(empty_dir):
 
 
 # -- review fixes: each test fails without its fix --------------------------------
-FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40)
 
 
 def test_a_missing_profile_is_one_line_and_the_credentials_code(rclone_server, s3_bucket, empty_dir, tmp_path):
     (tmp_path / "aws-config").write_text("[profile other]\nregion = us-east-1\n")
-    env = server_env(rclone_server, AWS_CONFIG_FILE=str(tmp_path / "aws-config"))
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--profile", "nosuchprofile", env=env)
+    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, "--profile", "nosuchprofile",
+                     AWS_CONFIG_FILE=str(tmp_path / "aws-config"))
     assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "nosuchprofile")
     assert not os.path.ismount(empty_dir)
 
@@ -253,7 +209,7 @@ def test_a_missing_profile_is_one_line_and_the_credentials_code(rclone_server, s
 @pytest.mark.parametrize("option, value", [("--endpoint-url", "notaurl"), ("--endpoint-url", "http://"),
                                            ("--region", "bad!region")])
 def test_an_endpoint_or_region_that_cannot_be_is_a_usage_error(option, value, empty_dir):
-    proc = run_cli("mount", "s3://some-bucket/", empty_dir, option, value, env=dict(os.environ, **FAKE_KEYS))
+    proc = run_cli("mount", "s3://some-bucket/", empty_dir, option, value, env=server_env(**FAKE_KEYS))
     assert_one_line_error(proc, errors.EXIT_USAGE, option)
 
 
@@ -261,7 +217,7 @@ def test_an_endpoint_botocore_refuses_inside_the_daemon_is_a_usage_error(empty_d
     """A URL the CLI's own check lets through but botocore refuses when the daemon
     builds its client: still one line and exit 2, not 'daemon failed'."""
     proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", "http://bad_host!name/",
-                   env=dict(os.environ, **FAKE_KEYS))
+                   env=server_env(**FAKE_KEYS))
     assert_one_line_error(proc, errors.EXIT_USAGE, "endpoint")
     assert not os.path.ismount(empty_dir)
 
@@ -271,43 +227,37 @@ def test_a_metrics_port_in_use_fails_before_mounting(rclone_server, s3_bucket, e
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                       "--metrics-port", str(port), env=server_env(rclone_server))
+        proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, "--metrics-port", str(port))
     assert_one_line_error(proc, errors.EXIT_METRICS_PORT, "--metrics-port", str(port))
     assert not os.path.ismount(empty_dir)
 
 
 def test_an_unwritable_log_file_is_named_before_forking(empty_dir):
     proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--log-file", "/nonexistent/dir/x.log",
-                   env=dict(os.environ, **FAKE_KEYS))
+                   env=server_env(**FAKE_KEYS))
     assert_one_line_error(proc, errors.EXIT_USAGE, "--log-file", "/nonexistent/dir/x.log")
 
 
-def test_a_symlinked_mountpoint_is_unmounted_on_sigterm(rclone_server, s3_bucket, empty_dir, tmp_path):
+def test_a_symlinked_mountpoint_is_unmounted_on_sigterm(rclone_server, s3_bucket, empty_dir, tmp_path, mount_factory):
     link = tmp_path / "link"
     link.symlink_to(empty_dir)
-    env, ep = server_env(rclone_server), ("--endpoint-url", rclone_server.endpoint_url)
-    m = Mount(f"s3://{s3_bucket}/", str(link), env, ep)
-    try:
-        assert os.path.ismount(empty_dir)
-        # The mount is seen through the symlink too.
-        assert_one_line_error(run_cli("mount", f"s3://{s3_bucket}/", str(link), *ep, env=env),
-                              errors.EXIT_BAD_MOUNTPOINT, "already a mount")
-        assert m.terminate(signal.SIGTERM, timeout_s=20) == 0
-        assert not os.path.ismount(empty_dir)
-        assert os.listdir(empty_dir) == []  # not a dead mount
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket, mountpoint=str(link))
+    assert os.path.ismount(empty_dir)
+    # The mount is seen through the symlink too.
+    assert_one_line_error(run_mount(rclone_server, f"s3://{s3_bucket}/", link), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
+    assert m.terminate(signal.SIGTERM, timeout_s=20) == 0
+    assert not os.path.ismount(empty_dir)
+    assert os.listdir(empty_dir) == []  # not a dead mount
 
 
 @pytest.mark.timeout(120)
-def test_second_signal_ends_the_daemon_while_a_reader_is_blocked_on_a_frozen_store(tmp_path, empty_dir):
+def test_second_signal_ends_the_daemon_while_a_reader_is_blocked_on_a_frozen_store(tmp_path, empty_dir, mount_factory):
     """pyfuse3.terminate() waits for handlers in flight; one blocked on a store that
     stopped answering would hold the daemon for --read-timeout x --retries (150 s)."""
     with rclone_s3_server(tmp_path / "store") as server:
         bucket = server.new_bucket()
         server.write_files(bucket, {"f.bin": b"f" * 300_000})
-        m = Mount(f"s3://{bucket}/", empty_dir, server_env(server), ("--endpoint-url", server.endpoint_url))
+        m = mount_factory(server, bucket, mountpoint=empty_dir)
         result: queue.Queue = queue.Queue()
 
         def read():
@@ -332,7 +282,7 @@ def test_second_signal_ends_the_daemon_while_a_reader_is_blocked_on_a_frozen_sto
             finally:
                 os.kill(server.pid, signal.SIGCONT)
         finally:
-            m.close()
+            m.close()  # while its store still runs
 
 
 def test_unmount_refuses_a_filesystem_that_is_not_bucketfs(empty_dir):
@@ -373,7 +323,7 @@ def plain_http_server(root_dir):
 
 def test_an_endpoint_that_is_not_s3_is_the_endpoint_code_with_a_hint(empty_dir, tmp_path):
     with plain_http_server(tmp_path) as url:
-        proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", url, env=dict(os.environ, **FAKE_KEYS))
+        proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", url, env=server_env(**FAKE_KEYS))
     assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "is --endpoint-url an S3 endpoint?")
     assert not os.path.ismount(empty_dir)
 
@@ -390,22 +340,17 @@ def _pids_with_arg(arg: str) -> list:
     return pids
 
 
-def test_the_daemon_leaves_the_callers_directory_and_relative_paths_work(rclone_server, s3_bucket, tmp_path):
+def test_the_daemon_leaves_the_callers_directory_and_relative_paths_work(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"hello.txt": b"hello"})
-    (tmp_path / "rel-mp").mkdir()
-    mountpoint = str(tmp_path / "rel-mp")
+    rel_mp = os.path.relpath(empty_dir, tmp_path)
     log_name = f"daemon-{os.getpid()}-{free_port()}.log"  # unique: finds the daemon's PID
-    proc = run_cli("mount", f"s3://{s3_bucket}/", "rel-mp", "--endpoint-url", rclone_server.endpoint_url,
-                   "--log-file", log_name, env=server_env(rclone_server), cwd=str(tmp_path))
-    try:
-        assert proc.returncode == 0, proc.stderr
-        assert open(os.path.join(mountpoint, "hello.txt")).read() == "hello"
-        (pid,) = _pids_with_arg(log_name)
-        assert os.readlink(f"/proc/{pid}/cwd") == "/"
-        assert run_cli("unmount", "rel-mp", cwd=str(tmp_path)).returncode == 0
-        wait_for(lambda: "unmounted" in (tmp_path / log_name).read_text(), MOUNT_DEADLINE_S, "daemon exit")
-    finally:
-        force_unmount(mountpoint)
+    proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/", rel_mp, log_name, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert open(os.path.join(empty_dir, "hello.txt")).read() == "hello"
+    (pid,) = _pids_with_arg(log_name)
+    assert os.readlink(f"/proc/{pid}/cwd") == "/"
+    assert run_cli("unmount", rel_mp, cwd=tmp_path).returncode == 0
+    wait_for(lambda: "unmounted" in (tmp_path / log_name).read_text(), MOUNT_DEADLINE_S, "daemon exit")
 
 
 # -- logging and signals (session 15 review) ----------------------------------------
@@ -423,43 +368,35 @@ def _pid_is_gone(pid: int) -> bool:
 
 
 def test_log_file_is_honoured_in_the_foreground_and_sighup_without_a_terminal_keeps_serving(
-        rclone_server, s3_bucket, empty_dir, tmp_path):
+        rclone_server, s3_bucket, empty_dir, tmp_path, mount_factory):
     """The systemd unit runs --foreground: --log-file was ignored there, and SIGHUP (a
     logrotate postrotate) unmounted the data under a training job."""
     rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
     log_file = tmp_path / "bucketfs.log"
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, server_env(rclone_server),
-              ("--endpoint-url", rclone_server.endpoint_url, "--log-file", str(log_file)), new_session=True)
-    try:
-        assert "mounted s3://" in log_file.read_text()
-        log_file.rename(tmp_path / "bucketfs.log.1")  # logrotate's rename
-        m.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
-                 "the SIGHUP line in a reopened log file", m.proc)
-        assert m.proc.poll() is None and os.path.ismount(empty_dir)
-        assert open(m.path("a.txt")).read() == "a"
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket, "", "--log-file", str(log_file), mountpoint=empty_dir, new_session=True)
+    assert "mounted s3://" in log_file.read_text()
+    log_file.rename(tmp_path / "bucketfs.log.1")  # logrotate's rename
+    m.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
+             "the SIGHUP line in a reopened log file", m.proc)
+    assert m.proc.poll() is None and os.path.ismount(empty_dir)
+    assert open(m.path("a.txt")).read() == "a"
 
 
 def test_sighup_to_a_daemonised_mount_keeps_it_and_a_rotated_log_file_is_reopened(rclone_server, s3_bucket, empty_dir, tmp_path):
     rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
     log_file = tmp_path / f"daemon-{os.getpid()}-{free_port()}.log"  # unique: finds the daemon's PID
-    proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                   "--log-file", str(log_file), env=server_env(rclone_server))
-    try:
-        assert proc.returncode == 0, proc.stderr
-        (pid,) = _pids_with_arg(str(log_file))
-        log_file.rename(tmp_path / "rotated.log")
-        os.kill(pid, signal.SIGHUP)
-        wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
-                 "the SIGHUP line in a reopened log file")
-        assert os.path.ismount(empty_dir) and open(os.path.join(empty_dir, "a.txt")).read() == "a"
-        assert run_cli("unmount", empty_dir).returncode == 0
-        wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
-        assert "ERROR" not in log_file.read_text()
-    finally:
-        force_unmount(empty_dir)
+    proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/", empty_dir, log_file)
+    assert proc.returncode == 0, proc.stderr
+    (pid,) = _pids_with_arg(str(log_file))
+    log_file.rename(tmp_path / "rotated.log")
+    os.kill(pid, signal.SIGHUP)
+    wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
+             "the SIGHUP line in a reopened log file")
+    assert os.path.ismount(empty_dir) and open(os.path.join(empty_dir, "a.txt")).read() == "a"
+    assert run_cli("unmount", empty_dir).returncode == 0
+    wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
+    assert "ERROR" not in log_file.read_text()
 
 
 def test_a_terminal_hangup_stops_a_foreground_mount(rclone_server, s3_bucket, empty_dir, tmp_path):
@@ -477,8 +414,8 @@ def test_a_terminal_hangup_stops_a_foreground_mount(rclone_server, s3_bucket, em
 
     log_file = tmp_path / "bucketfs.log"
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "-f", "--endpoint-url",
-                                             rclone_server.endpoint_url, "--log-file", str(log_file)),
+        proc = subprocess.Popen(mount_cmd(f"s3://{s3_bucket}/", empty_dir, "-f", "--log-file", str(log_file),
+                                          endpoint_url=rclone_server.endpoint_url),
                                 env=server_env(rclone_server), stdin=slave_fd, stdout=err, stderr=err,
                                 preexec_fn=in_its_own_terminal)
     os.close(slave_fd)
@@ -513,8 +450,8 @@ def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_prob
     has connected: (process, stdout, stderr, what `while_probing(process)` returned
     just before the signal)."""
     with silent_store() as (url, listener):
-        proc = subprocess.Popen(bucketfs_cmd("mount", "s3://some-bucket/", mountpoint, "--endpoint-url", url, *args),
-                                env=dict(os.environ, **FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen(mount_cmd("s3://some-bucket/", mountpoint, *args, endpoint_url=url),
+                                env=server_env(**FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=_die_with_parent)
         try:
             conn, _ = listener.accept()  # the probe waits on the store
@@ -551,8 +488,8 @@ def test_a_daemon_whose_mount_command_is_gone_unmounts_without_a_traceback(tmp_p
         env = server_env(server)
         os.kill(server.pid, signal.SIGSTOP)  # the probe waits
         try:
-            proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{bucket}/", empty_dir, "--endpoint-url",
-                                                 server.endpoint_url, "--log-file", str(log_file)),
+            proc = subprocess.Popen(mount_cmd(f"s3://{bucket}/", empty_dir, "--log-file", str(log_file),
+                                              endpoint_url=server.endpoint_url),
                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent)
             wait_for(lambda: _child_pids(proc.pid), MOUNT_DEADLINE_S, "the daemon forked", proc)
@@ -587,8 +524,7 @@ def test_a_mount_the_kernel_refuses_gives_libfuses_reason(rclone_server, s3_buck
     """Exit 8 said only 'fuse_session_mount failed' (libfuse's reason went to the
     daemon's /dev/null). /dev/null bound over /dev/fuse in a private mount namespace:
     the device exists, and the kernel refuses the mount."""
-    command = bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url,
-                           *(["-f"] if foreground else []))
+    command = mount_cmd(f"s3://{s3_bucket}/", empty_dir, *(["-f"] if foreground else []), endpoint_url=rclone_server.endpoint_url)
     proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
                            'mount --bind /dev/null /dev/fuse && exec "$@"', "-", *command],
                           env=server_env(rclone_server), capture_output=True, text=True, timeout=60)

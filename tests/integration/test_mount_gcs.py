@@ -13,14 +13,14 @@ import gzip
 import hashlib
 import os
 import random
-import subprocess
 
 import pytest
 
 from bucketfs import errors
 from tests.gcs_server import closed_port_url
 from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects)
+                            assert_one_line_error, assert_special_names_read_back, assert_tree_copies_out, run_cli,
+                            server_env, special_name_objects)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -122,29 +122,14 @@ def test_storage_emulator_host_replaces_endpoint_url(gcs_server, gcs_bucket, mou
 
 # -- bad inputs: one line, a distinct exit code, nothing mounted --------------------
 
-def _run_mount(url: str, mountpoint: str, endpoint_url: str):
-    env = {k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"}
-    return subprocess.run(bucketfs_cmd("mount", url, mountpoint, "--endpoint-url", endpoint_url),
-                          env=env, capture_output=True, text=True, timeout=45)
+def test_missing_bucket_exits_3(gcs_server, empty_dir):
+    proc = run_cli("mount", "gs://no-such-bucket-here/x", empty_dir, "--endpoint-url", gcs_server.endpoint_url,
+                   env=server_env(gcs_server), timeout_s=45)
+    assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
+    assert not os.path.ismount(empty_dir)
 
 
-def _assert_one_line_error(proc, code: int, fragment: str) -> None:
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bucketfs: ") and fragment in lines[0], proc.stderr
-
-
-def test_missing_bucket_exits_3(gcs_server, tmp_path):
-    mp = tmp_path / "mp"
-    mp.mkdir()
-    proc = _run_mount("gs://no-such-bucket-here/x", str(mp), gcs_server.endpoint_url)
-    _assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
-    assert not os.path.ismount(mp)
-
-
-def test_unreachable_endpoint_exits_5(tmp_path):
-    mp = tmp_path / "mp"
-    mp.mkdir()
-    proc = _run_mount("gs://some-bucket/", str(mp), closed_port_url())
-    _assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
-    assert not os.path.ismount(mp)
+def test_unreachable_endpoint_exits_5(empty_dir):
+    proc = run_cli("mount", "gs://some-bucket/", empty_dir, "--endpoint-url", closed_port_url(), env=server_env(), timeout_s=45)
+    assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
+    assert not os.path.ismount(empty_dir)

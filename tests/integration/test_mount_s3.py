@@ -11,7 +11,8 @@ import pytest
 
 from bucketfs.core import pagecache
 from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_special_names_read_back, assert_tree_copies_out, bucketfs_cmd, special_name_objects, wait_for)
+                            assert_special_names_read_back, assert_tree_copies_out, mount_cmd, server_env, special_name_objects,
+                            wait_for)
 from tests.servers import rclone_s3_server
 
 pytestmark = pytest.mark.integration
@@ -86,11 +87,11 @@ def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory, empty_
         m = mount_factory(server, "tls-bucket", "d")
         assert sorted(os.listdir(m.mountpoint)) == ["big.tar", "small.jpg"]
         # The CA not given: one line and exit 5 at mount time, not a mount that fails every read.
-        refused = subprocess.run(bucketfs_cmd("mount", "s3://tls-bucket/d", str(empty_dir), "-f", "--endpoint-url",
-                                              server.endpoint_url, "--connect-timeout", "3"),
-                                 env={k: v for k, v in {**os.environ, **server.env()}.items() if k != "AWS_CA_BUNDLE"},
-                                 capture_output=True,
-                                 text=True, timeout=90, stdin=subprocess.DEVNULL)
+        env = server_env(server)
+        del env["AWS_CA_BUNDLE"]
+        refused = subprocess.run(mount_cmd("s3://tls-bucket/d", empty_dir, "-f", "--connect-timeout", "3",
+                                           endpoint_url=server.endpoint_url),
+                                 env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
         assert refused.returncode == 5, refused.stderr
         assert "AWS_CA_BUNDLE" in refused.stderr.strip().splitlines()[-1]
         assert "Traceback" not in refused.stderr

@@ -13,17 +13,11 @@ import urllib.request
 import pytest
 
 from bucketfs import errors
-from tests.mounting import MOUNT_DEADLINE_S, Mount, bucketfs_cmd, force_unmount
+from tests.mounting import MOUNT_DEADLINE_S, bucketfs_cmd, mount_cmd, run_cli, server_env
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def env_for(server):
-    env = dict(os.environ)
-    env.update(server.env())
-    return env
 
 
 def test_unit_file_verifies(tmp_path):
@@ -44,10 +38,8 @@ def test_ready_only_once_the_mount_answers_and_stopping_on_sigterm(rclone_server
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(sock_path)
         sock.settimeout(MOUNT_DEADLINE_S)
-        env = env_for(rclone_server)
-        env["NOTIFY_SOCKET"] = sock_path
-        proc = subprocess.Popen(bucketfs_cmd("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, "-f"),
-                                env=env, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(mount_cmd(f"s3://{s3_bucket}/", empty_dir, "-f", endpoint_url=rclone_server.endpoint_url),
+                                env=server_env(rclone_server, NOTIFY_SOCKET=sock_path), stderr=subprocess.PIPE, text=True)
         try:
             assert sock.recv(4096) == b"READY=1"
             # The moment READY arrives, the mount is live and serving the bucket.
@@ -69,9 +61,8 @@ def test_no_ready_when_the_mount_fails(tmp_path, empty_dir):
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(sock_path)
         sock.setblocking(False)
-        env = dict(os.environ, NOTIFY_SOCKET=sock_path)
-        proc = subprocess.run(bucketfs_cmd("mount", "s3://bucket/", empty_dir, "-f", "--no-sign-request", "--endpoint-url", f"http://127.0.0.1:{free_port()}"),
-                              env=env, capture_output=True, text=True, timeout=60)
+        proc = run_cli("mount", "s3://bucket/", empty_dir, "-f", "--no-sign-request", "--endpoint-url", f"http://127.0.0.1:{free_port()}",
+                       env=server_env(NOTIFY_SOCKET=sock_path))
         assert proc.returncode == errors.EXIT_ENDPOINT_UNREACHABLE
         with pytest.raises(BlockingIOError):
             sock.recv(4096)
@@ -80,7 +71,7 @@ def test_no_ready_when_the_mount_fails(tmp_path, empty_dir):
 def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, empty_dir):
     rclone_server.write_files(s3_bucket, {"prefix/a.txt": b"abc"})
     opts = f"ro,_netdev,allow_other,nofail,x-systemd.automount,endpoint_url={rclone_server.endpoint_url},max_memory=256M,metadata-ttl=60"
-    proc = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/prefix", empty_dir, "-o", opts], env=env_for(rclone_server),
+    proc = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/prefix", empty_dir, "-o", opts], env=server_env(rclone_server),
                           capture_output=True, text=True, timeout=60)
     try:
         assert proc.returncode == 0, proc.stderr
@@ -89,7 +80,7 @@ def test_fstab_helper_as_mount_invokes_it(rclone_server, s3_bucket, empty_dir):
         opts_seen = [line for line in open("/proc/mounts") if empty_dir in line][0]
         assert "allow_other" in opts_seen and "fuse.bucketfs" in opts_seen
     finally:
-        subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30)
+        run_cli("unmount", empty_dir)
     assert not os.path.ismount(empty_dir)
     bad = subprocess.run(["mount.fuse.bucketfs", f"s3://{s3_bucket}/", empty_dir, "-o", "ro,frobnicate"], capture_output=True,
                          text=True, timeout=30)
@@ -129,16 +120,13 @@ def test_mount_fstab_line_through_mount8(rclone_server, s3_bucket, empty_dir, tm
     # `defaults` (no `ro`): mount(8) passes `rw` to the helper, which must still mount, read-only.
     fstab.write_text(f"s3://{s3_bucket}/p {empty_dir} fuse.bucketfs defaults,_netdev,nofail,shard_globs=*.tar:*.shard,"
                      f"endpoint_url={rclone_server.endpoint_url} 0 0\n")
-    try:
-        proc = subprocess.run(["mount", "--fstab", str(fstab), empty_dir], env=env_for(rclone_server), capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
-        assert [line for line in open("/proc/mounts") if empty_dir in line][0].split()[3].startswith("ro,")
-        with pytest.raises(OSError) as denied:
-            open(os.path.join(empty_dir, "b.txt"), "w")
-        assert denied.value.errno == errno.EROFS
-    finally:
-        force_unmount(empty_dir)
+    proc = subprocess.run(["mount", "--fstab", str(fstab), empty_dir], env=server_env(rclone_server), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
+    assert [line for line in open("/proc/mounts") if empty_dir in line][0].split()[3].startswith("ro,")
+    with pytest.raises(OSError) as denied:
+        open(os.path.join(empty_dir, "b.txt"), "w")
+    assert denied.value.errno == errno.EROFS
 
 
 def test_mounting_an_fstab_line_again_is_a_no_op(rclone_server, s3_bucket, empty_dir, tmp_path, fstab_helper):
@@ -148,98 +136,79 @@ def test_mounting_an_fstab_line_again_is_a_no_op(rclone_server, s3_bucket, empty
     source = f"s3://{s3_bucket}/p"
     fstab = tmp_path / "fstab"
     fstab.write_text(f"{source} {empty_dir} fuse.bucketfs ro,nofail,endpoint_url={rclone_server.endpoint_url} 0 0\n")
-    env = env_for(rclone_server)
-    try:
-        for command in (["mount", "-a", "-T", str(fstab)], ["mount", "-a", "-T", str(fstab)],
-                        ["mount", "--fstab", str(fstab), empty_dir]):
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
-            assert proc.returncode == 0, (command, proc.stderr)
-            assert mounts_on(empty_dir) == [(source, "fuse.bucketfs")]
-        assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
-        assert subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30).returncode == 0
-        assert mounts_on(empty_dir) == []
-    finally:
-        force_unmount(empty_dir)
+    for command in (["mount", "-a", "-T", str(fstab)], ["mount", "-a", "-T", str(fstab)],
+                    ["mount", "--fstab", str(fstab), empty_dir]):
+        proc = subprocess.run(command, env=server_env(rclone_server), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (command, proc.stderr)
+        assert mounts_on(empty_dir) == [(source, "fuse.bucketfs")]
+    assert open(os.path.join(empty_dir, "b.txt")).read() == "b"
+    assert run_cli("unmount", empty_dir).returncode == 0
+    assert mounts_on(empty_dir) == []
 
 
 @pytest.mark.parametrize("prefix", ["back\\slash", "comma,in", "spa ce", "日本語"])
-def test_the_mount_source_is_the_url_as_written(rclone_server, s3_bucket, empty_dir, prefix):
+def test_the_mount_source_is_the_url_as_written(rclone_server, s3_bucket, empty_dir, mount_factory, prefix):
     """libfuse's option parser ate a backslash (only commas were escaped), and a
     non-ASCII URL failed the mount (exit 1): pyfuse3 passes options as ASCII."""
     rclone_server.write_files(s3_bucket, {f"{prefix}/f.txt": b"f"})
-    source = f"s3://{s3_bucket}/{prefix}"
-    m = Mount(source, empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        assert mounts_on(empty_dir) == [(source, "fuse.bucketfs")]
-        assert os.listdir(empty_dir) == ["f.txt"]
-        assert subprocess.run(bucketfs_cmd("unmount", empty_dir), timeout=30).returncode == 0
-        assert m.proc.wait(timeout=30) == 0
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket, prefix, mountpoint=empty_dir)
+    assert mounts_on(empty_dir) == [(f"s3://{s3_bucket}/{prefix}", "fuse.bucketfs")]
+    assert os.listdir(empty_dir) == ["f.txt"]
+    assert run_cli("unmount", empty_dir).returncode == 0
+    assert m.proc.wait(timeout=30) == 0
 
 
-def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_path):
+def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_path, mount_factory):
     rclone_server.write_files(s3_bucket, {"c/img.jpg": b"j" * 50_000})
     port = free_port()
-    (tmp_path / "m").mkdir()
-    m = Mount(f"s3://{s3_bucket}/", str(tmp_path / "m"), env_for(rclone_server),
-              ("--endpoint-url", rclone_server.endpoint_url, "--metrics-port", str(port)))
-    try:
-        assert open(m.path("c", "img.jpg"), "rb").read() == b"j" * 50_000
-        out = subprocess.run(bucketfs_cmd("stats", m.mountpoint), capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0, out.stderr
-        assert "requests" in out.stdout and "get 1" in out.stdout
-        assert "open 1," in out.stdout  # the kernel's requests by operation
-        raw = json.loads(subprocess.run(bucketfs_cmd("stats", m.mountpoint, "--json"), capture_output=True, text=True, timeout=30).stdout)
-        assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
-        assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'bucketfs_backend_requests_total{type="get"} 1.0' in body
-        assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats xattr: no error)
-        with pytest.raises(OSError):
-            os.getxattr(m.path("c", "img.jpg"), "security.selinux")  # tools ask on every file: not an error
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert "bucketfs_errors_total{" not in body
-        inside = subprocess.run(bucketfs_cmd("stats", m.path("c")), capture_output=True, text=True, timeout=30)
-        assert inside.returncode == 0 and "get 1" in inside.stdout, inside.stderr  # a path inside the mount
-        fs_stat = os.statvfs(m.mountpoint)  # df lists a file system with blocks: the bytes listed so far
-        assert fs_stat.f_blocks * fs_stat.f_frsize >= 50_000 and fs_stat.f_bavail == 0
-        assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
-        assert "bucketfs_backend_queued_requests_total 0.0" in body  # one GET never waits for a connection
-        assert 'bucketfs_fuse_requests_total{op="open"} 1.0' in body  # the one open above
-    finally:
-        m.close()
-    bad = subprocess.run(bucketfs_cmd("stats", str(tmp_path)), capture_output=True, text=True, timeout=30)
+    m = mount_factory(rclone_server, s3_bucket, "", "--metrics-port", str(port))
+    assert open(m.path("c", "img.jpg"), "rb").read() == b"j" * 50_000
+    out = run_cli("stats", m.mountpoint)
+    assert out.returncode == 0, out.stderr
+    assert "requests" in out.stdout and "get 1" in out.stdout
+    assert "open 1," in out.stdout  # the kernel's requests by operation
+    raw = json.loads(run_cli("stats", m.mountpoint, "--json").stdout)
+    assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
+    assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'bucketfs_backend_requests_total{type="get"} 1.0' in body
+    assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats xattr: no error)
+    with pytest.raises(OSError):
+        os.getxattr(m.path("c", "img.jpg"), "security.selinux")  # tools ask on every file: not an error
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "bucketfs_errors_total{" not in body
+    inside = run_cli("stats", m.path("c"))
+    assert inside.returncode == 0 and "get 1" in inside.stdout, inside.stderr  # a path inside the mount
+    fs_stat = os.statvfs(m.mountpoint)  # df lists a file system with blocks: the bytes listed so far
+    assert fs_stat.f_blocks * fs_stat.f_frsize >= 50_000 and fs_stat.f_bavail == 0
+    assert "bucketfs_memory_budget_bytes" in body and "bucketfs_cache_misses_total" in body
+    assert "bucketfs_backend_queued_requests_total 0.0" in body  # one GET never waits for a connection
+    assert 'bucketfs_fuse_requests_total{op="open"} 1.0' in body  # the one open above
+    m.close()
+    bad = run_cli("stats", str(tmp_path))
     assert bad.returncode == errors.EXIT_BAD_MOUNTPOINT and len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_stats_into_a_closed_pipe_exits_quietly(rclone_server, s3_bucket, empty_dir):
+def test_stats_into_a_closed_pipe_exits_quietly(rclone_server, s3_bucket, mount_factory):
     """`bucketfs stats M | head -1` printed a BrokenPipeError traceback."""
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        read_fd, write_fd = os.pipe()
-        os.close(read_fd)  # the reader is gone before the first line
-        with os.fdopen(write_fd, "wb") as closed_pipe:
-            proc = subprocess.run(bucketfs_cmd("stats", m.mountpoint), stdout=closed_pipe, stderr=subprocess.PIPE,
-                                  text=True, timeout=30)
-        assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == ""  # as `yes | head -1` does
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket)
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # the reader is gone before the first line
+    with os.fdopen(write_fd, "wb") as closed_pipe:
+        proc = subprocess.run(bucketfs_cmd("stats", m.mountpoint), stdout=closed_pipe, stderr=subprocess.PIPE,
+                              text=True, timeout=30)
+    assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == ""  # as `yes | head -1` does
 
 
-def test_metrics_on_another_address(rclone_server, s3_bucket, empty_dir):
+def test_metrics_on_another_address(rclone_server, s3_bucket, mount_factory):
     """--metrics-address: a Prometheus on another host can scrape (here: every interface)."""
     port = free_port()
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server),
-              ("--endpoint-url", rclone_server.endpoint_url, "--metrics-port", str(port), "--metrics-address", "0.0.0.0"))
-    try:
-        # The kernel's table of listening sockets: bound to every interface, not loopback
-        # (a connection to the host name proves nothing where it resolves to 127.0.0.1).
-        listening = [line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:] if line.split()[3] == "0A"]
-        assert f"00000000:{port:04X}" in listening and f"0100007F:{port:04X}" not in listening
-        assert f"metrics on http://0.0.0.0:{port}/metrics" in m.stderr_text
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket, "", "--metrics-port", str(port), "--metrics-address", "0.0.0.0")
+    # The kernel's table of listening sockets: bound to every interface, not loopback
+    # (a connection to the host name proves nothing where it resolves to 127.0.0.1).
+    listening = [line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:] if line.split()[3] == "0A"]
+    assert f"00000000:{port:04X}" in listening and f"0100007F:{port:04X}" not in listening
+    assert f"metrics on http://0.0.0.0:{port}/metrics" in m.stderr_text
 
 
 def test_install_script_writes_unit_config_and_helper(tmp_path):
@@ -342,19 +311,16 @@ def test_unit_does_not_restart_on_permanent_errors_only():
     assert "Restart=on-failure" in unit
 
 
-def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, empty_dir):
+def test_systemd_stop_sequence_unmount_then_sigterm(rclone_server, s3_bucket, mount_factory):
     """ExecStop (bucketfs unmount --lazy) runs first, then systemd sends SIGTERM: an open
     reader still finishes, the daemon exits 0 and logs no error."""
     data = os.urandom(2 * 1024 * 1024)
     rclone_server.write_files(s3_bucket, {"f.bin": data})
-    m = Mount(f"s3://{s3_bucket}/", empty_dir, env_for(rclone_server), ("--endpoint-url", rclone_server.endpoint_url))
-    try:
-        with open(m.path("f.bin"), "rb", buffering=0) as f:
-            head = f.read(1000)
-            assert subprocess.run(bucketfs_cmd("unmount", "--lazy", empty_dir), timeout=30).returncode == 0
-            m.proc.send_signal(signal.SIGTERM)
-            assert head + f.read() == data
-        assert m.proc.wait(timeout=30) == 0
-        assert " ERROR " not in m.stderr_text
-    finally:
-        m.close()
+    m = mount_factory(rclone_server, s3_bucket)
+    with open(m.path("f.bin"), "rb", buffering=0) as f:
+        head = f.read(1000)
+        assert run_cli("unmount", "--lazy", m.mountpoint).returncode == 0
+        m.proc.send_signal(signal.SIGTERM)
+        assert head + f.read() == data
+    assert m.proc.wait(timeout=30) == 0
+    assert " ERROR " not in m.stderr_text
