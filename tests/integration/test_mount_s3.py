@@ -106,6 +106,20 @@ def test_listing_of_20000_entries_is_complete_and_stable(rclone_server, s3_bucke
     assert_complete_listing(mount_factory(rclone_server, s3_bucket), "many", names)
 
 
+def test_directories_list_dot_and_dotdot_first_with_their_inodes(rclone_server, s3_bucket, mount_factory):
+    """`ls -a` shows . and .. as on a local file system; `ls -U -i` prints readdir's own
+    order and inode numbers, which must be the directory's and its parent's."""
+    rclone_server.write_files(s3_bucket, {"d/b": b"y", "d/sub/a": b"x"})
+    m = mount_factory(rclone_server, s3_bucket)
+    out = subprocess.run(["ls", "-1aUi", m.path("d")], capture_output=True, text=True, timeout=30, check=True).stdout
+    entries = [(name, int(ino)) for ino, name in (line.split() for line in out.splitlines())]
+    assert [name for name, _ in entries] == [".", "..", "b", "sub"]
+    assert dict(entries)["."] == os.stat(m.path("d")).st_ino
+    assert dict(entries)[".."] == os.stat(m.mountpoint).st_ino
+    assert dict(entries)["sub"] == os.stat(m.path("d", "sub")).st_ino
+    assert os.listdir(m.path("d")) == ["b", "sub"]
+
+
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
     rclone_server.write_files(s3_bucket, special_name_objects("s", SPECIAL_NAMES))
     assert_special_names_read_back(mount_factory(rclone_server, s3_bucket), "s", SPECIAL_NAMES)
