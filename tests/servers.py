@@ -244,7 +244,8 @@ def boto3_client(server: S3Server, **config_overrides):
 # -- fault injection: botocore's before-send hook answers instead of the server ------
 
 _S3_OPERATIONS = {"get": "GetObject", "list": "ListObjectsV2", "head": "HeadObject"}
-FAULT_KINDS = ("throttle", "reset", "broken-body")
+INVALID_RANGE_BODY = b"<Error><Code>InvalidRange</Code><Message>The requested range is not satisfiable</Message></Error>"
+FAULT_KINDS = ("throttle", "reset", "broken-body", "416")
 
 
 class _FakeRaw:
@@ -274,7 +275,8 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
     `client` (a boto3 client, or an S3Backend) fail without reaching the server:
     - "throttle": 503 SlowDown;
     - "reset": the connection closes before any answer;
-    - "broken-body" (get only): 206 with headers, then the body stream breaks.
+    - "broken-body" (get only): 206 with headers, then the body stream breaks;
+    - "416" (get only): 416 InvalidRange, whatever the range.
     """
     if kind not in FAULT_KINDS:
         raise ValueError(f"kind must be one of {FAULT_KINDS}")
@@ -289,6 +291,8 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
         if kind == "broken-body":
             headers = {"Content-Length": "10", "Content-Range": "bytes 0-9/10", "ETag": '"0"'}
             return botocore.awsrequest.AWSResponse(request.url, 206, headers, _FakeRaw(b"", broken=True))
+        if kind == "416":
+            return botocore.awsrequest.AWSResponse(request.url, 416, {"Content-Type": "application/xml"}, _FakeRaw(INVALID_RANGE_BODY))
         body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(body))
 
@@ -325,6 +329,8 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
             raise urllib3.exceptions.ProtocolError("Connection aborted.", ConnectionResetError(104, "reset"))
         if kind == "broken-body":
             return _FakeLeanResponse(206, {"Content-Range": "bytes 0-9/10", "ETag": '"0"'}, b"", broken=True)
+        if kind == "416":
+            return _FakeLeanResponse(416, {"Content-Type": "application/xml"}, INVALID_RANGE_BODY)
         body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
         return _FakeLeanResponse(503, {"Content-Type": "application/xml"}, body)
 

@@ -132,16 +132,20 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Release connections and threads."""
 
-    async def confirm_past_end(self, key: str, version: str) -> bytes:
+    async def confirm_past_end(self, key: str, version: str, start: int) -> bytes:
         """A 416 (range starts past the end) names no version: a replacement shorter
         than the range would read as EOF. Rare (the core knows sizes from the listing):
-        confirm with one metadata request that the pinned version is still there."""
+        confirm with one metadata request that the pinned version is still there, and
+        that `start` is past its end (else the server is wrong: EIO, not an EOF the core
+        would take for a changed object)."""
         try:
             current = await self.stat(key)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
         if current.version != version:
             raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
+        if start < current.size_bytes:
+            raise errors.BackendError(f"{key}: 416 for bytes from {start}, inside its {current.size_bytes} bytes")
         return b""
 
 

@@ -195,15 +195,15 @@ class GCSBackend(Backend):
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
 
-    async def stat(self, key: str) -> ObjectInfo:
-        def fetch():
-            bucket = self._get_bucket()
-            blob = bucket.blob(key)
-            blob.reload(retry=None, timeout=self._timeout_s)
-            return _info(blob)
+    def _reload_blocking(self, key: str) -> storage.Blob:
+        """The object's metadata (one metadata GET), in a worker thread."""
+        blob = self._get_bucket().blob(key)
+        blob.reload(retry=None, timeout=self._timeout_s)
+        return blob
 
+    async def stat(self, key: str) -> ObjectInfo:
         self.requests["head"] += 1
-        return await self.caller.call(f"stat {key}", fetch)
+        return await self.caller.call(f"stat {key}", lambda: _info(self._reload_blocking(key)))
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         if end <= start:
@@ -232,38 +232,37 @@ class GCSBackend(Backend):
                 if response.status_code == 200 and content_range is None:
                     data = data[start:end]  # a server that ignored Range sent it all
                 served = response.headers.get("x-goog-generation")
-                if served and int(served) == generation:
+                if served:
+                    served_generation, looked_up = int(served), False
+                else:
+                    # An endpoint that names no generation: ask the live one after the
+                    # download, here, so that a short body of the pinned generation is
+                    # retried like any other. Generations only grow: if the live one is
+                    # the pinned one now, the download served the pinned one.
+                    served_generation, looked_up = self._reload_blocking(key).generation, True
+                if served_generation == generation:
                     check_answer(key, start, end, len(data), content_range, object_bytes)
-                return data, int(served) if served else None, content_range
+                return data, served_generation, looked_up
             finally:
                 response.close()
 
         self.requests["get"] += 1
         try:
             result = await self.caller.call(f"GET {key}", fetch)
-        except errors.NotFound:
+        except errors.NotFound:  # the GET's 404, or the metadata GET's (gone since)
             raise await self._gone_error(key, version) from None
         if result is None:
-            return await self.confirm_past_end(key, version)
-        data, served_generation, content_range = result
-        if served_generation is None:  # (so fetch could not check the answer)
-            served_generation = await self._live_generation_after_read(key)
-            if served_generation == generation:
-                # Known to be the pinned generation only now, past the retries: its size
-                # is checked, but a short answer cannot be retried here.
-                check_answer(key, start, end, None, content_range, object_bytes)
+            return await self.confirm_past_end(key, version, start)
+        data, served_generation, looked_up = result
+        if looked_up:
+            self.requests["head"] += 1
+            if not self._warned_no_generation_header:
+                self._warned_no_generation_header = True
+                log.warning("endpoint sends no x-goog-generation header; each read costs an extra metadata GET")
         if served_generation != generation:
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
         self.bytes_fetched += len(data)
         return data
-
-    async def _live_generation_after_read(self, key: str) -> int:
-        # Generations only grow, so if the live generation equals the pinned one
-        # after the download, the download served the pinned generation.
-        if not self._warned_no_generation_header:
-            self._warned_no_generation_header = True
-            log.warning("endpoint sends no x-goog-generation header; each read costs an extra metadata GET")
-        return int((await self.stat(key)).version)
 
     async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:
         """A generation-targeted GET gave 404: the object is gone or was replaced."""

@@ -286,7 +286,7 @@ class S3Backend(Backend):
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
         if body is None:
-            data = await self.confirm_past_end(key, version)
+            data = await self.confirm_past_end(key, version, start)
             return data if buffer is None else 0
         self.bytes_fetched += body if buffer is not None else len(body)
         return body

@@ -158,6 +158,27 @@ def test_a_body_that_breaks_mid_stream_is_fetched_again(rclone_server, s3_bucket
         trio.run(backend.aclose)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "sdk"])
+def test_a_416_for_a_range_inside_the_pinned_object_is_an_error_not_eof(rclone_server, s3_bucket, lean):
+    """Only a server in error answers so; it was taken for an EOF, which the core then
+    reported as a changed object (ESTALE), though nothing changed."""
+    rclone_server.put(s3_bucket, "k", b"0123456789" * 10)
+    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+    backend.lean.usable = lean
+
+    async def body():
+        info = await backend.stat("k")
+        inject_s3_failures(backend if lean else backend.client, "get", 2, "416")
+        with pytest.raises(errors.BackendError, match="416 for bytes from 10, inside its 100 bytes"):
+            await backend.read_range("k", 10, 20, info.version)
+        assert await backend.read_range("k", 100, 110, info.version) == b""  # past the end: EOF
+
+    try:
+        trio.run(body)
+    finally:
+        trio.run(backend.aclose)
+
+
 @pytest.mark.timeout(30)
 def test_no_credentials_is_access_denied(rclone_server, s3_bucket):
     no_credentials = botocore.session.Session()
