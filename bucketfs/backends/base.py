@@ -47,22 +47,33 @@ def body_deadline_s(read_timeout_s: float, body_bytes: int) -> float:
     return time.monotonic() + read_timeout_s + body_bytes / MIN_BODY_RATE_BYTES_PER_S
 
 
-def read_body(response, deadline_s: float) -> bytes:
-    """The rest of a urllib3 response's body as stored (never decoded), received one
-    socket read at a time; TimeoutError past `deadline_s` (the connection is closed,
-    never handed back half read). A body shorter than its length raises as urllib3 does."""
+def read_body(response, deadline_s: float, start: int = 0, end: Optional[int] = None) -> bytes:
+    """The body's bytes `[start, end)` as stored (never decoded; by default all of it),
+    received one socket read at a time; TimeoutError past `deadline_s` (the connection
+    is closed, never handed back half read). A body shorter than its length raises as
+    urllib3 does. With `end`, for a server that ignored Range and sends the whole
+    object: what comes before `start` is dropped as it arrives, and reading stops at
+    `end` and closes the connection, so a small read of a huge object holds only its
+    range in memory."""
     chunks = []
+    offset_bytes = 0
     try:
-        while True:
+        while end is None or offset_bytes < end:
             chunk = response.read1(READ1_MAX_BYTES, decode_content=False)
             if not chunk:
                 break
-            chunks.append(chunk)
+            # (The whole chunk, the common case, is the same object: no copy.)
+            piece = chunk[max(start - offset_bytes, 0):None if end is None else end - offset_bytes]
+            if piece:
+                chunks.append(piece)
+            offset_bytes += len(chunk)
             if time.monotonic() > deadline_s:
-                raise TimeoutError(f"body still arriving at its deadline ({sum(map(len, chunks))} bytes)")
+                raise TimeoutError(f"body still arriving at its deadline ({offset_bytes} bytes)")
     except BaseException:
         response.close()
         raise
+    if end is not None:
+        response.close()  # the rest of the body was not read: the connection is spent
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
@@ -168,8 +179,8 @@ def check_answer(key: str, start: int, end: int, received_bytes: Optional[int], 
     - ObjectChanged: TOTAL is not `object_bytes`, the pinned version's size (None: not
       compared). A server that ignores If-Match and serves a rewrite can still name the
       old ETag (a store whose writes are not atomic); the size is a second witness.
-    Nothing to check without the header (the whole object came back, sliced: it cannot
-    be short) or with `*`."""
+    Nothing to check without the header (the whole object came, read as far as the
+    range: it cannot be short; a body cut early raises in read_body) or with `*`."""
     if not content_range:
         return
     span, _, total = content_range.removeprefix("bytes").strip().partition("/")

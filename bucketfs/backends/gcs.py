@@ -227,10 +227,12 @@ class GCSBackend(Backend):
                     return None  # start >= size of whichever generation was served
                 if response.status_code not in (200, 206):
                     raise gexc.from_http_response(response)
-                data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
                 content_range = response.headers.get("Content-Range")
                 if response.status_code == 200 and content_range is None:
-                    data = data[start:end]  # a server that ignored Range sent it all
+                    # A server that ignored Range sends the whole object: keep the range.
+                    data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end), start, end)
+                else:
+                    data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
                 served = response.headers.get("x-goog-generation")
                 if served:
                     served_generation, looked_up = int(served), False

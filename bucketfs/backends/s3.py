@@ -210,8 +210,8 @@ class S3Backend(Backend):
                 status, etag, content_range, body = answer
                 if status == 416:
                     return None
-                if not content_range:  # a server that ignores Range: the whole object came back
-                    body = _into(buffer, body[start:end])
+                if not content_range:  # a server that ignored Range: the range was kept
+                    body = _into(buffer, body)
                 return normalise_etag(etag), content_range, body
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
@@ -224,12 +224,12 @@ class S3Backend(Backend):
         try:
             # Read the whole body here, in the worker: a reset mid-body raises in this
             # thread and BlockingCaller repeats the whole request.
-            data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end - start))
+            if response.get("ContentRange"):
+                data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end - start))
+            else:  # a server that ignores Range answers 200 with the whole object: keep the range
+                data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end), start, end)
         finally:
             body.close()
-        if not response.get("ContentRange"):
-            # A server that ignores Range answers 200 with the whole object.
-            data = data[start:end]
         return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
 
     # -- contract ---------------------------------------------------------------

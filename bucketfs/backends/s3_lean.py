@@ -216,16 +216,21 @@ class LeanS3:
         return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
                                        preload_content=False, decode_content=False, redirect=False, retries=False)
 
-    def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None) -> Optional[tuple]:
+    def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None,
+              byte_range: Optional[tuple] = None) -> Optional[tuple]:
         """(status, headers, body) for an answer in `ok_statuses`; None if this path
         cannot serve the bucket; a botocore ClientError for any other answer. With
-        `buffer`, a ranged body (Content-Range) is received into it and `body` is its length."""
+        `buffer`, a ranged body (Content-Range) is received into it and `body` is its length.
+        `byte_range` (start, end) of a ranged GET: if the server ignored it (a 200 with
+        no Content-Range), `body` is that range of the whole object, read only so far."""
         response = self._request(url, self._headers(url, headers))
         expected_bytes = getattr(response, "length_remaining", None) or (len(buffer) if buffer is not None else 0)
         deadline_s = body_deadline_s(self.read_timeout_s, expected_bytes)
         try:
             if buffer is not None and response.status in (200, 206) and "Content-Range" in response.headers:
                 body = _receive_into(response, buffer, deadline_s)
+            elif byte_range is not None and response.status == 200 and "Content-Range" not in response.headers:
+                body = read_body(response, deadline_s, *byte_range)
             else:
                 body = read_body(response, deadline_s)
         finally:
@@ -244,12 +249,14 @@ class LeanS3:
             {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
 
     def get(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None) -> Optional[tuple]:
-        """(status, etag, content_range or None, body) of a ranged GET pinned to `version`;
+        """(status, etag, content_range or None, body) of a ranged GET pinned to `version`
+        (without Content-Range, the server ignored Range: `body` is the range all the same);
         with `buffer`, a ranged body is received into it and `body` is its length."""
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416), buffer)
+        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416), buffer,
+                            (start, end))
         if answer is None:
             return None
         status, headers, body = answer

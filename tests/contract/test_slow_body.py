@@ -162,3 +162,60 @@ def test_a_short_answer_of_the_pinned_version_is_retried_not_stale(kind):
         finally:
             trio.run(backend.aclose)
         assert len(answered) == 2  # the short answer, then its retry
+
+
+WHOLE_OBJECT_BYTES = 64 * 1024 * 1024
+
+
+def whole_object_store(sent_bytes: list):
+    """A server that ignores Range: every answer is a 200 with the whole object (no
+    Content-Range), sent in 64 KiB pieces until the client stops reading; the bytes it
+    got out go to `sent_bytes`."""
+    piece = (bytes(range(251)) * (65536 // 251 + 1))[:65536]
+
+    def respond(conn, _count, stop):
+        conn.sendall(("HTTP/1.1 200 OK\r\n"
+                      f"Content-Length: {WHOLE_OBJECT_BYTES}\r\n"
+                      'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode())
+        sent_bytes.append(0)
+        for _ in range(WHOLE_OBJECT_BYTES // len(piece)):
+            if stop.is_set():
+                return
+            try:
+                conn.sendall(piece)
+            except OSError:
+                return  # the client has what it needs
+            sent_bytes[-1] += len(piece)
+
+    return socket_store(respond), piece
+
+
+@pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
+def test_a_small_range_of_a_huge_object_from_a_server_that_ignores_range_stays_small(kind):
+    """Such a server sends all of the object for every read: the backend kept the whole
+    body in memory and sliced it (a 64 KiB read of a 5 GiB object took 5 GiB). Now it
+    keeps the range and stops reading past it."""
+    sent_bytes: list = []
+    store, piece = whole_object_store(sent_bytes)
+    start, end = 70_000, 200_000  # (pieces of 65,536 bytes: the range spans three)
+    expected = (piece * 4)[start:end]
+    with store as (endpoint, answered):
+        backend = GCSBackend(_config("gs", endpoint)) if kind == "gcs" else _s3(endpoint, lean=kind != "s3-sdk")
+        version = "1" if kind == "gcs" else "v1"
+
+        async def read():
+            with trio.fail_after(20):
+                if kind == "s3-lean-into":
+                    buffer = bytearray(end - start)
+                    got = await backend.read_range_into("k", start, end, version, buffer)
+                    return bytes(buffer[:got])
+                return bytes(await backend.read_range("k", start, end, version))
+
+        try:
+            assert trio.run(read) == expected
+        finally:
+            trio.run(backend.aclose)
+        # The server can only have sent what the client read plus the sockets' buffers
+        # (a few MiB on loopback), whenever this is looked at.
+        assert len(answered) == 1
+        assert sent_bytes[0] < WHOLE_OBJECT_BYTES // 4, f"{sent_bytes[0]} of {WHOLE_OBJECT_BYTES} bytes read"

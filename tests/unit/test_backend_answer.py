@@ -41,8 +41,8 @@ def test_a_range_answered_from_another_offset_is_not_served():
 
 
 def test_a_whole_object_answer_without_content_range_is_not_checked():
-    """A server that ignores Range: the caller sliced the whole object, which holds
-    what there is of the range (here the 50 bytes before its end)."""
+    """A server that ignores Range: the caller kept the range of the whole object, which
+    holds what there is of it (here the 50 bytes before its end)."""
     check_answer("k", 950, 1100, 50, None, 1000)
     check_answer("k", 950, 1100, 50, "", 1000)
 
