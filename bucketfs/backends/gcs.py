@@ -234,19 +234,19 @@ class GCSBackend(Backend):
                 else:
                     data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
                 served = response.headers.get("x-goog-generation")
-                if served:
-                    served_generation, looked_up = int(served), False
-                else:
-                    # An endpoint that names no generation: ask the live one after the
-                    # download, here, so that a short body of the pinned generation is
-                    # retried like any other. Generations only grow: if the live one is
-                    # the pinned one now, the download served the pinned one.
-                    served_generation, looked_up = self._reload_blocking(key).generation, True
-                if served_generation == generation:
-                    check_answer(key, start, end, len(data), content_range, object_bytes)
-                return data, served_generation, looked_up
             finally:
-                response.close()
+                response.close()  # (its connection back to the pool, for the metadata GET)
+            if served:
+                served_generation, looked_up = int(served), False
+            else:
+                # An endpoint that names no generation: ask the live one after the
+                # download, here, so that a short body of the pinned generation is
+                # retried like any other. Generations only grow: if the live one is the
+                # pinned one now, the download served the pinned one.
+                served_generation, looked_up = self._reload_blocking(key).generation, True
+            if served_generation == generation:
+                check_answer(key, start, end, len(data), content_range, object_bytes)
+            return data, served_generation, looked_up
 
         self.requests["get"] += 1
         try:
