@@ -17,6 +17,7 @@ import pyfuse3
 import trio
 
 from bucketfs import errors
+from bucketfs.core.filesystem import DOT_NAMES
 from bucketfs.metrics import STATS_XATTR, encode_stats
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ ATTRS_CACHE_MAX_COUNT = 200_000
 # Vanished names waiting to be invalidated in the kernel (~100 B each). Past this,
 # one is skipped: the kernel still lets go of it at revalidation or memory pressure.
 INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
-# A directory's own entries, listed first by the core; no child has these names.
-DOT_NAMES = (".", "..")
 
 
 def errno_for(exc: BaseException) -> int:

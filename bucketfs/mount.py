@@ -88,7 +88,7 @@ def sd_notify(message: str) -> None:
 # a mapping of its own, returned to the system when freed. Just above a READ reply
 # (at most 1 MiB, joined on the heap: a fresh mapping would page-fault on every copy),
 # and at libfuse's request buffer (1 MiB and a page, malloc'd by each pyfuse3 worker
-# task, so one per FUSE request in progress, up to 256; freed as tasks end).
+# task: up to 256 when many requests are in progress, freed as idle ones past 4 end).
 MMAP_THRESHOLD_BYTES = 1024 * 1024 + 4096
 
 
@@ -98,8 +98,8 @@ def tune_memory_allocator() -> None:
     glibc raises its mmap threshold after freeing a large block, after which 8 MiB
     parts come from the heap and freed ones stay in RSS. A fixed threshold (which
     also disables the dynamic raise) returns every large buffer to the OS on free.
-    At 2 MiB, libfuse's request buffers grew the heap by 1 MiB per concurrent
-    request, and the heap only shrinks from its top, so what later reads put there
+    At 2 MiB, libfuse's request buffers grew the heap by 1 MiB per worker task
+    (one per concurrent request at the peak), and the heap only shrinks from its top, so what later reads put there
     stayed resident: with 64-128 concurrent readers on --max-memory 16M the malloc
     heap reached 107 MiB (72 with 8 readers), and RSS crept for minutes.
     """

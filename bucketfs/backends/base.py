@@ -77,6 +77,15 @@ def read_body(response, deadline_s: float, start: int = 0, end: Optional[int] = 
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def read_range_body(response, read_timeout_s: float, start: int, end: int, whole_object: bool) -> bytes:
+    """A ranged GET's body, `[start, end)`. `whole_object`: the server ignored Range (a
+    200 without Content-Range) and sends the whole object, of which only the range is
+    kept (read_body)."""
+    if whole_object:
+        return read_body(response, body_deadline_s(read_timeout_s, end), start, end)
+    return read_body(response, body_deadline_s(read_timeout_s, end - start))
+
+
 def copy_into(buffer: bytearray, data: bytes) -> int:
     """`data` written at the start of `buffer`; its length (read_range_into's answer)."""
     buffer[: len(data)] = data

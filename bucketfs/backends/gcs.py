@@ -42,8 +42,8 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_answer, gone_message, lists_entries, read_body)
+from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
+                                    gone_message, lists_entries, read_range_body)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -228,11 +228,8 @@ class GCSBackend(Backend):
                 if response.status_code not in (200, 206):
                     raise gexc.from_http_response(response)
                 content_range = response.headers.get("Content-Range")
-                if response.status_code == 200 and content_range is None:
-                    # A server that ignored Range sends the whole object: keep the range.
-                    data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end), start, end)
-                else:
-                    data = read_body(response.raw, body_deadline_s(self._config.read_timeout_s, end - start))
+                data = read_range_body(response.raw, self._config.read_timeout_s, start, end,
+                                       whole_object=response.status_code == 200 and content_range is None)
                 served = response.headers.get("x-goog-generation")
             finally:
                 response.close()  # (its connection back to the pool, for the metadata GET)

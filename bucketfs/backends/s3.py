@@ -37,8 +37,8 @@ import urllib3.exceptions
 from botocore import UNSIGNED
 
 from bucketfs import errors
-from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, body_deadline_s,
-                                    check_answer, copy_into, gone_message, lists_entries, read_body)
+from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
+                                    copy_into, gone_message, lists_entries, read_range_body)
 from bucketfs.backends.s3_lean import LeanS3
 from bucketfs.config import Config
 
@@ -224,10 +224,8 @@ class S3Backend(Backend):
         try:
             # Read the whole body here, in the worker: a reset mid-body raises in this
             # thread and BlockingCaller repeats the whole request.
-            if response.get("ContentRange"):
-                data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end - start))
-            else:  # a server that ignores Range answers 200 with the whole object: keep the range
-                data = read_body(body._raw_stream, body_deadline_s(self._config.read_timeout_s, end), start, end)
+            data = read_range_body(body._raw_stream, self._config.read_timeout_s, start, end,
+                                   whole_object=not response.get("ContentRange"))
         finally:
             body.close()
         return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)

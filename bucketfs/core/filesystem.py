@@ -80,6 +80,10 @@ class FileHandle:
         self.failed: Optional[tuple] = None  # (start, end, trio time) of the last READ out of retries
 
 
+# A directory's own entries, listed ahead of its children; no child has these names.
+DOT_NAMES = (".", "..")
+
+
 class DirHandle:
     """A snapshot of a directory's children: offsets stay stable while it is open.
     `read_from_start`: a READDIR has been answered from it (a later one from offset 0
@@ -95,7 +99,7 @@ class DirHandle:
         lists them: `ls -a`, and tools that count them, expect both), then the children.
         An iterator, not a slice: copying the rest of a 100,000-entry snapshot for each
         READDIR made a listing quadratic."""
-        dots = ((".", self.node), ("..", self.node.parent))  # the root is its own parent
+        dots = tuple(zip(DOT_NAMES, (self.node, self.node.parent)))  # the root is its own parent
         yield from dots[start_index:]
         children = self.children
         for i in range(max(start_index - len(dots), 0), len(children)):

@@ -163,8 +163,7 @@ class _EmulatorFaultAdapter(requests.adapters.HTTPAdapter):
             return response
         self.faults_count += 1
         if self.fault == "delete":
-            response._content = response.content  # the whole body, then the object goes
-            response.raw = _Raw(response._content)
+            response.raw = _Raw(response.content)  # the whole body, then the object goes
             self.on_delete()
             return response
         body = response.content
