@@ -77,9 +77,9 @@ def check_log_file(path: str) -> None:
 def serve_here(config: Config, on_ready) -> int:
     import trio
 
-    from bucketfs import mount
+    from bucketfs import allocator, mount
 
-    mount.tune_memory_allocator()
+    allocator.tune()
     trio.run(mount.serve, config, on_ready)
     return errors.EXIT_OK
 

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import pyfuse3
 import trio
 
-from bucketfs import errors
+from bucketfs import allocator, errors
 from bucketfs.backends import make_backend
 from bucketfs.core.cachedir import CacheDir, claim_dir
 from bucketfs.core.filesystem import Filesystem
@@ -82,34 +82,6 @@ def sd_notify(message: str) -> None:
             sock.sendall(message.encode())
     except OSError as exc:
         log.warning("could not notify systemd: %s", exc)
-
-
-# glibc's mmap threshold: a block this large that no free chunk of the heap fits gets
-# a mapping of its own, returned to the system when freed. Just above a READ reply
-# (at most 1 MiB, joined on the heap: a fresh mapping would page-fault on every copy),
-# and at libfuse's request buffer (1 MiB and a page, malloc'd by each pyfuse3 worker
-# task: up to 256 when many requests are in progress, freed as idle ones past 4 end).
-MMAP_THRESHOLD_BYTES = 1024 * 1024 + 4096
-
-
-def tune_memory_allocator() -> None:
-    """Keep freed read buffers from pinning RSS.
-
-    glibc raises its mmap threshold after freeing a large block, after which 8 MiB
-    parts come from the heap and freed ones stay in RSS. A fixed threshold (which
-    also disables the dynamic raise) returns every large buffer to the OS on free.
-    At 2 MiB, libfuse's request buffers grew the heap by 1 MiB per worker task
-    (one per concurrent request at the peak), and the heap only shrinks from its top, so what later reads put there
-    stayed resident: with 64-128 concurrent readers on --max-memory 16M the malloc
-    heap reached 107 MiB (72 with 8 readers), and RSS crept for minutes.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        libc.mallopt(M_ARENA_MAX, 4)
-    except (OSError, AttributeError):
-        pass
 
 
 def raise_kernel_readahead(dev: int) -> None:
@@ -281,6 +253,7 @@ async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Calla
             _mount(ops, config)
             mounted = True
             ops.start(nursery)
+            nursery.start_soon(allocator.trim_periodically)
             log.info("mounted %s on %s", config.url, config.mountpoint)
             if on_fs is not None:
                 on_fs(fs, nursery)

@@ -11,6 +11,7 @@ that waited `DEMAND_WAIT_MAX_S` and took memory past the budget) and its peak RS
     python scripts/memory_stress.py                                  # 64 threads, 30 s, --max-memory 16M --part-size 1M
     python scripts/memory_stress.py --threads 64 --seconds 30 --mount-args "--max-memory 16M"
     python scripts/memory_stress.py --suffix .tar                    # shard names: wide windows, warmed heads
+    python scripts/memory_stress.py --mix --threads 32 --seconds 300 # long churn of mixed sizes (heap fragmentation)
 
 Exits 1 on a wrong byte, an overcommit, or a READ slower than the overcommit deadline.
 Not part of CI (tests/unit/test_read_path.py checks the behaviour on the fake backend).
@@ -74,6 +75,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--mount-args", default="--max-memory 16M --part-size 1M", help="bucketfs mount options")
     parser.add_argument("--suffix", default=".bin", help="object name suffix (.tar: shard names)")
+    parser.add_argument("--mix", action="store_true",
+                        help="add 400 small objects (1 KiB-6 MiB, fetched whole at open) and 16 of 2-12 MB: "
+                             "buffers of many sizes, the churn that fragments the heap")
     args = parser.parse_args()
 
     from tests.mounting import bucketfs_mount
@@ -81,6 +85,9 @@ def main() -> int:
 
     rng = random.Random(1)
     objects = {f"big/f{i:02d}{args.suffix}": rng.randbytes(20 * MiB + i) for i in range(16)}
+    if args.mix:
+        objects.update({f"small/s{i:03d}.jpg": rng.randbytes(int(1024 * 6144 ** rng.random())) for i in range(400)})
+        objects.update({f"mid/m{i:02d}{args.suffix}": rng.randbytes(rng.randrange(2 * MiB, 12 * MiB)) for i in range(16)})
     with tempfile.TemporaryDirectory(prefix="bucketfs-memory-stress-") as work:
         work_dir = pathlib.Path(work)
         with rclone_s3_server(work_dir / "s3") as server:
@@ -101,11 +108,13 @@ def main() -> int:
                     total_bytes = sum(f.result() for f in futures)
                 elapsed_s = time.monotonic() - started_s
                 peak_rss_kib = proc_status_kib(mount.proc.pid, "VmHWM")  # the kernel's own peak
+                end_rss_kib = proc_status_kib(mount.proc.pid, "VmRSS")
                 stats = mount.stats()
     latencies_s.sort()
     slow_count = sum(t > DEMAND_WAIT_MAX_S for t in latencies_s)
     overcommits = stats.get("memory.overcommits", 0)
-    print(f"{args.threads} threads, {args.seconds:.0f} s, mount options: {args.mount_args}, names *{args.suffix}")
+    print(f"{args.threads} threads, {args.seconds:.0f} s, mount options: {args.mount_args}, names *{args.suffix}"
+          f"{', mixed sizes' if args.mix else ''}")
     print(f"read {total_bytes / 1e6:,.0f} MB in {elapsed_s:.1f} s ({total_bytes / 1e6 / elapsed_s:,.0f} MB/s), "
           f"{len(latencies_s):,} READs; wrong bytes: {len(wrong)}")
     if latencies_s:
@@ -114,7 +123,7 @@ def main() -> int:
               f"over {DEMAND_WAIT_MAX_S:.0f} s: {slow_count}")
     print(f"memory: budget {stats['memory.budget_bytes'] / MiB:.0f} MiB, peak {stats['memory.peak_bytes'] / MiB:.1f} MiB, "
           f"demand waits {stats.get('memory.demand_waits', 0):,}, overcommits {overcommits}; "
-          f"daemon peak RSS {peak_rss_kib / 1024:.0f} MiB; GETs {stats.get('backend.requests.get', 0):,}")
+          f"daemon peak RSS {peak_rss_kib / 1024:.0f} MiB, at the end {end_rss_kib / 1024:.0f} MiB; GETs {stats.get('backend.requests.get', 0):,}")
     return 1 if wrong or overcommits or slow_count else 0
 
 

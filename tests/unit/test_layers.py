@@ -9,7 +9,7 @@ import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[2] / "bucketfs"
 SDKS = ("boto3", "botocore", "google", "pyfuse3")
-RANK = {"errors": 0, "config": 0, "backends": 1, "core": 2, "fuse_ops": 3, "metrics": 3, "mountpoints": 4, "mount": 4, "cli": 5, "daemon": 5, "fstab": 5, "__main__": 5, "__init__": 0}
+RANK = {"errors": 0, "config": 0, "allocator": 0, "backends": 1, "core": 2, "fuse_ops": 3, "metrics": 3, "mountpoints": 4, "mount": 4, "cli": 5, "daemon": 5, "fstab": 5, "__main__": 5, "__init__": 0}
 
 
 def imports(path: pathlib.Path):
