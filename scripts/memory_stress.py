@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Many sequential readers on a small --max-memory: slow is allowed, stalled is not.
 
-Starts the local S3 server (`rclone serve s3`), writes 16 objects of 20 MB, mounts
+Starts the local S3 server (`rclone serve s3`), writes 16 objects of 20 MiB, mounts
 the bucket with a small memory budget and has THREADS threads each open a random
 object, drop its pages from the kernel's cache, and read it in 1 MiB preads, over
 and over, comparing every byte. Prints the bytes read, the READ latency (p50, p99,
@@ -12,6 +12,7 @@ that waited `DEMAND_WAIT_MAX_S` and took memory past the budget) and its peak RS
     python scripts/memory_stress.py --threads 64 --seconds 30 --mount-args "--max-memory 16M"
     python scripts/memory_stress.py --suffix .tar                    # shard names: wide windows, warmed heads
     python scripts/memory_stress.py --mix --threads 32 --seconds 300 # long churn of mixed sizes (heap fragmentation)
+    python scripts/memory_stress.py --objects 64 --object-mb 7 --mount-args "--max-memory 256M"  # small files, fetched whole
 
 Exits 1 on a wrong byte, an overcommit, or a READ slower than the overcommit deadline.
 Not part of CI (tests/unit/test_read_path.py checks the behaviour on the fake backend).
@@ -75,6 +76,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--mount-args", default="--max-memory 16M --part-size 1M", help="bucketfs mount options")
     parser.add_argument("--suffix", default=".bin", help="object name suffix (.tar: shard names)")
+    parser.add_argument("--objects", type=int, default=16, help="how many objects of --object-mb")
+    parser.add_argument("--object-mb", type=float, default=20.0,
+                        help="their size in MiB (at most --small-file-bytes: fetched whole at open)")
     parser.add_argument("--mix", action="store_true",
                         help="add 400 small objects (1 KiB-6 MiB, fetched whole at open) and 16 of 2-12 MB: "
                              "buffers of many sizes, the churn that fragments the heap")
@@ -84,7 +88,7 @@ def main() -> int:
     from tests.servers import rclone_s3_server
 
     rng = random.Random(1)
-    objects = {f"big/f{i:02d}{args.suffix}": rng.randbytes(20 * MiB + i) for i in range(16)}
+    objects = {f"big/f{i:03d}{args.suffix}": rng.randbytes(int(args.object_mb * MiB) + i) for i in range(args.objects)}
     if args.mix:
         objects.update({f"small/s{i:03d}.jpg": rng.randbytes(int(1024 * 6144 ** rng.random())) for i in range(400)})
         objects.update({f"mid/m{i:02d}{args.suffix}": rng.randbytes(rng.randrange(2 * MiB, 12 * MiB)) for i in range(16)})

@@ -275,19 +275,26 @@ class S3Backend(Backend):
         if end <= start:
             return b"" if buffer is None else 0
         self.requests["get"] += 1
+        # Without a buffer, one of the range's size: the lean path receives the body
+        # straight into it (read in pieces and joined, it took a second copy, and both
+        # were alive at once).
+        into = buffer if buffer is not None else bytearray(end - start)
         # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
         # the memory budget until it returns (a dropped read-ahead part waits for them),
         # and no thread writes into a buffer after its part has let go of it.
         try:
-            body = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
-                                          version, buffer, object_bytes)
+            got_bytes = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
+                                               version, into, object_bytes)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
-        if body is None:
+        if got_bytes is None:
             data = await self.confirm_past_end(key, version, start)
             return data if buffer is None else 0
-        self.bytes_fetched += body if buffer is not None else len(body)
-        return body
+        self.bytes_fetched += got_bytes
+        if buffer is not None:
+            return got_bytes
+        del into[got_bytes:]  # (a range past the object's end: its shorter answer)
+        return into
 
     async def check_bucket(self, prefix: str) -> bool:
         self.requests["list"] += 1

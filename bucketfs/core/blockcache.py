@@ -4,6 +4,11 @@ Serves random reads (fetching only the blocks a read touches, coalesced into one
 ranged GET per run of missing blocks) and small files (one GET for the whole
 object, started at open, split into blocks).
 
+A run's GET is received straight into one buffer, and its blocks are views of it,
+not copies: a READ inside one run is a slice of that buffer, so the bytes are copied
+once, from the socket, before the kernel takes them. A run is therefore evicted as a
+whole (its buffer is freed only with its last block), which keeps the budget exact.
+
 Invariants:
 - A block holds bytes of exactly one version: the version is part of its key and
   the backend refuses reads of a changed object, so no read mixes versions.
@@ -30,7 +35,20 @@ class Flight:
     def __init__(self):
         self.done = trio.Event()
         self.error = None
-        self.blocks: dict = {}  # block index -> bytes, kept for the waiters even if evicted
+        self.blocks: dict = {}  # block index -> Block, kept for the waiters even if evicted
+
+
+class Block:
+    """Bytes [lo, hi) of `run`, the read-only buffer its fetch received (shared by the
+    blocks of that fetch)."""
+
+    __slots__ = ("run", "lo", "hi")
+
+    def __init__(self, run: memoryview, lo: int, hi: int):
+        self.run, self.lo, self.hi = run, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
 
 
 class BlockCache:
@@ -42,17 +60,26 @@ class BlockCache:
         self.budget = budget
         self.stats = stats
         self.block_size_bytes = block_size_bytes
-        self._blocks: collections.OrderedDict = collections.OrderedDict()  # (key, version, idx) -> bytes
+        self._blocks: collections.OrderedDict = collections.OrderedDict()  # (key, version, idx) -> Block
         self._flights: dict = {}  # (key, version, idx) -> Flight
         self.cached_bytes = 0
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.evict)
 
     def evict(self, wanted_bytes: int) -> int:
+        """Least recently used runs first, each whole; the bytes freed."""
         freed_bytes = 0
+        bs = self.block_size_bytes
         while freed_bytes < wanted_bytes and self._blocks:
-            _, data = self._blocks.popitem(last=False)
-            freed_bytes += len(data)
+            (key, version, i), block = self._blocks.popitem(last=False)
+            freed_bytes += len(block)
             self.stats["cache.evictions"] += 1
+            first = i - block.lo // bs
+            for j in range(first, first + -(-len(block.run) // bs)):
+                sibling = self._blocks.get((key, version, j))
+                if sibling is not None and sibling.run is block.run:
+                    del self._blocks[(key, version, j)]
+                    freed_bytes += len(sibling)
+                    self.stats["cache.evictions"] += 1
         self.cached_bytes -= freed_bytes
         self.budget.release(freed_bytes)
         return freed_bytes
@@ -65,11 +92,15 @@ class BlockCache:
         bs = self.block_size_bytes
         first, last = start // bs, (end - 1) // bs
         pieces = await self._blocks_for(key, version, size_bytes, first, last)
-        if first == last:  # a memoryview slice: pyfuse3 replies from any buffer, no copy
-            return memoryview(pieces[0])[start - first * bs : end - first * bs]
-        # One copy, into the reply (slicing bytes and growing a bytearray made three).
-        return b"".join(memoryview(data)[max(start - i * bs, 0) : min(end - i * bs, len(data))]
-                        for i, data in zip(range(first, last + 1), pieces))
+        run = pieces[0].run
+        if all(block.run is run for block in pieces):
+            # One fetch's blocks, consecutive in its buffer: a slice of it. pyfuse3 replies
+            # from any buffer, so the reply is not a copy.
+            lo = pieces[0].lo + start - first * bs
+            return run[lo : lo + end - start]
+        # Blocks of several fetches: one copy, into the reply.
+        return b"".join(block.run[block.lo + max(start - i * bs, 0) : block.lo + min(end - i * bs, len(block))]
+                        for i, block in zip(range(first, last + 1), pieces))
 
     def holds(self, key: str, version: str, offset: int) -> bool:
         """The block at `offset` is cached or on its way (no fetch needed for it)."""
@@ -135,12 +166,14 @@ class BlockCache:
         try:
             await self.budget.reserve(end - start)
             reserved_bytes = end - start
-            data = await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)
+            # The blocks are views of the answer, not copies (slicing it into blocks was a
+            # second copy of every byte, and both were alive at once outside the budget).
+            data = memoryview(await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)).toreadonly()
             if len(data) != end - start:
                 raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")
             bs = self.block_size_bytes
             for n, i in enumerate(run):
-                block = data[n * bs : (n + 1) * bs] if len(run) > 1 else data
+                block = Block(data, n * bs, min((n + 1) * bs, len(data)))
                 flight.blocks[i] = block
                 self._blocks[(key, version, i)] = block
             self.cached_bytes += len(data)

@@ -140,6 +140,63 @@ def test_concurrent_readers_of_one_block_share_one_get():
     assert backend.requests["get"] == 1
 
 
+def test_a_small_files_reads_are_views_of_the_one_buffer_its_get_received():
+    """No copy between the GET and the kernel: every READ of a small file (fetched
+    whole, split into blocks) is a slice of one buffer, even across blocks."""
+    data = blob(1 * MiB + 12345, 7)
+    backend = MemoryBackend({"s.jpg": data})
+
+    async def body(fs):
+        node = await resolve(fs, "s.jpg")
+        fh = await fs.open(node.ino, 0)
+        replies = [await fs.read(fh, off, 200_000) for off in range(0, len(data), 200_000)]
+        fs.release(fh)
+        return replies
+
+    replies = run_fs(backend, body, block_size_bytes=64 * 1024)
+    assert b"".join(replies) == data
+    assert all(isinstance(r, memoryview) for r in replies)
+    assert len({id(r.obj) for r in replies}) == 1  # (each spans 3-4 blocks)
+    assert backend.requests["get"] == 1
+
+
+def test_a_read_across_two_fetches_joins_their_blocks():
+    data = blob(10 * 64 * 1024, 8)
+    backend = MemoryBackend({"r.bin": data})
+
+    async def body(fs):
+        node = await resolve(fs, "r.bin")
+        fh = await fs.open(node.ino, 0)
+        first = await fs.read(fh, 64 * 1024, 1000)  # block 1 alone
+        across = await fs.read(fh, 0, 3 * 64 * 1024)  # block 0 (a new GET), 1 (cached), 2 (a new GET)
+        fs.release(fh)
+        return first, across
+
+    first, across = run_fs(backend, body, small_file_bytes=64 * 1024, block_size_bytes=64 * 1024, list_ahead_count=0)
+    assert bytes(first) == data[64 * 1024 : 64 * 1024 + 1000]
+    assert bytes(across) == data[: 3 * 64 * 1024]
+
+
+def test_a_fetch_is_evicted_whole_so_the_budget_counts_the_buffers_alive():
+    """Blocks share their fetch's buffer: evicting one block of it evicts them all (one
+    left behind would keep the whole buffer alive, uncounted)."""
+    files = {"a.jpg": blob(512 * 1024, 1), "b.jpg": blob(256 * 1024, 2)}
+    backend = MemoryBackend(files)
+
+    async def body(fs):
+        for name, data in files.items():
+            assert await read_all(fs, name) == data
+        cached_before = fs.cache.cached_bytes
+        used_before = fs.budget.used_bytes
+        freed = fs.cache.evict(1)  # one byte wanted: the least recent block, so all of a.jpg
+        return cached_before, freed, fs.cache.cached_bytes, used_before - fs.budget.used_bytes
+
+    cached_before, freed, cached_after, released = run_fs(backend, body, block_size_bytes=64 * 1024)
+    assert cached_before == 768 * 1024
+    assert freed == released == 512 * 1024
+    assert cached_after == 256 * 1024
+
+
 def test_write_opens_are_read_only():
     backend = MemoryBackend({"f": b"x"})
 
