@@ -116,7 +116,11 @@ class BlockCache:
     async def _blocks_for(self, key, version, size_bytes, first, last) -> list:
         found, waits = self._plan(key, version, size_bytes, first, last)
         for i, flight in waits:
-            await flight.done.wait()
+            if not flight.done.is_set():
+                # (Only then: a READ over 16 blocks of one flight would otherwise pass 16
+                # scheduler rounds, holding the flight's buffer all along, however soon
+                # the budget evicted its blocks.)
+                await flight.done.wait()
             if flight.error is not None:
                 raise flight.error
             found[i] = flight.blocks[i]

@@ -197,6 +197,40 @@ def test_a_fetch_is_evicted_whole_so_the_budget_counts_the_buffers_alive():
     assert cached_after == 256 * 1024
 
 
+def test_a_read_over_many_blocks_of_one_fetch_waits_once():
+    """A READ over 16 blocks of one flight resumes once when it lands, not once per
+    block: each extra scheduler round kept the fetch's whole buffer alive, past the
+    budget once it had evicted those blocks (RSS, scripts/memory_stress.py)."""
+    data = blob(2 * MiB, 9)
+    backend = MemoryBackend({"s.jpg": data}, delay_s=0.01)
+    steps = {}
+
+    class CountSteps(trio.abc.Instrument):
+        def before_task_step(self, task):
+            if task.name.endswith("reader"):
+                steps[id(task)] = steps.get(id(task), 0) + 1
+
+    async def body(fs):
+        node = await resolve(fs, "s.jpg")
+        fh = await fs.open(node.ino, 0)
+        got = {}
+
+        async def reader(off):
+            got[off] = bytes(await fs.read(fh, off, 1 * MiB))
+
+        trio.lowlevel.add_instrument(CountSteps())
+        async with trio.open_nursery() as n:
+            for off in (0, 1 * MiB):
+                n.start_soon(reader, off, name="reader")
+        fs.release(fh)
+        return got
+
+    got = run_fs(backend, body, block_size_bytes=64 * 1024)
+    assert got == {0: data[: 1 * MiB], 1 * MiB: data[1 * MiB :]}
+    assert backend.requests["get"] == 1
+    assert max(steps.values()) <= 3, steps  # started, resumed when the GET landed, done
+
+
 def test_write_opens_are_read_only():
     backend = MemoryBackend({"f": b"x"})
 
