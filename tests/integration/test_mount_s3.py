@@ -340,7 +340,11 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     after = m.stats()
     assert 1 <= after["backend.requests.get"] <= 1 + never_stored_count  # the changed object (and what was skipped)
     assert after["disk_cache.loaded_bytes"] >= total_bytes - never_stored_bytes
-    assert after["disk_cache.read_ahead_bytes"] == after["disk_cache.loaded_bytes"]  # (42 MB: within half the free memory)
+    # All of it is read ahead (42 MB: within half the free memory), but for an object a
+    # skipped store left with holes (the shard's last part, say): reading it whole would
+    # read its holes too, so it is not.
+    sparse_bytes = len(files["dc/shard-0.tar"]) if never_stored_count else 0
+    assert after["disk_cache.loaded_bytes"] - sparse_bytes <= after["disk_cache.read_ahead_bytes"] <= after["disk_cache.loaded_bytes"]
     assert after.get("disk_cache.bad_reads", 0) == 0
     if pagecache.no_wait_reads():  # files the last mount wrote are in the page cache: read on the event loop
         assert after.get("disk_cache.loop_reads", 0) >= len(files) // 2
