@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 # glibc's mmap threshold: a block this large that no free chunk of the heap fits gets
 # a mapping of its own, returned to the system when freed. Just above a READ reply
-# (at most 1 MiB, joined on the heap: a fresh mapping would page-fault on every copy),
+# joined from two fetches or parts (at most 1 MiB, on the heap: a fresh mapping would
+# page-fault on every copy; a READ inside one is a slice, no allocation),
 # and at libfuse's request buffer (1 MiB and a page, malloc'd by each pyfuse3 worker
 # task: up to 256 when many requests are in progress, freed as idle ones past 4 end).
 MMAP_THRESHOLD_BYTES = 1024 * 1024 + 4096
@@ -76,11 +77,15 @@ def tune() -> None:
 
 
 def _trimmer() -> Optional[ctypes.CDLL]:
+    """glibc with mallinfo2 and malloc_trim declared; None without them (not glibc, or
+    one older than 2.33)."""
     libc = _glibc()
+    if libc is None:
+        return None
     try:
         libc.mallinfo2.restype = _Mallinfo2
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    except AttributeError:  # (no glibc, or one older than 2.33)
+    except AttributeError:
         return None
     return libc
 
@@ -88,7 +93,8 @@ def _trimmer() -> Optional[ctypes.CDLL]:
 def give_back(slack_bytes: int = TRIM_SLACK_BYTES, libc: Optional[ctypes.CDLL] = None) -> bool:
     """Return the heap's free pages to the system if more than `slack_bytes` are free
     (counting pages given back before); whether a trim ran."""
-    libc = libc or _trimmer()
+    if libc is None:
+        libc = _trimmer()
     if libc is None or libc.mallinfo2().fordblks <= slack_bytes:
         return False
     # On the caller's thread (the event loop): ctypes lets other threads run meanwhile,

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Many sequential readers on a small --max-memory: slow is allowed, stalled is not.
 
-Starts the local S3 server (`rclone serve s3`), writes 16 objects of 20 MiB, mounts
+Starts the local S3 server (`rclone serve s3`), writes 16 objects of 20 MiB (or
+--objects of --object-mb; --mix adds objects of many sizes), mounts
 the bucket with a small memory budget and has THREADS threads each open a random
 object, drop its pages from the kernel's cache, and read it in 1 MiB preads, over
 and over, comparing every byte. Prints the bytes read, the READ latency (p50, p99,
@@ -78,7 +79,7 @@ def main() -> int:
     parser.add_argument("--suffix", default=".bin", help="object name suffix (.tar: shard names)")
     parser.add_argument("--objects", type=int, default=16, help="how many objects of --object-mb")
     parser.add_argument("--object-mb", type=float, default=20.0,
-                        help="their size in MiB (at most --small-file-bytes: fetched whole at open)")
+                        help="their size in MiB (up to --small-file-bytes, 8M by default, they are fetched whole at open)")
     parser.add_argument("--mix", action="store_true",
                         help="add 400 small objects (1 KiB-6 MiB, fetched whole at open) and 16 of 2-12 MB: "
                              "buffers of many sizes, the churn that fragments the heap")
