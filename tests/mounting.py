@@ -81,6 +81,17 @@ def wait_for(predicate, deadline_s: float, what: str, proc=None) -> None:
         time.sleep(0.02)  # polling interval of a condition wait, not synchronisation
 
 
+def fuse_requests_waiting(path_in_mount: str):
+    """Requests the kernel has sent to this mount's daemon and not had answered
+    (fusectl's `waiting`); None where fusectl cannot be read (not root, not mounted)."""
+    dev = os.stat(path_in_mount).st_dev
+    try:
+        with open(f"/sys/fs/fuse/connections/{(os.major(dev) << 20) | os.minor(dev)}/waiting") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def daemon_stats(path_in_mount: str) -> dict:
     """The daemon's counters (`bucketfs stats --json`), read through the mount's root."""
     while not os.path.ismount(path_in_mount):
