@@ -60,15 +60,47 @@ def test_zero_byte_file_and_reads_past_eof():
 
 def test_large_sequential_read_is_byte_identical_and_uses_big_parallel_parts():
     data = blob(40 * MiB, 1)
-    backend = MemoryBackend({"big.bin": data})
+    backend = MemoryBackend({"big.bin": data}, delay_s=0.02)  # a round trip the reader outpaces
 
     async def body(fs):
-        return await read_all(fs, "big.bin")
+        return await read_all(fs, "big.bin", chunk_bytes=1 * MiB)  # the kernel's READs of a streaming reader
 
-    assert run_fs(backend, body, small_file_bytes=1 * MiB) == data
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), small_file_bytes=1 * MiB) == data
     # 40 MiB in parts of at most 8 MiB after a short ramp: nowhere near one GET per READ.
     assert backend.requests["get"] <= 16
     assert backend.bytes_fetched <= len(data) + 2 * MiB
+
+
+@pytest.mark.parametrize("pause_s, window_expected", [(0.0, 32 * MiB), (0.05, 8 * MiB)])
+def test_the_window_grows_only_while_the_reader_waits_for_parts(pause_s, window_expected):
+    """A reader that outpaces the store (20 ms a GET) waits for parts issued ahead of
+    it, so its window doubles to the cap. One that pauses 50 ms per MiB finds every
+    part ready after the start and keeps its first window: growing it would only hold
+    more memory (CPU-bound shard readers that doubled anyway held nearly all their
+    shards in fresh buffers)."""
+    data = blob(64 * MiB, 7)
+    backend = MemoryBackend({"w/shard-000000.tar": data}, delay_s=0.02)
+
+    async def body(fs):
+        node = await resolve(fs, "w/shard-000000.tar")
+        fh = await fs.open(node.ino, 0)
+        windows, ahead_bytes, off = set(), 0, 0
+        while off < len(data):
+            chunk = await fs.read(fh, off, 1 * MiB)
+            assert chunk == data[off : off + len(chunk)]
+            off += len(chunk)
+            stream = fs._handles[fh].reader.stream
+            windows.add(stream.window_bytes)
+            ahead_bytes = max(ahead_bytes, stream.fetch_end - off)
+            await trio.sleep(pause_s)
+        fs.release(fh)
+        return max(windows), ahead_bytes
+
+    window_bytes, ahead_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                                       part_size_bytes=4 * MiB, shard_readahead_initial_bytes=8 * MiB,
+                                       readahead_max_bytes=32 * MiB)
+    assert window_bytes == window_expected
+    assert ahead_bytes < window_expected + 4 * MiB  # (a top-up's last part may pass the window)
 
 
 def test_random_reads_fetch_little_and_never_trigger_big_readahead():
@@ -628,7 +660,7 @@ def test_reopen_after_the_kernel_got_the_whole_file_costs_no_get():
 
 def test_reordered_reads_behind_the_stream_do_not_reset_it():
     data = blob(48 * MiB, 10)
-    backend = MemoryBackend({"big.bin": data})
+    backend = MemoryBackend({"big.bin": data}, delay_s=0.02)  # the reader outpaces it: the window grows
 
     async def body(fs):
         node = await resolve(fs, "big.bin")
@@ -636,13 +668,13 @@ def test_reordered_reads_behind_the_stream_do_not_reset_it():
         for off in range(0, 24 * MiB, MiB):
             assert await fs.read(fh, off, MiB) == data[off : off + MiB]
         # A READ the kernel sent earlier arrives late, behind what the stream kept.
-        late = 4 * MiB
+        late = 12 * MiB  # (within REORDER_TOLERANCE_BYTES of what the stream holds)
         assert await fs.read(fh, late, MiB) == data[late : late + MiB]
         for off in range(24 * MiB, 48 * MiB, MiB):
             assert await fs.read(fh, off, MiB) == data[off : off + MiB]
-        return fs.stats["prefetch.streams"], fs.stats["prefetch.seeks"]
+        return fs.stats["prefetch.streams"], fs.stats["prefetch.seeks"], fs.stats["prefetch.reordered_reads"]
 
-    assert run_fs(backend, body, small_file_bytes=1 * MiB) == (1, 0)
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), small_file_bytes=1 * MiB) == (1, 0, 1)
     assert backend.bytes_fetched <= len(data) + 2 * MiB  # nothing fetched twice but the late read
 
 
