@@ -103,7 +103,8 @@ class Config:
     # memory budget still bounds the total.
     readahead_max_bytes: int = 128 * MiB
     # A shard is read to its end: start wide, so one reader has eight 8 MiB GETs in
-    # flight at once (one connection gives ~100 MB/s); it doubles to the max from there.
+    # flight at once (one connection gives ~100 MB/s); streams starting beside others share
+    # it, and each doubles towards the max while its reader waits for parts.
     shard_readahead_initial_bytes: int = 64 * MiB
     shard_globs: tuple = DEFAULT_SHARD_GLOBS
     # Local disk cache: off unless a directory is given.

@@ -443,8 +443,7 @@ class HandleReader:
             stream.close()
             stream = self.stream = None
         if stream is None and self._starts_stream(off):
-            initial_bytes = self.config.shard_readahead_initial_bytes if self.is_shard else self.config.readahead_initial_bytes
-            window = min(initial_bytes, self.config.readahead_max_bytes)
+            window = min(self._initial_window_bytes(), self.config.readahead_max_bytes)
             stream = self.stream = SequentialStream(
                 self.pf, self.key, self.version, self.size_bytes, off, window,
                 self.config.readahead_max_bytes,
@@ -464,6 +463,18 @@ class HandleReader:
         if self.on_progress is not None:
             self.on_progress(stream.read_end, stream.window_bytes)
         return data
+
+    def _initial_window_bytes(self) -> int:
+        """A shard's stream starts wide, so that one reader has many GETs in flight at
+        once; streams running beside it share that width (each at least one part),
+        and each grows from there only if its reader waits. Every byte of a window
+        starts in a fresh buffer (the pool has not seen so many yet): four shard
+        readers starting at the full width held 256 MiB before their first part
+        came back."""
+        if not self.is_shard:
+            return self.config.readahead_initial_bytes
+        sharing = len(self.pf.streams) + 1
+        return max(self.config.shard_readahead_initial_bytes // sharing, self.pf.part_size_bytes)
 
     def _starts_stream(self, off: int) -> bool:
         if self.is_shard and off == 0:

@@ -103,6 +103,33 @@ def test_the_window_grows_only_while_the_reader_waits_for_parts(pause_s, window_
     assert ahead_bytes < window_expected + 4 * MiB  # (a top-up's last part may pass the window)
 
 
+def test_shard_streams_running_together_share_the_initial_width():
+    """One shard reader starts with the whole initial window (many GETs at once);
+    each reader that joins it starts with a share, never less than one part, so nine
+    readers do not start with nine times the memory in fresh buffers. Closed
+    readers no longer count."""
+    shards, backend = shard_set(10, 8 * MiB)
+
+    async def body(fs):
+        nodes = await shard_nodes(fs, shards)
+
+        async def start(node):
+            fh = await fs.open(node.ino, 0)
+            await fs.read(fh, 0, 1 * MiB)
+            return fh, fs._handles[fh].reader.stream.window_bytes
+
+        started = [await start(node) for node in nodes[:9]]
+        for fh, _ in started[:4]:
+            fs.release(fh)
+        return [window for _, window in started], (await start(nodes[9]))[1]
+
+    windows, after_four_closed = run_fs(backend, body, small_file_bytes=1 * MiB, part_size_bytes=4 * MiB,
+                                        shard_readahead_initial_bytes=32 * MiB,
+                                        readahead_max_bytes=64 * MiB)
+    assert windows == [32 * MiB // n for n in range(1, 9)] + [4 * MiB]
+    assert after_four_closed == 32 * MiB // 6
+
+
 def test_random_reads_fetch_little_and_never_trigger_big_readahead():
     data = blob(64 * MiB, 2)
     backend = MemoryBackend({"shard-000.tar": data})
