@@ -28,6 +28,11 @@ from bucketfs import errors
 
 log = logging.getLogger(__name__)
 
+# A pinned object's runs are not evicted while its reader is this recent (its open or
+# its last READ): a reader that went quiet with the file open does not hold memory
+# others wait for for longer than this.
+PIN_FRESH_S = 2.0
+
 
 class Flight:
     __slots__ = ("done", "error", "blocks")
@@ -63,14 +68,49 @@ class BlockCache:
         self._blocks: collections.OrderedDict = collections.OrderedDict()  # (key, version, idx) -> Block
         self._flights: dict = {}  # (key, version, idx) -> Flight
         self.cached_bytes = 0
+        self._pins: dict = {}  # (key, version) -> [open handles reading it, trio time of their last open or READ]
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.evict)
 
+    # -- pins: a small file being read stays until its reader has read it ----------
+    # Without them, readers whose files together outgrow the budget evicted each
+    # other's files between two READs, and each READ fetched its file again (32
+    # readers of 6 MiB files on 64 MiB: 1,114 GETs of 6 MiB for 3.2 GB read).
+    def pin(self, key: str, version: str) -> None:
+        pin = self._pins.setdefault((key, version), [0, 0.0])
+        pin[0] += 1
+        pin[1] = trio.current_time()
+
+    def touch(self, key: str, version: str) -> None:
+        pin = self._pins.get((key, version))
+        if pin is not None:
+            pin[1] = trio.current_time()
+
+    def unpin(self, key: str, version: str) -> None:
+        pin = self._pins.get((key, version))
+        if pin is None:
+            return
+        pin[0] -= 1
+        if pin[0] <= 0:
+            del self._pins[(key, version)]
+            self.budget.reclaimable_grew()
+
+    def _is_pinned(self, key: str, version: str, now_s: float) -> bool:
+        pin = self._pins.get((key, version))
+        return pin is not None and now_s - pin[1] < PIN_FRESH_S
+
     def evict(self, wanted_bytes: int) -> int:
-        """Least recently used runs first, each whole; the bytes freed."""
+        """Least recently used runs first, each whole, passing over pinned ones; the bytes freed."""
         freed_bytes = 0
         bs = self.block_size_bytes
-        while freed_bytes < wanted_bytes and self._blocks:
-            (key, version, i), block = self._blocks.popitem(last=False)
+        now_s = trio.current_time()
+        passed = 0  # pinned blocks moved to the back: each is looked at once per call
+        while freed_bytes < wanted_bytes and len(self._blocks) > passed:
+            (key, version, i), block = next(iter(self._blocks.items()))
+            if self._pins and self._is_pinned(key, version, now_s):
+                self._blocks.move_to_end((key, version, i))
+                passed += 1
+                continue
+            del self._blocks[(key, version, i)]
             freed_bytes += len(block)
             self.stats["cache.evictions"] += 1
             first = i - block.lo // bs

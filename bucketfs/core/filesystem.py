@@ -71,13 +71,15 @@ KERNEL_RETRY_WINDOW_S = 1.0
 
 
 class FileHandle:
-    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed")
+    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed", "pinned", "read_bytes")
 
     def __init__(self, node: Node, key: str, reader):
         self.node, self.key = node, key
         self.version, self.size_bytes = node.version, node.size_bytes
         self.reader = reader
         self.failed: Optional[tuple] = None  # (start, end, trio time) of the last READ out of retries
+        self.pinned = False  # a small file: its blocks stay cached until it is read (BlockCache.pin)
+        self.read_bytes = 0
 
 
 # A directory's own entries, listed ahead of its children; no child has these names.
@@ -191,7 +193,10 @@ class Filesystem:
                 self._warmers.pop(key, None)  # its head, if warmed, is this handle's now
             reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
             self.stats["open.large"] += 1
-        self._handles[fh] = FileHandle(node, key, reader)
+        handle = self._handles[fh] = FileHandle(node, key, reader)
+        if reader is None and node.size_bytes:
+            self.cache.pin(key, node.version)
+            handle.pinned = True
         self._open_keys[key] = self._open_keys.get(key, 0) + 1
         return fh
 
@@ -211,6 +216,8 @@ class Filesystem:
         started_s, started_trio_s = time.monotonic(), trio.current_time()
         try:
             if handle.reader is None:
+                if handle.pinned:
+                    self.cache.touch(handle.key, handle.version)
                 if not self.cache.holds(handle.key, handle.version, off):
                     # A miss (evicted, or the kernel dropped its pages): the whole object in one GET.
                     self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
@@ -226,12 +233,18 @@ class Filesystem:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
         if end == handle.size_bytes:
             handle.node.served = True
+        handle.read_bytes += end - off
+        if handle.pinned and handle.read_bytes >= handle.size_bytes:
+            handle.pinned = False  # (the page cache has it now)
+            self.cache.unpin(handle.key, handle.version)
         return data
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
+        if handle.pinned:
+            self.cache.unpin(handle.key, handle.version)
         if handle.reader is not None:
             handle.reader.close()
             for key in [key for key, owner in self._warmers.items() if owner == fh]:

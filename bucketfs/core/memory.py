@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # Longer than any healthy GET (the read timeout is 30 s by default); a reader is
 # never made to wait on memory past this.
 DEMAND_WAIT_MAX_S = 60.0
+# Held memory can become reclaimable with no event to say so (a small file's pin
+# lapses when its reader goes quiet: blockcache.PIN_FRESH_S): a waiting demand
+# reclaims again this often.
+RECLAIM_RETRY_S = 1.0
 # Listings and the disk cache's index may take up to this share of the budget; the
 # rest always stays for buffers.
 LISTINGS_SHARE_MAX = 0.75
@@ -170,9 +174,9 @@ class MemoryBudget:
                     log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
                                 "reads wait for buffers to drain", self.capacity_bytes >> 20,
                                 (self.listings_bytes + self.disk_index_bytes) >> 20)
-                with trio.move_on_at(deadline_s) as scope:
+                with trio.move_on_at(min(deadline_s, trio.current_time() + RECLAIM_RETRY_S)):
                     await self._freed.wait()  # state re-check after: others may have taken the freed bytes
-                if scope.cancelled_caught:
+                if trio.current_time() >= deadline_s:
                     self.stats["memory.overcommits"] += 1
                     log.warning("a read waited %.0f s for memory; taking %d bytes over the budget",
                                 DEMAND_WAIT_MAX_S, n_bytes)

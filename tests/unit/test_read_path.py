@@ -10,7 +10,7 @@ import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core import prefetch
+from bucketfs.core import blockcache, memory, prefetch
 from bucketfs.core.namespace import LISTED_ENTRY_BYTES
 from tests.unit.helpers import read_all, resolve, run_fs
 
@@ -393,6 +393,66 @@ def test_a_read_that_meets_a_part_failed_earlier_is_not_remembered_as_failed():
 
     assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
                   read_timeout_s=READ_TIMEOUT_S) == files["small.jpg"][:4096]
+
+
+def test_small_files_read_together_past_the_budget_are_each_fetched_once():
+    """Twelve readers of 3 MiB files (36 MiB) on a 16 MiB budget, each reading its file
+    in 1 MiB READs: a file being read is not evicted between its READs by the others'
+    fetches (each READ used to fetch its whole file again). The others wait for memory
+    instead, and no read waits past the budget's deadline."""
+    files = {f"img/{i:02d}.jpg": blob(3 * MiB, i) for i in range(12)}
+    backend = MemoryBackend(files, delay_s=0.02)
+
+    async def body(fs):
+        async def reader(key):
+            fh = await fs.open((await resolve(fs, key)).ino, 0)
+            got = bytearray()
+            while len(got) < len(files[key]):
+                got += await fs.read(fh, len(got), 1 * MiB)
+                await trio.sleep(0.01)  # the loader's own work between READs
+            fs.release(fh)
+            assert got == files[key]
+
+        async with trio.open_nursery() as nursery:
+            for key in files:
+                nursery.start_soon(reader, key)
+        return fs.stats["memory.overcommits"], fs.budget.peak_bytes
+
+    overcommits, peak_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                                     max_memory_bytes=16 * MiB, list_ahead_count=0)
+    assert backend.requests["get"] == len(files)
+    assert overcommits == 0 and peak_bytes <= 16 * MiB
+
+
+def test_a_small_file_opened_and_left_unread_does_not_hold_memory_for_long():
+    """A pin lapses once its reader is quiet for PIN_FRESH_S: a file opened and never
+    read, filling the budget, delays another reader by about that, no more."""
+    files = {"a.jpg": blob(6 * MiB, 1), "b.jpg": blob(6 * MiB, 2)}
+    backend = MemoryBackend(files, delay_s=0.02)
+
+    async def body(fs):
+        idle = await fs.open((await resolve(fs, "a.jpg")).ino, 0)  # fetched at open, never read
+        await trio.sleep(0.1)
+        started_s = trio.current_time()
+        fh = await fs.open((await resolve(fs, "b.jpg")).ino, 0)
+        data = await read_through_bytes(fs, fh, 6 * MiB)
+        waited_s = trio.current_time() - started_s
+        fs.release(fh)
+        fs.release(idle)
+        return data, waited_s, fs.stats["memory.overcommits"]
+
+    data, waited_s, overcommits = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                                         max_memory_bytes=8 * MiB, list_ahead_count=0)
+    assert data == files["b.jpg"]
+    assert overcommits == 0
+    assert waited_s <= blockcache.PIN_FRESH_S + memory.RECLAIM_RETRY_S + 0.5
+
+
+async def read_through_bytes(fs, fh, size_bytes):
+    out = bytearray()
+    while len(out) < size_bytes:
+        out += await fs.read(fh, len(out), 1 * MiB)
+    return bytes(out)
 
 
 def test_memory_budget_holds_with_many_concurrent_readers():
