@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
+from typing import Optional
 
 import trio
 
@@ -69,6 +71,11 @@ class BlockCache:
         self._flights: dict = {}  # (key, version, idx) -> Flight
         self.cached_bytes = 0
         self._pins: dict = {}  # (key, version) -> [open handles reading it, trio time of their last open or READ]
+        # Under a budget the pinned files fill, every waiting READ's reclaim would walk
+        # all their blocks to find nothing: the last such walk is remembered, until a
+        # run lands, a pin goes or the first of them lapses.
+        self._changes = 0
+        self._fruitless: Optional[tuple] = None  # (_changes, trio time the first passed pin lapses)
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.evict)
 
     # -- pins: a small file being read stays until its reader has read it ----------
@@ -92,23 +99,27 @@ class BlockCache:
         pin[0] -= 1
         if pin[0] <= 0:
             del self._pins[(key, version)]
+            self._changes += 1
             self.budget.reclaimable_grew()
-
-    def _is_pinned(self, key: str, version: str, now_s: float) -> bool:
-        pin = self._pins.get((key, version))
-        return pin is not None and now_s - pin[1] < PIN_FRESH_S
 
     def evict(self, wanted_bytes: int) -> int:
         """Least recently used runs first, each whole, passing over pinned ones; the bytes freed."""
         freed_bytes = 0
         bs = self.block_size_bytes
         now_s = trio.current_time()
+        fruitless = self._fruitless
+        if fruitless is not None and fruitless[0] == self._changes and now_s < fruitless[1]:
+            return 0
         passed = 0  # pinned blocks moved to the back: each is looked at once per call
+        first_lapse_s = math.inf
         while freed_bytes < wanted_bytes and len(self._blocks) > passed:
             (key, version, i), block = next(iter(self._blocks.items()))
-            if self._pins and self._is_pinned(key, version, now_s):
+            pin = self._pins.get((key, version)) if self._pins else None
+            if pin is not None and now_s - pin[1] < PIN_FRESH_S:
                 self._blocks.move_to_end((key, version, i))
+                self.stats["cache.pinned_passed"] += 1
                 passed += 1
+                first_lapse_s = min(first_lapse_s, pin[1] + PIN_FRESH_S)
                 continue
             del self._blocks[(key, version, i)]
             freed_bytes += len(block)
@@ -120,6 +131,7 @@ class BlockCache:
                     del self._blocks[(key, version, j)]
                     freed_bytes += len(sibling)
                     self.stats["cache.evictions"] += 1
+        self._fruitless = (self._changes, first_lapse_s) if passed and not freed_bytes else None
         self.cached_bytes -= freed_bytes
         self.budget.release(freed_bytes)
         return freed_bytes
@@ -221,6 +233,7 @@ class BlockCache:
                 flight.blocks[i] = block
                 self._blocks[(key, version, i)] = block
             self.cached_bytes += len(data)
+            self._changes += 1
             reserved_bytes = 0  # ownership moved to the cache; eviction releases it
             self.budget.reclaimable_grew()
             self.stats["cache.fetched_bytes"] += len(data)
