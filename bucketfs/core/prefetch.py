@@ -8,8 +8,9 @@ How a handle's reads are served (`HandleReader`):
   parallel ranged GETs ("parts" of at most `part_size_bytes`), so one reader uses
   several connections. The window starts small (wide for shards) and doubles, up to
   a cap, each time the reader consumes a part after having had to wait for one
-  issued ahead of it: it grows while the reader keeps up with the fetches. A read outside the stream's window
-  is a real seek: the stream is dropped and detection starts again.
+  issued ahead of it: it grows while the reader keeps up with the fetches. A read
+  outside the stream's window is a real seek: the stream is dropped and detection
+  starts again.
 - Parts are not cached: once the reader is past them they are freed (the kernel
   page cache keeps the data for re-reads).
 
@@ -312,7 +313,8 @@ class SequentialStream:
     async def read(self, off: int, end: int):
         if end > self.fetch_end:
             # The reader caught up: fetch what it needs now, as demand, in a small part.
-            self.starved = self.ramp_end is not None
+            if self.ramp_end is not None:
+                self.starved = True  # (past its start: the window ran short)
             self._issue(self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end)
         self.read_end = max(self.read_end, end)
         self._top_up()
