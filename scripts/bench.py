@@ -686,14 +686,6 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def daemon_stats(mountpoint: str) -> Optional[dict]:
-    """The mount's counters (what `bucketfs stats --json` prints); None if unreadable."""
-    try:
-        return json.loads(os.getxattr(mountpoint, "user.bucketfs.stats"))
-    except (OSError, ValueError):
-        return None
-
-
 class CpuCensus:
     """CPU seconds of every process on the machine, split into this benchmark's (this
     process and its descendants: daemon, proxy, server, webdataset workers) and the
@@ -1179,7 +1171,9 @@ class Bench:
         proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
-            run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
+            from tests.mounting import daemon_stats
+            with contextlib.suppress(OSError, ValueError):
+                run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
         elif system == "bucketfs":
             verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
         elif system == RCLONE_MOUNT and self.rclone_mount.proc is not None and self.rclone_mount.proc.poll() is None:

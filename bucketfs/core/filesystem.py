@@ -79,7 +79,7 @@ class FileHandle:
         self.reader = reader
         self.failed: Optional[tuple] = None  # (start, end, trio time) of the last READ out of retries
         self.pinned = False  # a small file: its blocks stay cached until it is read (BlockCache.pin)
-        self.read_bytes = 0
+        self.read_bytes = 0  # while pinned: read through once this reaches the size
 
 
 # A directory's own entries, listed ahead of its children; no child has these names.
@@ -233,10 +233,11 @@ class Filesystem:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
         if end == handle.size_bytes:
             handle.node.served = True
-        handle.read_bytes += end - off
-        if handle.pinned and handle.read_bytes >= handle.size_bytes:
-            handle.pinned = False  # (the page cache has it now)
-            self.cache.unpin(handle.key, handle.version)
+        if handle.pinned:
+            handle.read_bytes += end - off
+            if handle.read_bytes >= handle.size_bytes:
+                handle.pinned = False  # (the page cache has it now)
+                self.cache.unpin(handle.key, handle.version)
         return data
 
     def release(self, fh: int) -> None:

@@ -432,7 +432,7 @@ def test_a_small_file_opened_and_left_unread_does_not_hold_memory_for_long():
 
     async def body(fs):
         idle = await fs.open((await resolve(fs, "a.jpg")).ino, 0)  # fetched at open, never read
-        await trio.sleep(0.1)
+        await cached(fs, 6 * MiB)
         started_s = trio.current_time()
         fh = await fs.open((await resolve(fs, "b.jpg")).ino, 0)
         data = await read_through_bytes(fs, fh, 6 * MiB)
@@ -459,7 +459,7 @@ def test_reclaims_that_find_only_pinned_files_do_not_walk_them_again_and_again()
 
     async def body(fs):
         handles = [await fs.open((await resolve(fs, name)).ino, 0) for name in sorted(files)]
-        await trio.sleep(0.1)  # both fetched and cached
+        await cached(fs, 2 * 3 * MiB)  # both fetched
         freed = [fs.cache.evict(1 * MiB) for _ in range(100)]
         walked_once = fs.stats["cache.pinned_passed"]
         fs.release(handles[0])  # a pin goes: the next reclaim walks again and frees a.jpg
@@ -474,6 +474,12 @@ def test_reclaims_that_find_only_pinned_files_do_not_walk_them_again_and_again()
     assert freed == [0] * 100
     assert walked_once == blocks_pinned
     assert freed_after_release == 3 * MiB and freed_after_lapse == 3 * MiB
+
+
+async def cached(fs, n_bytes):
+    """Until the block cache holds `n_bytes` (a condition polled in trio's mock time)."""
+    while fs.cache.cached_bytes < n_bytes:
+        await trio.sleep(0.001)
 
 
 async def read_through_bytes(fs, fh, size_bytes):
