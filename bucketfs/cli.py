@@ -364,18 +364,23 @@ def _stats_root(path: str) -> str:
 def print_stats(mountpoint: str, as_json: bool) -> int:
     import json
 
-    from bucketfs.metrics import STATS_XATTR, format_stats
+    from bucketfs.metrics import STATS_FILE_NAME, format_stats
 
     mountpoint = os.path.realpath(mountpoint)
     root = _stats_root(mountpoint)
+    entry = mountpoints.mount_entry(root)
+    if entry is None or entry[0] != mountpoints.FUSE_TYPE:
+        raise errors.UserError(f"{mountpoint} is not a bucketfs mount or a path inside one", errors.EXIT_BAD_MOUNTPOINT)
     try:
-        raw = os.getxattr(root, STATS_XATTR)
+        with open(os.path.join(root, STATS_FILE_NAME), "rb") as f:
+            raw = f.read()
     except OSError as exc:
-        if exc.errno in (errno.ENODATA, errno.ENOTSUP):  # some other file system's answer
-            raise errors.UserError(f"{mountpoint} is not a bucketfs mount or a path inside one",
-                                   errors.EXIT_BAD_MOUNTPOINT) from None
         raise errors.UserError(f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT) from None
-    snapshot = json.loads(raw)
+    try:
+        snapshot = json.loads(raw)
+    except ValueError:
+        raise errors.UserError(f"{root}/{STATS_FILE_NAME} is an object of the bucket, which hides the counters: "
+                               "read them with --metrics-port", errors.EXIT_BAD_MOUNTPOINT) from None
     try:
         print(json.dumps(snapshot, indent=2, sort_keys=True) if as_json else format_stats(snapshot), flush=True)
     except BrokenPipeError:

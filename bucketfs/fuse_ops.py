@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import stat as stat_mod
+import time
 
 import pyfuse3
 import trio
 
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
-from bucketfs.metrics import STATS_XATTR, encode_stats
+from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ ATTRS_CACHE_MAX_COUNT = 200_000
 # Vanished names waiting to be invalidated in the kernel (~100 B each). Past this,
 # one is skipped: the kernel still lets go of it at revalidation or memory pressure.
 INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
+# The stats file (metrics.STATS_FILE_NAME): an inode and handles above any the core
+# hands out (it numbers both densely from 1).
+STATS_INODE = 1 << 62
+STATS_FH_FIRST = 1 << 62
 
 
 def errno_for(exc: BaseException) -> int:
@@ -51,8 +57,7 @@ def fuse_errors(fn):
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:
-            if exc.errno != pyfuse3.ENOATTR:  # (no such attribute: tools ask for ACLs and labels on every file)
-                self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
+            self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
             raise
         except errors.BucketfsError as exc:
             code = errno_for(exc)
@@ -109,6 +114,9 @@ class FuseOperations(pyfuse3.Operations):
         self._ns = fs.ns
         self._count_lookups = fs.ns.tracks_lookups
         self._vanished_tx, self._vanished_rx = trio.open_memory_channel(INVALIDATIONS_QUEUED_MAX_COUNT)
+        self._stats_name = os.fsencode(STATS_FILE_NAME)
+        self._stats_fhs = itertools.count(STATS_FH_FIRST)
+        self._stats_reads: dict = {}  # fh -> the counters as they were at open
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: with a TTL, tell the kernel about names that vanished."""
@@ -173,6 +181,8 @@ class FuseOperations(pyfuse3.Operations):
         try:
             node = await self.fs.lookup(parent_inode, os.fsdecode(name))
         except errors.NotFound:
+            if parent_inode == pyfuse3.ROOT_INODE and name == self._stats_name:
+                return self._stats_attrs("lookup")
             # st_ino 0 asks the kernel to cache the negative entry for entry_timeout.
             attrs = pyfuse3.EntryAttributes()
             attrs.st_ino = 0
@@ -184,7 +194,31 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
+        if inode == STATS_INODE:
+            return self._stats_attrs("getattr")
         return self._attrs(await self.fs.getattr(inode))
+
+    def _uncount(self, op: str) -> None:
+        # Reading the counters is not the mount's work: `stats` between two epochs
+        # would otherwise show OPEN, READ and RELEASE in a warm epoch that had none.
+        key = f"fuse.{op}"
+        self.fs.stats[key] -= 1
+        if not self.fs.stats[key]:
+            del self.fs.stats[key]  # (as if never asked: no "open 0")
+
+    def _stats_attrs(self, op: str) -> pyfuse3.EntryAttributes:
+        self._uncount(op)
+        # Size 0, as /proc's files: read until EOF (direct I/O, so the kernel does not
+        # stop at the size). Timeouts 0: an object of that name may appear in a listing.
+        attrs = pyfuse3.EntryAttributes()
+        attrs.st_ino = STATS_INODE
+        attrs.st_mode = stat_mod.S_IFREG | 0o444
+        attrs.st_nlink = 1
+        attrs.st_blksize = BLKSIZE_BYTES
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = time.time_ns()
+        attrs.st_uid, attrs.st_gid = self.uid, self.gid
+        attrs.entry_timeout = attrs.attr_timeout = 0
+        return attrs
 
     @fuse_errors
     async def opendir(self, inode, ctx):
@@ -233,22 +267,24 @@ class FuseOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
 
-    @fuse_errors
     async def getxattr(self, inode, name, ctx):
-        # `bucketfs stats` reads the counters here: an attribute of the root, not a
-        # file, so nothing appears in the tree (ImageFolder would take a hidden
-        # directory for a class). It is not listed, so copies don't carry it.
-        if inode == pyfuse3.ROOT_INODE and name == STATS_XATTR.encode():
-            return encode_stats(self.fs.snapshot())
-        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        # ENOSYS: the kernel answers every later call itself ("not supported"), where
+        # each `ls -l` entry cost two round trips (ACLs, security label). Counted to show it.
+        self.fs.stats["fuse.getxattr"] += 1
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
-    @fuse_errors
     async def listxattr(self, inode, ctx):
-        return []
+        self.fs.stats["fuse.listxattr"] += 1
+        raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # -- data ----------------------------------------------------------------
     @fuse_errors
     async def open(self, inode, flags, ctx):
+        if inode == STATS_INODE:
+            self._uncount("open")
+            fh = next(self._stats_fhs)
+            self._stats_reads[fh] = encode_stats(self.fs.snapshot())  # one snapshot per open: reads agree
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         fh = await self.fs.open(inode, flags)
         # keep_cache: the page cache stays across opens, so a second epoch never
         # reaches the daemon. Safe with a TTL too: an inode is one version of an
@@ -257,6 +293,9 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh, off, size):
+        if fh >= STATS_FH_FIRST:
+            self._uncount("read")
+            return self._stats_reads[fh][off:off + size]
         return await self.fs.read(fh, off, size)
 
     async def flush(self, fh):
@@ -266,6 +305,10 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def release(self, fh):
+        if fh >= STATS_FH_FIRST:
+            self._uncount("release")
+            self._stats_reads.pop(fh, None)
+            return
         self.fs.release(fh)
 
     async def forget(self, inode_list):
@@ -274,7 +317,8 @@ class FuseOperations(pyfuse3.Operations):
             return  # immutable: nodes live as long as the mount
         try:
             for ino, count in inode_list:
-                self._ns.forget(ino, count)
+                if ino != STATS_INODE:
+                    self._ns.forget(ino, count)
         except Exception:  # noqa: BLE001 - the daemon must never die on one request
             log.exception("forget failed")
 

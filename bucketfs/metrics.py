@@ -17,7 +17,12 @@ from prometheus_client.registry import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
-STATS_XATTR = "user.bucketfs.stats"
+# `bucketfs stats` reads the counters from this file at the mount's root. It is not
+# listed, so no loader, find or rsync sees it (ImageFolder would take a listed
+# directory for a class), and an object of that name in the bucket wins. A file, not
+# an extended attribute: a file system without getxattr tells the kernel so once, and
+# `ls -l` of 20,000 files made 40,000 getxattr round trips (3.4 s) when it had one.
+STATS_FILE_NAME = ".bucketfs-stats"
 
 # (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
 _SIMPLE = [
@@ -110,15 +115,8 @@ def start_metrics_server(address: str, port: int, snapshot_on_trio_thread) -> No
     log.info("metrics on http://%s:%d/metrics", f"[{address}]" if ":" in address else address, port)
 
 
-# The stats xattr's length, in steps: a caller asks for its size, then for its value,
-# and counters that grew a digit in between would make the read ERANGE. Padded with
-# spaces (JSON ignores them), the length only changes when it crosses a step.
-STATS_LENGTH_STEP_BYTES = 1024
-
-
 def encode_stats(snapshot: dict) -> bytes:
-    text = json.dumps(snapshot, sort_keys=True)
-    return text.ljust(-(-(len(text) + 1) // STATS_LENGTH_STEP_BYTES) * STATS_LENGTH_STEP_BYTES).encode()
+    return (json.dumps(snapshot, sort_keys=True) + "\n").encode()
 
 
 def format_stats(snapshot: dict) -> str:

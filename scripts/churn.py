@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import pathlib
 import random
@@ -39,11 +38,11 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
-from bucketfs.metrics import STATS_XATTR  # noqa: E402
+from tests.mounting import daemon_stats  # noqa: E402
 
 
 def report(label: str, mount, elapsed_s: float | None = None) -> None:
-    stats = json.loads(os.getxattr(mount.mountpoint, STATS_XATTR))
+    stats = daemon_stats(mount.mountpoint)
     took = f" in {elapsed_s:.2f} s" if elapsed_s is not None else ""
     print(f"{label}{took}: live entries {stats['namespace.entries']:,}, dropped {stats.get('namespace.nodes_dropped', 0):,}, "
           f"daemon RSS {proc_status_kib(mount.proc.pid, 'VmRSS') * 1024 / 1e6:.0f} MB", flush=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import pathlib
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
 from bucketfs.cli import parse_size  # noqa: E402
-from bucketfs.metrics import STATS_XATTR  # noqa: E402
+from tests.mounting import daemon_stats  # noqa: E402
 
 OVERHEAD_BYTES = 150 * 10**6  # the README's documented overhead on top of --max-memory
 LARGE_FILE_BYTES = 2 * 1024 * 1024  # whole-object GETs into the block cache
@@ -88,7 +87,7 @@ def main() -> int:
                 if seen != args.objects:
                     print(f"walk saw {seen} objects, not {args.objects}", file=sys.stderr)
                     return 1
-                stats = json.loads(os.getxattr(mount.mountpoint, STATS_XATTR))
+                stats = daemon_stats(mount.mountpoint)
                 grown_bytes = rss_bytes(pid) - before_bytes
                 listings_bytes = stats.get("memory.listings_bytes")
                 print(f"walk+stat of {seen:,} objects: {walk_s:.1f} s; daemon RSS {before_bytes / 1e6:.0f} -> "
@@ -104,7 +103,7 @@ def main() -> int:
                     if not all(pool.map(read, range(large_count))):
                         print("a large file read back wrong", file=sys.stderr)
                         return 1
-                stats = json.loads(os.getxattr(mount.mountpoint, STATS_XATTR))
+                stats = daemon_stats(mount.mountpoint)
                 peak_bytes = rss_bytes(pid, "VmHWM")
                 bound_bytes = budget_bytes + OVERHEAD_BYTES
                 print(f"read {large_count} x {LARGE_FILE_BYTES >> 20} MiB in {time.perf_counter() - started_s:.1f} s: "

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from bucketfs.metrics import STATS_XATTR
+from bucketfs.metrics import STATS_FILE_NAME
 from tests.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -96,7 +96,8 @@ def daemon_stats(path_in_mount: str) -> dict:
     """The daemon's counters (`bucketfs stats --json`), read through the mount's root."""
     while not os.path.ismount(path_in_mount):
         path_in_mount = os.path.dirname(path_in_mount)
-    return json.loads(os.getxattr(path_in_mount, STATS_XATTR))
+    with open(os.path.join(path_in_mount, STATS_FILE_NAME), "rb") as f:
+        return json.loads(f.read())
 
 
 def _is_dead_mount(mountpoint: str) -> bool:

@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from bucketfs import errors
-from tests.mounting import MOUNT_DEADLINE_S, bucketfs_cmd, mount_cmd, run_cli, server_env
+from tests.mounting import MOUNT_DEADLINE_S, bucketfs_cmd, daemon_stats, mount_cmd, run_cli, server_env
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -172,11 +172,16 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
     assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'bucketfs_backend_requests_total{type="get"} 1.0' in body
-    assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats xattr: no error)
-    with pytest.raises(OSError):
-        os.getxattr(m.path("c", "img.jpg"), "security.selinux")  # tools ask on every file: not an error
+    assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats file: no error)
+    stats_path = os.path.join(m.mountpoint, ".bucketfs-stats")
+    assert os.path.isfile(stats_path) and json.load(open(stats_path))["backend.requests.get"] == 1  # (what `stats` reads)
+    for _ in range(2):  # ls -l asks for ACLs and labels on every file: the kernel answers after the first
+        with pytest.raises(OSError) as raised:
+            os.getxattr(m.path("c", "img.jpg"), "security.selinux")
+        assert raised.value.errno == errno.EOPNOTSUPP
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "bucketfs_errors_total{" not in body
+    assert daemon_stats(m.mountpoint).get("fuse.getxattr", 0) <= 1
     inside = run_cli("stats", m.path("c"))
     assert inside.returncode == 0 and "get 1" in inside.stdout, inside.stderr  # a path inside the mount
     fs_stat = os.statvfs(m.mountpoint)  # df lists a file system with blocks: the bytes listed so far

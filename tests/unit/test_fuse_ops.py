@@ -1,6 +1,9 @@
 """The FUSE adapter's own logic, driven without a mount (pyfuse3's reply call stubbed)."""
 
+import errno
 import json
+import os
+import stat
 
 import pyfuse3
 import trio
@@ -112,18 +115,65 @@ def test_dot_and_dotdot_come_first_with_the_directory_and_its_parent_and_take_no
     assert before == (0, 0) and after == (1, 0, 1)
 
 
-def test_the_stats_size_query_and_read_get_the_same_bytes():
-    """getxattr(size 0) then getxattr(that size): counters that grow a digit in between
-    (a busy mount) made the read fail with ERANGE for callers that do not retry."""
+def test_the_stats_file_is_found_at_the_root_only_read_as_one_snapshot_and_never_listed(monkeypatch):
+    """`bucketfs stats` reads the counters from a file no listing shows; reads of one
+    open agree with each other (a busy mount's counters grow a digit in between)."""
+    monkeypatch.setattr(pyfuse3, "readdir_reply", fake_readdir_reply)
+    backend = MemoryBackend({"f": b"x", "d/g": b"y"})
+
+    async def body(fs):
+        from bucketfs.metrics import STATS_FILE_NAME
+        ops = FuseOperations(fs, fs.config)
+        name = STATS_FILE_NAME.encode()
+        entry = await ops.lookup(pyfuse3.ROOT_INODE, name)
+        d = await ops.lookup(pyfuse3.ROOT_INODE, b"d")
+        in_subdir = await ops.lookup(d.st_ino, name)
+        info = await ops.open(entry.st_ino, os.O_RDONLY, None)
+        head = await ops.read(info.fh, 0, 10)
+        fs.stats["fuse.read"] += 10**12  # the mount keeps working between two READs
+        rest = await ops.read(info.fh, 10, 1 << 20)
+        await ops.release(info.fh)
+        dh = await ops.opendir(pyfuse3.ROOT_INODE, None)
+        listing = ReplyBuffer(100)
+        await ops.readdir(dh, 0, listing)
+        await ops.getattr(entry.st_ino, None)
+        return entry, in_subdir.st_ino, info, head + rest, [e[0] for e in listing.entries], ops._stats_reads, dict(fs.stats)
+
+    entry, in_subdir_ino, info, raw, names, left_open, counts = run_fs(backend, body)
+    # Reading the counters is not counted as the mount's work (2 lookups: d, and the name in d).
+    assert counts["fuse.lookup"] == 2 and not {"fuse.open", "fuse.release", "fuse.getattr"} & set(counts)
+    assert stat.S_ISREG(entry.st_mode) and entry.entry_timeout == 0 and in_subdir_ino == 0
+    assert info.direct_io and not info.keep_cache  # each open reads the counters as they are now
+    assert json.loads(raw).get("fuse.read", 0) < 10**12  # one snapshot, taken at open
+    assert names == [".", "..", "d", "f"] and left_open == {}
+
+
+def test_an_object_named_like_the_stats_file_wins():
+    from bucketfs.metrics import STATS_FILE_NAME
+    backend = MemoryBackend({STATS_FILE_NAME: b"the bucket's bytes"})
+
+    async def body(fs):
+        ops = FuseOperations(fs, fs.config)
+        entry = await ops.lookup(pyfuse3.ROOT_INODE, STATS_FILE_NAME.encode())
+        info = await ops.open(entry.st_ino, os.O_RDONLY, None)
+        return await ops.read(info.fh, 0, 100)
+
+    assert run_fs(backend, body) == b"the bucket's bytes"
+
+
+def test_extended_attributes_answer_enosys_so_the_kernel_stops_asking():
     backend = MemoryBackend({"f": b"x"})
 
     async def body(fs):
-        from bucketfs.metrics import STATS_XATTR
         ops = FuseOperations(fs, fs.config)
-        sized = await ops.getxattr(pyfuse3.ROOT_INODE, STATS_XATTR.encode(), None)
-        fs.stats["fuse.read"] += 10**12  # the mount keeps working between the two requests
-        read = await ops.getxattr(pyfuse3.ROOT_INODE, STATS_XATTR.encode(), None)
-        return sized, read
+        answers = []
+        for call in (ops.getxattr(pyfuse3.ROOT_INODE, b"security.selinux", None), ops.listxattr(pyfuse3.ROOT_INODE, None)):
+            try:
+                await call
+            except pyfuse3.FUSEError as exc:
+                answers.append(exc.errno)
+        return answers, fs.stats
 
-    sized, read = run_fs(backend, body)
-    assert len(read) == len(sized) and json.loads(read)["fuse.read"] >= 10**12
+    answers, stats = run_fs(backend, body)
+    assert answers == [errno.ENOSYS, errno.ENOSYS]
+    assert not any(key.startswith("errors.") for key in stats)  # not an error of the mount
