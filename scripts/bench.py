@@ -1445,19 +1445,22 @@ class Bench:
         ds = self.ds
         self.row("W3.flat.cold", f"W3 listdir {len(ds.flat)}, cold", "s", False, "<= direct LISTs, 0 HEAD")
         self.row("W3.flat.cached", f"W3 listdir {len(ds.flat)}, cached", "s", False, "<= 0.1 s")
+        # ls -l: a stat of each entry (from the listing's attributes) and the ACL and
+        # label lookups ls makes on every file (no target: what a user at a shell sees).
+        self.row("W3.flat.ls", f"W3 ls -l {len(ds.flat)}, cached", "s", False)
         self.row("W3.tree.cold", f"W3 walk+stat {len(ds.tree)}, cold", "s", False, "<= direct LISTs, 0 HEAD")
         self.row("W3.tree.cached", f"W3 walk+stat {len(ds.tree)}, cached", "s", False, "<= 0.1 s")
         self.w3_heads = {}
         for what in ("flat", "tree"):
             for system in self.systems:
                 self.cold(system)
-                temps = ("cold",) if system == "direct" else ("cold", "cached")
+                temps = ("cold",) if system == "direct" else ("cold", "cached", *(("ls",) if what == "flat" else ()))
                 for temp in temps:
                     if system == "direct":
                         client = self.backend.direct(4)
                         fn = (lambda v: self._w3_direct(v, client, what))
                     else:
-                        fn = (lambda v: self._w3_fs(v, self.root(system), what))
+                        fn = (lambda v: self._w3_fs(v, self.root(system), what, long_listing=temp == "ls"))
                     run = self.measure(f"W3 {what} {temp}", system, fn)
                     if system == "direct":
                         client.close()
@@ -1465,9 +1468,17 @@ class Bench:
                     if system == "bucketfs" and temp == "cold":
                         self.w3_heads[what] = run.get("requests", {}).get("HEAD", 0)
 
-    def _w3_fs(self, v: Verifier, root: str, what: str) -> dict:
+    def _w3_fs(self, v: Verifier, root: str, what: str, long_listing: bool = False) -> dict:
         expected = self.ds.flat if what == "flat" else self.ds.tree
         t0 = time.perf_counter()
+        if long_listing:
+            out = subprocess.run(["ls", "-l", os.path.join(root, "flat")], stdout=subprocess.PIPE, check=True,
+                                 env=dict(os.environ, LC_ALL="C")).stdout.decode()
+            seconds = time.perf_counter() - t0
+            names = [line.split()[-1] for line in out.splitlines()[1:]]  # (after the "total" line)
+            if sorted("flat/" + n for n in names) != expected:
+                v.fail(f"ls -l listed {len(names)} names, expected {len(expected)}")
+            return {"s": round(seconds, 4), "entries": len(names)}
         if what == "flat":
             names = os.listdir(os.path.join(root, "flat"))
             seconds = time.perf_counter() - t0
