@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from bucketfs import errors
-from tests.mounting import MOUNT_DEADLINE_S, bucketfs_cmd, daemon_stats, mount_cmd, run_cli, server_env
+from tests.mounting import MOUNT_DEADLINE_S, assert_one_line_error, bucketfs_cmd, daemon_stats, mount_cmd, run_cli, server_env
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -156,6 +156,15 @@ def test_the_mount_source_is_the_url_as_written(rclone_server, s3_bucket, empty_
     assert os.listdir(empty_dir) == ["f.txt"]
     assert run_cli("unmount", empty_dir).returncode == 0
     assert m.proc.wait(timeout=30) == 0
+
+
+def test_an_object_named_like_the_stats_file_is_read_and_stats_says_what_hides_the_counters(
+        rclone_server, s3_bucket, mount_factory):
+    rclone_server.write_files(s3_bucket, {".bucketfs-stats": b"the bucket's own bytes", "a.txt": b"a"})
+    m = mount_factory(rclone_server, s3_bucket, "")
+    assert open(m.path(".bucketfs-stats"), "rb").read() == b"the bucket's own bytes"  # never a wrong byte
+    assert sorted(os.listdir(m.mountpoint)) == [".bucketfs-stats", "a.txt"]
+    assert_one_line_error(run_cli("stats", m.mountpoint), errors.EXIT_BAD_MOUNTPOINT, "hides the counters", "--metrics-port")
 
 
 def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_path, mount_factory):
