@@ -182,7 +182,8 @@ class FuseOperations(pyfuse3.Operations):
             node = await self.fs.lookup(parent_inode, os.fsdecode(name))
         except errors.NotFound:
             if parent_inode == pyfuse3.ROOT_INODE and name == self._stats_name:
-                return self._stats_attrs("lookup")
+                self._uncount("lookup")
+                return self._stats_attrs()
             # st_ino 0 asks the kernel to cache the negative entry for entry_timeout.
             attrs = pyfuse3.EntryAttributes()
             attrs.st_ino = 0
@@ -195,7 +196,8 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def getattr(self, inode, ctx=None):
         if inode == STATS_INODE:
-            return self._stats_attrs("getattr")
+            self._uncount("getattr")
+            return self._stats_attrs()
         return self._attrs(await self.fs.getattr(inode))
 
     def _uncount(self, op: str) -> None:
@@ -206,8 +208,7 @@ class FuseOperations(pyfuse3.Operations):
         if not self.fs.stats[key]:
             del self.fs.stats[key]  # (as if never asked: no "open 0")
 
-    def _stats_attrs(self, op: str) -> pyfuse3.EntryAttributes:
-        self._uncount(op)
+    def _stats_attrs(self) -> pyfuse3.EntryAttributes:
         # Size 0, as /proc's files: read until EOF (direct I/O, so the kernel does not
         # stop at the size). Timeouts 0: an object of that name may appear in a listing.
         attrs = pyfuse3.EntryAttributes()

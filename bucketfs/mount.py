@@ -33,7 +33,7 @@ from bucketfs.backends import make_backend
 from bucketfs.core.cachedir import CacheDir, claim_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.fuse_ops import FuseOperations
-from bucketfs.mountpoints import FUSE_TYPE, mount_entry, unmount
+from bucketfs.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_entry, unmount
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ KERNEL_READ_AHEAD_KB = 4096
 # and pyfuse3 never does: 32 loader threads reading small files then wait on 12
 # READs at a time. fusectl lets root raise it per connection after mounting.
 FUSE_MAX_BACKGROUND_MIN = 64
-FUSECTL_DIR = "/sys/fs/fuse/connections"
 DISK_CACHE_SWITCH_INTERVAL_S = 0.0005  # see serve(): lets disk-cache writes keep up
 
 
@@ -96,7 +95,7 @@ def raise_kernel_readahead(dev: int) -> None:
 def raise_fuse_background(dev: int, max_background: int) -> None:
     """Raise the background-request limit of the mount on `dev` through fusectl (root
     only), mounting fusectl first where the host has not (systemd mounts it at boot)."""
-    conn_dir = os.path.join(FUSECTL_DIR, str((os.major(dev) << 20) | os.minor(dev)))  # the kernel's dev_t
+    conn_dir = fusectl_dir(dev)
     if not os.path.isdir(conn_dir) and os.geteuid() == 0 and os.path.isdir(FUSECTL_DIR):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         if libc.mount(b"fusectl", FUSECTL_DIR.encode(), b"fusectl", 0, None) != 0:

