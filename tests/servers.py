@@ -245,6 +245,7 @@ def boto3_client(server: S3Server, **config_overrides):
 
 _S3_OPERATIONS = {"get": "GetObject", "list": "ListObjectsV2", "head": "HeadObject"}
 INVALID_RANGE_BODY = b"<Error><Code>InvalidRange</Code><Message>The requested range is not satisfiable</Message></Error>"
+SLOW_DOWN_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 FAULT_KINDS = ("throttle", "reset", "broken-body", "416")
 
 
@@ -293,13 +294,14 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
             return botocore.awsrequest.AWSResponse(request.url, 206, headers, _FakeRaw(b"", broken=True))
         if kind == "416":
             return botocore.awsrequest.AWSResponse(request.url, 416, {"Content-Type": "application/xml"}, _FakeRaw(INVALID_RANGE_BODY))
-        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-        return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(body))
+        return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(SLOW_DOWN_BODY))
 
     lean = getattr(client, "lean", None)
     if lean is not None:  # an S3Backend: GETs and LISTs go through its lean path, not the client
         if op in ("get", "list"):
             _inject_lean_failures(lean, op, remaining, kind)
+            if op == "get" and client.curl is not None:
+                _inject_curl_failures(client.curl, remaining, kind)
             return
         client = client.client
     client.meta.events.register(f"before-send.s3.{_S3_OPERATIONS[op]}", before_send)
@@ -331,10 +333,44 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
             return _FakeLeanResponse(206, {"Content-Range": "bytes 0-9/10", "ETag": '"0"'}, b"", broken=True)
         if kind == "416":
             return _FakeLeanResponse(416, {"Content-Type": "application/xml"}, INVALID_RANGE_BODY)
-        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-        return _FakeLeanResponse(503, {"Content-Type": "application/xml"}, body)
+        return _FakeLeanResponse(503, {"Content-Type": "application/xml"}, SLOW_DOWN_BODY)
 
     lean._request = request
+
+
+def without_curl(backend):
+    """`backend` (an S3Backend) with every GET on the urllib3 path (worker threads), as
+    without pycurl: the tests of that path."""
+    if backend.curl is not None:
+        backend.curl.close()
+        backend.curl = None
+    return backend
+
+
+def _inject_curl_failures(engine, remaining: list, kind: str) -> None:
+    """The same faults for S3Backend's small GETs (curl_engine): the transfer ends as
+    curl would end it, without reaching the server."""
+    real_get = engine.get
+
+    async def get(transfer):
+        if remaining[0] <= 0:
+            return await real_get(transfer)
+        remaining[0] -= 1
+        if kind == "reset":
+            transfer.finish(56, "Recv failure: Connection reset by peer")
+        elif kind == "broken-body":
+            transfer.on_header(b"HTTP/1.1 206 Partial Content\r\n")
+            for line in (b"Content-Range: bytes 0-9/10\r\n", b'ETag: "0"\r\n'):
+                transfer.on_header(line)
+            transfer.on_body(b"012")
+            transfer.finish(18, "transfer closed with 7 bytes remaining to read")
+        else:
+            status, body = (416, INVALID_RANGE_BODY) if kind == "416" else (503, SLOW_DOWN_BODY)
+            transfer.on_header(f"HTTP/1.1 {status} Error\r\n".encode())
+            transfer.on_body(body)
+        return transfer
+
+    engine.get = get
 
 
 def _answers_http(port: int, tls: bool = False) -> bool:

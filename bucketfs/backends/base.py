@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Awaitable, Callable, Optional, TypeVar
 
 import trio
 
@@ -228,7 +228,7 @@ class RetryPolicy:
 
 
 class BlockingCaller:
-    """Runs blocking SDK calls off the trio thread, bounded, with retries.
+    """Runs blocking SDK calls off the trio thread (or non-blocking ones: run), bounded, with retries.
 
     `classify(exc)` maps an SDK exception to a bucketfs error; TransientError is
     retried with jittered exponential backoff up to `policy.attempts_count` attempts.
@@ -243,13 +243,19 @@ class BlockingCaller:
         self.failures: collections.Counter = collections.Counter()  # error type name -> count
 
     async def call(self, what: str, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
+        # abandon_on_cancel: a cancelled prefetch leaves its thread to finish alone;
+        # the limiter slot is still held until then, which keeps the pool bounded.
+        return await self.run(what, trio.to_thread.run_sync, fn, *args, limiter=self.limiter,
+                              abandon_on_cancel=abandon_on_cancel)
+
+    async def run(self, what: str, attempt_fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
+        """`await attempt_fn(*args, **kwargs)` in a slot, with call()'s retries and
+        classification: for calls that do not block (curl_engine's transfers)."""
         attempt = 0
         while True:
             try:
-                # abandon_on_cancel: a cancelled prefetch leaves its thread to finish alone;
-                # the limiter slot is still held until then, which keeps the pool bounded.
                 async with self.slots:
-                    return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter, abandon_on_cancel=abandon_on_cancel)
+                    return await attempt_fn(*args, **kwargs)
             except errors.BucketfsError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every SDK failure is classified here

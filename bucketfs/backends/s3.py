@@ -39,7 +39,8 @@ from botocore import UNSIGNED
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
-from bucketfs.backends.s3_lean import LeanS3
+from bucketfs.backends.curl_engine import CurlEngine
+from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ _TRANSIENT_EXCEPTIONS = (
 # Failures to reach the endpoint at all: check_bucket reports these as EndpointUnreachable.
 _UNREACHABLE_EXCEPTIONS = (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)
 _USERINFO_RE = re.compile(r"//[^/@\s]+@")
+# GETs up to this size go through curl_engine (small files, random-read blocks): their
+# cost is per request. Read-ahead parts (8 MiB) stay on the urllib3 path, which
+# receives them into their buffers without curl's one copy.
+CURL_MAX_BYTES = 2 * 1024 * 1024
 
 
 def _scrub(text: str) -> str:
@@ -154,6 +159,10 @@ class S3Backend(Backend):
             raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
                                config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
+        # (No engine without pycurl, or when the lean path is off for the bucket: then
+        # every GET runs on a worker thread.)
+        self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
+                               ca_bundle(self._session)) if CurlEngine.available() else None
         self.caller = BlockingCaller(
             config.max_connections_count,
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
@@ -192,14 +201,34 @@ class S3Backend(Backend):
         """The bytes, or with `buffer` the number of bytes written into it; None when the
         range starts past the end (416). Checked here, in the worker, where a short
         answer is retried (check_answer)."""
-        answer = self._get_unchecked_blocking(key, start, end, version, buffer)
+        return self._checked(key, start, end, version, self._get_unchecked_blocking(key, start, end, version, buffer),
+                             buffer is not None, object_bytes)
+
+    def _checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple], into_buffer: bool,
+                 object_bytes: Optional[int]):
+        """_get_blocking's answer from (etag, content_range, body), or None."""
         if answer is None:
             return None
         etag, content_range, body = answer
         if etag != version or not etag:
             raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
-        check_answer(key, start, end, body if buffer is not None else len(body), content_range, object_bytes)
+        check_answer(key, start, end, body if into_buffer else len(body), content_range, object_bytes)
         return body
+
+    async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,
+                        object_bytes: Optional[int]):
+        """_get_blocking's answer, by curl_engine; on a worker thread after all when the
+        lean path cannot serve the bucket. (One attempt: BlockingCaller.run retries it.)"""
+        transfer = self.lean.transfer(key, start, end, version, buffer)
+        answer = self.lean.answer_of(await self.curl.get(transfer)) if transfer is not None else None
+        if answer is None:
+            return await trio.to_thread.run_sync(self._get_blocking, key, start, end, version, buffer, object_bytes,
+                                                 limiter=self.caller.limiter)
+        status, etag, content_range, got_bytes = answer
+        if status == 416:
+            return None
+        return self._checked(key, start, end, version, (normalise_etag(etag), content_range, got_bytes), True,
+                             object_bytes)
 
     def _get_unchecked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
         """(etag, content_range, bytes), or with `buffer` (etag, content_range, bytes
@@ -282,9 +311,12 @@ class S3Backend(Backend):
         # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
         # the memory budget until it returns (a dropped read-ahead part waits for them),
         # and no thread writes into a buffer after its part has let go of it.
+        what = f"GET {key!r} [{start}, {end})"
         try:
-            got_bytes = await self.caller.call(f"GET {key!r} [{start}, {end})", self._get_blocking, key, start, end,
-                                               version, into, object_bytes)
+            if self.curl is not None and self.lean.usable and end - start <= CURL_MAX_BYTES:
+                got_bytes = await self.caller.run(what, self._get_curl, key, start, end, version, into, object_bytes)
+            else:
+                got_bytes = await self.caller.call(what, self._get_blocking, key, start, end, version, into, object_bytes)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
         if got_bytes is None:
@@ -323,5 +355,7 @@ class S3Backend(Backend):
                              len(response.get("CommonPrefixes", ())), prefix)
 
     async def aclose(self) -> None:
+        if self.curl is not None:
+            self.curl.close()
         self.lean.close()
         self.client.close()

@@ -40,6 +40,7 @@ import urllib3
 from botocore.compat import unquote_str
 
 from bucketfs.backends.base import body_deadline_s, copy_into, read_body
+from bucketfs.backends.curl_engine import Transfer
 from bucketfs.backends.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,11 @@ class LeanS3:
         status = response.status
         if status in ok_statuses:
             return status, response.headers, body
+        return self._refused(status, body)
+
+    def _refused(self, status: int, body: bytes) -> None:
+        """An answer not in the expected statuses: None, having switched this path off
+        (a redirect or a region error), or a botocore ClientError raised."""
         text = body.decode("utf-8", "replace")
         code = (_XML_FIELD_RE["Code"].search(text) or [None, str(status)])[1]
         if 300 <= status < 400 or code in ("AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"):
@@ -255,12 +261,37 @@ class LeanS3:
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        answer = self._send(url, {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}, (200, 206, 416), buffer,
-                            (start, end))
+        answer = self._send(url, self._range_headers(start, end, version), (200, 206, 416), buffer, (start, end))
         if answer is None:
             return None
         status, headers, body = answer
         return status, headers.get("ETag", ""), headers.get("Content-Range"), body
+
+    @staticmethod
+    def _range_headers(start: int, end: int, version: str) -> dict:
+        return {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}
+
+    def transfer(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> Optional[Transfer]:
+        """get() as a signed curl_engine.Transfer into `buffer` (len end - start); None
+        if this path cannot serve the bucket. Its answer: answer_of(transfer)."""
+        if not self._resolve():
+            return None
+        url = self.base_url + quote(key, safe="/~")
+        headers = self._headers(url, self._range_headers(start, end, version))
+        # One deadline for the whole attempt (first byte, then the body at the slowest
+        # rate read_body accepts); connecting is bounded on its own as well.
+        timeout_s = body_deadline_s(self.read_timeout_s, end - start) - time.monotonic()
+        return Transfer(url, [f"{name}: {value}" for name, value in headers.items()], buffer, start, timeout_s)
+
+    def answer_of(self, transfer: Transfer) -> Optional[tuple]:
+        """get()'s answer for a finished transfer (`body`: the bytes received into its
+        buffer); None if this path was switched off; raises as get() does."""
+        if transfer.error is not None:
+            raise transfer.error
+        if transfer.status not in (200, 206, 416):
+            return self._refused(transfer.status, bytes(transfer.error_body))
+        headers = transfer.headers
+        return transfer.status, headers.get("etag", ""), headers.get("content-range"), transfer.received_bytes
 
     def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""

@@ -75,13 +75,16 @@ def memory_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return ContractTarget("memory", backend, put, _unique_prefix(), put_many=put_many)
 
 
-def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool) -> ContractTarget:
+def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool,
+               curl: bool = True) -> ContractTarget:
+    """`curl`: small GETs on curl_engine (else all of them on urllib3 worker threads)."""
     from bucketfs.backends.s3 import S3Backend
-    from tests.servers import closed_port_url, inject_s3_failures
+    from tests.servers import closed_port_url, inject_s3_failures, without_curl
 
     def make(bucket_name: str = bucket, secret_key: Optional[str] = None, **overrides) -> Backend:
         config = server.config(bucket_name, **overrides)
-        return _closing(stack, S3Backend(config, session=server.session(secret_key=secret_key)))
+        backend = S3Backend(config, session=server.session(secret_key=secret_key))
+        return _closing(stack, backend if curl else without_curl(backend))
 
     backend = make()
     wrong_secret = "wrong-secret-key-0123456789abcdefghijklmn"
@@ -97,11 +100,11 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
     )
 
 
-def rclone_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+def rclone_target(request, stack: contextlib.ExitStack, curl: bool = True) -> ContractTarget:
     server = request.getfixturevalue("rclone_server")
     bucket = request.getfixturevalue("s3_bucket")
-    return _s3_target("s3-rclone", server, bucket, stack, lambda objects: server.write_files(bucket, objects),
-                      authenticates=True)
+    return _s3_target("s3-rclone" if curl else "s3-rclone-threads", server, bucket, stack,
+                      lambda objects: server.write_files(bucket, objects), authenticates=True, curl=curl)
 
 
 def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
@@ -168,6 +171,7 @@ def gcs_emulator_target(request, stack: contextlib.ExitStack) -> ContractTarget:
 FACTORIES = {
     "memory": memory_target,
     "s3-rclone": rclone_target,
+    "s3-rclone-threads": lambda request, stack: rclone_target(request, stack, curl=False),
     "s3-moto": moto_target,
     "gcs": gcs_target,
     "gcs-emulator": gcs_emulator_target,

@@ -17,9 +17,15 @@ import urllib3.exceptions
 
 from bucketfs import errors
 from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
-from tests.servers import inject_s3_failures
+from tests.servers import inject_s3_failures, without_curl
 
 pytestmark = pytest.mark.timeout(30)
+GET_PATHS = ["curl", "urllib3"]  # a small GET's two lean paths: curl_engine, or urllib3 on a worker thread
+
+
+def _backend(server, bucket: str, path: str, **config) -> S3Backend:
+    backend = S3Backend(server.config(bucket, **config), session=server.session())
+    return backend if path == "curl" else without_curl(backend)
 
 
 def _client_error(code: str, status: int, operation: str = "GetObject") -> botocore.exceptions.ClientError:
@@ -107,13 +113,15 @@ def test_rclone_ignores_if_match_so_the_etag_check_catches_it(rclone_server, s3_
 
 
 @pytest.mark.timeout(30)
-def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket, path):
     """rclone, for an object being rewritten, lists it without an ETag or answers a GET
     without one, and ignores If-Match: served as is, a new version's bytes came back
     cut at the old size. Neither is served: both are ObjectChanged (ESTALE)."""
     rclone_server.put(s3_bucket, "k", b"0123456789")
-    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
-    real_get = backend.lean.get
+    backend = _backend(rclone_server, s3_bucket, path)
+    name = "answer_of" if path == "curl" else "get"  # (the curl path's answer, or urllib3's)
+    real_get = getattr(backend.lean, name)
 
     def get_without_etag(*args, **kwargs):
         status, _etag, content_range, body = real_get(*args, **kwargs)
@@ -123,10 +131,10 @@ def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket):
         version = (await backend.stat("k")).version
         with pytest.raises(errors.ObjectChanged):
             await backend.read_range("k", 0, 10, "")  # the listing gave nothing to pin to
-        backend.lean.get = get_without_etag
+        setattr(backend.lean, name, get_without_etag)
         with pytest.raises(errors.ObjectChanged):
             await backend.read_range("k", 0, 10, version)  # the answer names no version
-        backend.lean.get = real_get
+        setattr(backend.lean, name, real_get)
         assert await backend.read_range("k", 0, 10, version) == b"0123456789"
         # The size is a second witness: an answer for an object of another size than
         # the pinned version's (Content-Range: bytes 0-4/10) is not served.
@@ -193,12 +201,13 @@ def test_no_credentials_is_access_denied(rclone_server, s3_bucket):
 
 
 @pytest.mark.timeout(30)
-def test_no_sign_request_sends_anonymous_requests(moto_server):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_no_sign_request_sends_anonymous_requests(moto_server, path):
     # (rclone answers an unsigned request 400 UnsupportedAlgorithm, not 403: moto
     # serves anonymous requests, so it shows the requests really go unsigned.)
     bucket = moto_server.new_bucket()
     moto_server.client.put_object(Bucket=bucket, Key="k", Body=b"public", ACL="public-read")
-    backend = S3Backend(moto_server.config(bucket, no_sign_request=True), session=moto_server.session())
+    backend = _backend(moto_server, bucket, path, no_sign_request=True)
     sent_headers = []
     backend.client.meta.events.register("before-send.s3", lambda request, **_: sent_headers.append(request.headers))
     lean_request = backend.lean._request  # GETs take the lean path (urllib3, no botocore events)
@@ -208,6 +217,14 @@ def test_no_sign_request_sends_anonymous_requests(moto_server):
         return lean_request(url, headers)
 
     backend.lean._request = recording_request
+    lean_transfer = backend.lean.transfer  # (the curl path's headers)
+
+    def recording_transfer(*args):
+        transfer = lean_transfer(*args)
+        sent_headers.append(dict(line.split(": ", 1) for line in transfer.header_lines))
+        return transfer
+
+    backend.lean.transfer = recording_transfer
 
     async def body():
         info = (await backend.list_page("")).objects[0]

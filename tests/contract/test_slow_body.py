@@ -22,6 +22,7 @@ from bucketfs.backends import base
 from bucketfs.backends.gcs import GCSBackend
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
+from tests.servers import without_curl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,6 +30,7 @@ BODY_BYTES = 2000
 TRICKLE_GAP_S = 0.05  # a byte every 50 ms: 100 s for the body, never a 1 s silence
 READ_TIMEOUT_S = 1.0
 ATTEMPTS_COUNT = 2
+KINDS = ["s3-curl", "s3-lean", "s3-lean-into", "s3-sdk", "gcs"]
 
 
 @contextlib.contextmanager
@@ -94,21 +96,24 @@ def _config(scheme: str, endpoint: str) -> Config:
                   retry_attempts_count=ATTEMPTS_COUNT, retry_base_delay_s=0.01, retry_max_delay_s=0.05)
 
 
-def _s3(endpoint: str, lean: bool) -> S3Backend:
+def _backend(kind: str, endpoint: str):
+    """s3-curl: small GETs on curl_engine; s3-lean(-into): on urllib3 threads; s3-sdk: the boto3 client."""
+    if kind == "gcs":
+        return GCSBackend(_config("gs", endpoint))
     session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
                                     region_name="us-east-1")
     backend = S3Backend(_config("s3", endpoint), session=session)
-    backend.lean.usable = lean
-    return backend
+    backend.lean.usable = kind != "s3-sdk"
+    return backend if kind == "s3-curl" else without_curl(backend)
 
 
-@pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_trickling_body_ends_in_an_error_within_its_bound(kind, monkeypatch):
     # 2,000 bytes at 2,000 B/s: each attempt gets the read timeout + 1 s.
     monkeypatch.setattr(base, "MIN_BODY_RATE_BYTES_PER_S", 2000)
     bound_s = ATTEMPTS_COUNT * (READ_TIMEOUT_S + BODY_BYTES / 2000) + 1.0  # + backoff and slack
     with trickling_store() as (endpoint, answered):
-        backend = GCSBackend(_config("gs", endpoint)) if kind == "gcs" else _s3(endpoint, lean=kind != "s3-sdk")
+        backend = _backend(kind, endpoint)
         version = "1" if kind == "gcs" else "v1"
 
         async def read():
@@ -141,12 +146,12 @@ def short_then_whole_store():
     return socket_store(respond)
 
 
-@pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_short_answer_of_the_pinned_version_is_retried_not_stale(kind):
     """The object did not change: it was ObjectChanged (ESTALE to the reader) with no
     retry (found by the session-15 fault fuzzer: 271 ESTALEs in one run)."""
     with short_then_whole_store() as (endpoint, answered):
-        backend = GCSBackend(_config("gs", endpoint)) if kind == "gcs" else _s3(endpoint, lean=kind != "s3-sdk")
+        backend = _backend(kind, endpoint)
         version = "1" if kind == "gcs" else "v1"
 
         async def read():
@@ -190,7 +195,7 @@ def whole_object_store(sent_bytes: list):
     return socket_store(respond), piece
 
 
-@pytest.mark.parametrize("kind", ["s3-lean", "s3-lean-into", "s3-sdk", "gcs"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_small_range_of_a_huge_object_from_a_server_that_ignores_range_stays_small(kind):
     """Such a server sends all of the object for every read: the backend kept the whole
     body in memory and sliced it (a 64 KiB read of a 5 GiB object took 5 GiB). Now it
@@ -200,7 +205,7 @@ def test_a_small_range_of_a_huge_object_from_a_server_that_ignores_range_stays_s
     start, end = 70_000, 200_000  # (pieces of 65,536 bytes: the range spans three)
     expected = (piece * 4)[start:end]
     with store as (endpoint, answered):
-        backend = GCSBackend(_config("gs", endpoint)) if kind == "gcs" else _s3(endpoint, lean=kind != "s3-sdk")
+        backend = _backend(kind, endpoint)
         version = "1" if kind == "gcs" else "v1"
 
         async def read():
