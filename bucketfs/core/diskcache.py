@@ -388,7 +388,10 @@ class DiskCache:
 
     async def wait_idle(self) -> None:
         """Until every background write and delete has finished."""
-        await self._idle.wait()
+        # Again after each wake-up: the delete worker that set the event may have queued
+        # more deletes (evictions the journal's growth caused) before this task ran.
+        while self._background_count:
+            await self._idle.wait()
 
     async def _store(self, eid: bytes, key: str, version: str, start: int, view, object_bytes: int) -> None:
         """Write the whole chunks inside `view` (bytes at `start` of the object version
