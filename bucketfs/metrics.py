@@ -79,27 +79,22 @@ class _Collector:
             yield family(name, help_text, value=snap.get(key, 0))
         # Every request sent, by type; those that failed after their retries are in
         # bucketfs_backend_failures (a result label here could only ever say "ok").
-        requests = CounterMetricFamily("bucketfs_backend_requests", "Requests sent to the store by type", labels=["type"])
-        for key, value in snap.items():
-            if key.startswith("backend.requests."):
-                requests.add_metric([key.split(".")[2]], value)
-        yield requests
-        failures = CounterMetricFamily("bucketfs_backend_failures", "Failed store requests (after retries) by error", labels=["error"])
-        for key, value in snap.items():
-            if key.startswith("backend.failures."):
-                failures.add_metric([key.split(".")[2]], value)
-        yield failures
+        yield _by_label(snap, "backend.requests.", "bucketfs_backend_requests", "Requests sent to the store by type", "type")
+        yield _by_label(snap, "backend.get_path.", "bucketfs_backend_gets",
+                        "GETs by the way they went (S3: curl for small ones, threads for read-ahead parts)", "path")
+        yield _by_label(snap, "backend.failures.", "bucketfs_backend_failures", "Failed store requests (after retries) by error", "error")
         yield CounterMetricFamily("bucketfs_backend_retries", "Retried store requests (throttling, 5xx, resets)", value=snap.get("backend.retries", 0))
-        ops = CounterMetricFamily("bucketfs_fuse_requests", "Requests from the kernel by FUSE operation", labels=["op"])
-        for key, value in snap.items():
-            if key.startswith("fuse."):
-                ops.add_metric([key.split(".", 1)[1]], value)
-        yield ops
-        errs = CounterMetricFamily("bucketfs_errors", "Errors returned to the kernel by errno", labels=["errno"])
-        for key, value in snap.items():
-            if key.startswith("errors."):
-                errs.add_metric([key.split(".", 1)[1]], value)
-        yield errs
+        yield _by_label(snap, "fuse.", "bucketfs_fuse_requests", "Requests from the kernel by FUSE operation", "op")
+        yield _by_label(snap, "errors.", "bucketfs_errors", "Errors returned to the kernel by errno", "errno")
+
+
+def _by_label(snap: dict, prefix: str, name: str, help_text: str, label: str) -> CounterMetricFamily:
+    """One counter family from the snapshot's keys `prefix` + label value."""
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for key, value in snap.items():
+        if key.startswith(prefix):
+            family.add_metric([key[len(prefix):]], value)
+    return family
 
 
 def start_metrics_server(address: str, port: int, snapshot_on_trio_thread) -> None:
@@ -125,13 +120,15 @@ def format_stats(snapshot: dict) -> str:
     get = snapshot.get
     reqs = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.requests.")}
     failures = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.failures.")}
+    get_paths = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.get_path.")}
     # Counted in blocks, not requests: one GET fetches a run of missing blocks. Misses
     # are bucketfs_cache_misses; blocks that waited on a GET already started are apart.
     hits, misses, joined = get("cache.hits", 0), get("cache.misses", 0), get("cache.shared_misses", 0)
     lookups = hits + misses + joined
     used, wasted = get("prefetch.bytes_used", 0), get("prefetch.bytes_wasted", 0)
     lines = [
-        f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}",
+        f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}"
+        + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else ""),
         f"store         retries {get('backend.retries', 0)}; failed after retries: "
         f"{', '.join(f'{k} {v}' for k, v in sorted(failures.items())) or 'none'}",
         f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",

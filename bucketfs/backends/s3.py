@@ -314,8 +314,10 @@ class S3Backend(Backend):
         what = f"GET {key!r} [{start}, {end})"
         try:
             if self.curl is not None and self.lean.usable and end - start <= CURL_MAX_BYTES:
+                self.get_paths["curl"] += 1
                 got_bytes = await self.caller.run(what, self._get_curl, key, start, end, version, into, object_bytes)
             else:
+                self.get_paths["threads"] += 1
                 got_bytes = await self.caller.call(what, self._get_blocking, key, start, end, version, into, object_bytes)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
