@@ -122,12 +122,15 @@ class CurlEngine:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.ca_bundle_path = ca_bundle_path
-        self.transfers_count = 0  # finished transfers (the tests' proof this path ran)
         self._token = None
         self._thread: Optional[threading.Thread] = None
         self._queue: collections.deque = collections.deque()  # ("add" | "abort", Transfer), from trio
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._closing = False
+        # `_open` turns false, under `_lock`, when the thread ends (closed, or a bug): from
+        # then on nothing is queued, so no transfer waits for a thread that is gone.
+        self._lock = threading.Lock()
+        self._open = True
+        self._stopping = False
 
     @staticmethod
     def available() -> bool:
@@ -135,9 +138,7 @@ class CurlEngine:
 
     async def get(self, transfer: Transfer) -> Transfer:
         """Run `transfer`; its results are set when this returns (error included)."""
-        if self._closing:
-            raise ConnectionError("the HTTP engine is closed")
-        if self._thread is None:
+        if self._thread is None and self._open:
             self._token = trio.lowlevel.current_trio_token()
             self._thread = threading.Thread(target=self._run, name="bucketfs-curl", daemon=True)
             self._thread.start()
@@ -153,18 +154,26 @@ class CurlEngine:
         return transfer
 
     def close(self) -> None:
-        """Stop the thread; transfers still running end with ConnectionError. Idempotent."""
-        if self._closing:
-            return
-        self._closing = True
+        """Stop the thread; transfers still running end with ConnectionError. Idempotent.
+        (On the trio thread, as get(): the two never race for the eventfd.)"""
+        self._stopping = True
         if self._thread is not None:
             os.eventfd_write(self._wake_fd, 1)
             self._thread.join()
             self._thread = None
-        os.close(self._wake_fd)
+        with self._lock:
+            self._open = False
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
 
     def _submit(self, what: str, transfer: Transfer) -> None:
-        self._queue.append((what, transfer))
+        with self._lock:
+            if not self._open:
+                if what == "add":
+                    raise ConnectionError("the HTTP engine is closed")
+                return  # an abort after the end: every transfer has been handed back
+            self._queue.append((what, transfer))
         os.eventfd_write(self._wake_fd, 1)
 
     # -- the engine's thread -------------------------------------------------------
@@ -199,7 +208,7 @@ class CurlEngine:
         free_handles: list = []
         active: dict = {}  # Transfer -> easy handle, and easy handle -> Transfer
         try:
-            while not self._closing:
+            while not self._stopping:
                 timeout_s = -1 if timer[0] is None else max(timer[0] - time.monotonic(), 0)
                 for fd, mask in epoll.poll(timeout_s):
                     if fd == self._wake_fd:
@@ -218,6 +227,8 @@ class CurlEngine:
             log.exception("the curl thread stopped")
             self._fail_all(active, exc)
         finally:
+            with self._lock:
+                self._open = False
             handles = [easy for easy in active if not isinstance(easy, Transfer)]
             self._fail_all(active, ConnectionError("the HTTP engine is closed"))
             for easy in handles + free_handles:
@@ -282,7 +293,6 @@ class CurlEngine:
     def _deliver(self, finished: list) -> None:
         if not finished:
             return
-        self.transfers_count += len(finished)
         try:
             self._token.run_sync_soon(_set_done, finished)
         except trio.RunFinishedError:

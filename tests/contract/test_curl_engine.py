@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.curl_engine import CurlEngine
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from tests.contract.test_slow_body import socket_store
@@ -127,6 +128,31 @@ def test_closing_the_engine_ends_a_transfer_in_flight_with_an_error():
                 nursery.start_soon(close_inside_the_transfer)
                 with trio.fail_after(20), pytest.raises(errors.TransientError):
                     await backend.read_range("k", 0, BODY_BYTES, "v1")
+
+        try:
+            trio.run(body)
+        finally:
+            trio.run(backend.aclose)
+
+
+def test_an_engine_whose_thread_died_fails_reads_at_once(monkeypatch):
+    """A bug in the engine's thread must cost its readers an error, never a hang: the
+    transfers it held end, and later reads fail without queueing for a thread that is gone."""
+
+    def respond(conn, _count, _stop):
+        conn.sendall(_headers(10, "bytes 0-9/10") + b"0123456789")
+
+    def broken_collect(*_args):
+        raise RuntimeError("a bug in the engine's loop")
+
+    monkeypatch.setattr(CurlEngine, "_collect", broken_collect)
+    with socket_store(respond) as (endpoint, _answered):
+        backend = _backend(endpoint)
+
+        async def body():
+            for _ in range(2):
+                with trio.fail_after(20), pytest.raises(errors.TransientError):
+                    await backend.read_range("k", 0, 10, "v1")
 
         try:
             trio.run(body)
