@@ -159,8 +159,8 @@ class S3Backend(Backend):
             raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
                                config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
-        # (No engine without pycurl, or when the lean path is off for the bucket: then
-        # every GET runs on a worker thread.)
+        # Without pycurl there is no engine, and while the lean path is off for the
+        # bucket (a proxy, a redirect) it is not used: then every GET runs on a thread.
         self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
                                ca_bundle(self._session)) if CurlEngine.available() else None
         self.caller = BlockingCaller(
@@ -308,9 +308,10 @@ class S3Backend(Backend):
         # straight into it (read in pieces and joined, it took a second copy, and both
         # were alive at once).
         into = buffer if buffer is not None else bytearray(end - start)
-        # Not abandoned on cancel: the bytes a thread is still receiving stay counted in
-        # the memory budget until it returns (a dropped read-ahead part waits for them),
-        # and no thread writes into a buffer after its part has let go of it.
+        # Not abandoned on cancel: the bytes a thread (or a curl transfer, aborted first)
+        # is still receiving stay counted in the memory budget until it returns (a dropped
+        # read-ahead part waits for them), and nothing writes into a buffer after its part
+        # has let go of it.
         what = f"GET {key!r} [{start}, {end})"
         try:
             if self.curl is not None and self.lean.usable and end - start <= CURL_MAX_BYTES:
