@@ -18,6 +18,15 @@ from tests.gcs_server import GCSEmulator, start_gcs_emulator
 from tests.servers import moto_s3_server, rclone_s3_server
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item (`item.rep_call`...), so a fixture's
+    teardown can tell that the test failed and leave evidence (a mount's log)."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
 @pytest.fixture(scope="session")
 def rclone_server(tmp_path_factory):
     """`rclone serve s3` over a fresh temp directory, for the whole session."""

@@ -68,16 +68,20 @@ SHARD_WARM_TARGETS_MAX = 4
 # part failed earlier (read-ahead that ran into an outage now over) gets the kernel's
 # second try, which fetches again.
 KERNEL_RETRY_WINDOW_S = 1.0
+# Failed READs remembered per handle: the kernel's read-ahead READs of one stream fail
+# together, each a moment before the page retry of another; remembering only the last
+# one made the reader wait out a second round of retries (seen in the outage test).
+FAILED_READS_KEPT = 8
 
 
 class FileHandle:
-    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed", "pinned", "read_bytes")
+    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed_reads", "pinned", "read_bytes")
 
     def __init__(self, node: Node, key: str, reader):
         self.node, self.key = node, key
         self.version, self.size_bytes = node.version, node.size_bytes
         self.reader = reader
-        self.failed: Optional[tuple] = None  # (start, end, trio time) of the last READ out of retries
+        self.failed_reads: list = []  # (start, end, trio time) of recent READs out of retries, oldest first
         self.pinned = False  # a small file: its blocks stay cached until it is read (BlockCache.pin)
         self.read_bytes = 0  # while pinned: read through once this reaches the size
 
@@ -209,8 +213,7 @@ class Filesystem:
             return b""
         self.stats["read.calls"] += 1
         self.stats["read.bytes"] += end - off
-        failed, handle.failed = handle.failed, None
-        if failed is not None and failed[0] <= off < failed[1] and trio.current_time() - failed[2] < KERNEL_RETRY_WINDOW_S:
+        if handle.failed_reads and self._failed_a_moment_ago(handle, off):
             self.stats["read.kernel_retries_failed"] += 1
             raise errors.TransientError(f"{handle.key}: [{off}, {end}) failed a moment ago, after every retry")
         started_s, started_trio_s = time.monotonic(), trio.current_time()
@@ -227,7 +230,7 @@ class Filesystem:
         except errors.TransientError:
             now_s = trio.current_time()
             if now_s - started_trio_s >= self.config.read_timeout_s:
-                handle.failed = (off, end, now_s)
+                handle.failed_reads = handle.failed_reads[-(FAILED_READS_KEPT - 1):] + [(off, end, now_s)]
             raise
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
@@ -239,6 +242,19 @@ class Filesystem:
                 handle.pinned = False  # (the page cache has it now)
                 self.cache.unpin(handle.key, handle.version)
         return data
+
+    @staticmethod
+    def _failed_a_moment_ago(handle: FileHandle, off: int) -> bool:
+        """Whether a READ at `off` is the kernel's second try of one that just failed
+        after every retry. Each failure answers one second try: a reader's own retry
+        after that reaches the store."""
+        now_s = trio.current_time()
+        recent = [failure for failure in handle.failed_reads if now_s - failure[2] < KERNEL_RETRY_WINDOW_S]
+        hit = next((failure for failure in recent if failure[0] <= off < failure[1]), None)
+        if hit is not None:
+            recent.remove(hit)
+        handle.failed_reads = recent
+        return hit is not None
 
     def release(self, fh: int) -> None:
         handle = self._handles.pop(fh, None)

@@ -19,8 +19,13 @@ def empty_dir(tmp_path):
     force_unmount(str(d))
 
 
+# Of each mount's log, what a failed test prints (the daemon's warnings name every
+# failed request: a flaky failure in CI is explained by them or not at all).
+FAILED_LOG_TAIL_CHARS = 6000
+
+
 @pytest.fixture
-def mount_factory(tmp_path):
+def mount_factory(tmp_path, request):
     """mount(server, bucket, prefix="", *args) -> Mount; every mount is torn down.
 
     The URL's scheme is the server's `scheme` ("s3" when it has none, "gs" for the
@@ -46,3 +51,7 @@ def mount_factory(tmp_path):
     yield mount
     for m in mounts:
         m.close()
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        for m in mounts:
+            print(f"--- log of the mount of {m.url} on {m.mountpoint} (tail) ---\n{m.stderr_text[-FAILED_LOG_TAIL_CHARS:]}")

@@ -370,6 +370,39 @@ def test_the_kernels_second_read_of_a_range_that_just_failed_fails_at_once(path)
     assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), read_timeout_s=READ_TIMEOUT_S) == 1
 
 
+def test_the_second_try_fails_at_once_though_other_reads_of_the_handle_failed_since():
+    """The kernel's read-ahead READs of one stream fail together: the page retry of the
+    first one comes after the others have failed. It still fails at once (remembering
+    only the last failure sent it to the store for a second round of retries)."""
+    files = {"shard.tar": b"t" * (8 * MiB)}
+    backend = MemoryBackend(files)
+
+    async def stalled_read_range(*args, **kwargs):
+        await trio.sleep(READ_TIMEOUT_S * 2)
+        raise errors.TransientError("no answer (retries exhausted)")
+
+    backend.read_range = stalled_read_range
+
+    async def body(fs):
+        fh = await fs.open((await resolve(fs, "shard.tar")).ino, 0)
+
+        async def failing_read(off):
+            with pytest.raises(errors.TransientError):
+                await fs.read(fh, off, 1 * MiB)
+
+        async with trio.open_nursery() as nursery:
+            for off in (4 * MiB, 5 * MiB, 6 * MiB):
+                nursery.start_soon(failing_read, off)
+        gets_before = backend.requests["get"]
+        for off in (4 * MiB, 6 * MiB):  # the kernel's page retries, after all three failed
+            with pytest.raises(errors.TransientError, match="a moment ago"):
+                await fs.read(fh, off, 4096)
+        assert backend.requests["get"] == gets_before
+        return fs.stats["read.kernel_retries_failed"]
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), read_timeout_s=READ_TIMEOUT_S) == 2
+
+
 def test_a_read_that_meets_a_part_failed_earlier_is_not_remembered_as_failed():
     """Read-ahead that ran into an outage now over: the READ that meets its failed part
     fails at once, and the kernel's second try must fetch again, not fail too (a
