@@ -66,8 +66,11 @@ SHARD_WARM_TARGETS_MAX = 4
 # same handle's next READ, if inside the failed range and within this long, fails at once.
 # Only after a READ that itself waited out at least one --read-timeout: one that met a
 # part failed earlier (read-ahead that ran into an outage now over) gets the kernel's
-# second try, which fetches again.
-KERNEL_RETRY_WINDOW_S = 1.0
+# second try, which fetches again. Short: the kernel's second try follows the failure
+# at once, and a read-ahead READ that fails with no reader waiting gets none, so a
+# READ later than this is a reader's own, and the store may be back (with 1 s, a
+# reader who read again just after an outage was refused: a short read in CI).
+KERNEL_RETRY_WINDOW_S = 0.25
 # Failed READs remembered per handle: the kernel's read-ahead READs of one stream fail
 # together, each a moment before the page retry of another; remembering only the last
 # one made the reader wait out a second round of retries (seen in the outage test).

@@ -16,9 +16,11 @@ import random
 import queue
 import signal
 import threading
+import time
 
 import pytest
 
+from bucketfs.core.filesystem import KERNEL_RETRY_WINDOW_S
 from tests.conftest import GCSServer
 from tests.gcs_server import start_gcs_emulator
 from tests.servers import rclone_s3_server
@@ -31,6 +33,9 @@ READ_TIMEOUT_S = 1
 ATTEMPTS = 2
 # Generous: an EIO must come from those limits (~2.5 s here), not from the test's timeout.
 EIO_DEADLINE_S = 30
+# Failed reads allowed after the store came back: the frozen store's last read-ahead
+# parts (a few per stream) may fail once more after the thaw.
+OUTAGE_LEFTOVER_FAILURES_MAX = 4
 
 
 def rnd(n_bytes: int, seed: int) -> bytes:
@@ -105,6 +110,28 @@ def store_answers(server, bucket: str, key: str) -> None:
         server.client.get_object(Bucket=bucket, Key=key, Range="bytes=0-0")["Body"].read()
 
 
+def read_on(fd: int, expected: bytes) -> tuple:
+    """(the file's bytes, failed reads on the way): read through `fd` from 0; after a
+    failure, go on from where it stopped once the mount's memory of failed READs
+    (KERNEL_RETRY_WINDOW_S) is over, as a reader's own retry would. Every byte is
+    checked as it comes: a short read is a failure, other bytes a wrong answer."""
+    got, failures = bytearray(), 0
+    while len(got) < len(expected):
+        try:
+            data = os.pread(fd, len(expected) - len(got), len(got))
+        except OSError as exc:
+            assert exc.errno == errno.EIO, exc
+            data = b""
+        assert data == expected[len(got):len(got) + len(data)], f"wrong bytes from {len(got)}"
+        got += data
+        if len(got) < len(expected):
+            failures += 1
+            if failures > OUTAGE_LEFTOVER_FAILURES_MAX:
+                break
+            time.sleep(KERNEL_RETRY_WINDOW_S)  # (a reader's retry, not a wait for an event)
+    return bytes(got), failures
+
+
 def read_all(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -153,10 +180,12 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
 
         # The store answers again: the failures were not cached, the same handle goes on.
         within(EIO_DEADLINE_S, lambda: store_answers(server, bucket, "data/shard-000000.tar"))
-        again = within(EIO_DEADLINE_S, lambda: os.pread(fd, len(shard), 0))
-        # (Length apart from bytes: a short read is a failure left behind, other bytes a wrong answer.)
-        assert len(again) == len(shard), f"a short read after the store came back: {len(again)} of {len(shard)} bytes"
-        assert sha(again) == sha(shard), f"wrong bytes from {next(i for i in range(len(shard)) if again[i] != shard[i])}"
+        again, failures = within(EIO_DEADLINE_S, lambda: read_on(fd, shard))
+        # Read-ahead the frozen store left running may still fail (a connect attempt that
+        # met the frozen listener times out after the thaw): each costs a reader one
+        # EIO at most, then the store is asked again.
+        assert failures <= OUTAGE_LEFTOVER_FAILURES_MAX, f"still failing after the store came back, at {len(again)} bytes"
+        assert again == shard
     finally:
         os.close(fd)
     assert os.listdir(m.path("other")) == ["never-listed.bin"]
