@@ -339,7 +339,7 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
 
 
 def without_curl(backend):
-    """`backend` (an S3Backend) with every GET on the urllib3 path (worker threads), as
+    """`backend` (an S3Backend or GCSBackend) with every GET on its thread path, as
     without pycurl: the tests of that path."""
     if backend.curl is not None:
         backend.curl.close()

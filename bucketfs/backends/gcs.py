@@ -44,6 +44,8 @@ from google.cloud import storage
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     gone_message, lists_entries, read_range_body)
+from bucketfs.backends.curl_engine import CurlEngine
+from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,9 @@ _LIST_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
 # where every attempt waits for the whole connect timeout.
 _PROBE_DEADLINE_S = 30.0
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+# GETs up to this size go through curl_engine (small files, random-read blocks), as
+# for S3 (s3.CURL_MAX_BYTES): their cost is per request.
+CURL_MAX_BYTES = 2 * 1024 * 1024
 
 # Throttling and server-side failures, by HTTP status (408 has no class of its own).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -125,6 +130,11 @@ class GCSBackend(Backend):
         self._client: Optional[storage.Client] = None
         self._bucket: Optional[storage.Bucket] = None
         self._warned_no_generation_header = False
+        # Without pycurl, or where CurlDownloads is not usable (mTLS, a proxy), every GET
+        # takes the library's path on a worker thread.
+        self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
+                               ca_bundle_path()) if CurlEngine.available() else None
+        self._downloads: Optional[CurlDownloads] = None
 
     # -- client (built lazily in a worker thread: ADC discovery may block) ----
     def _endpoint_url(self) -> Optional[str]:
@@ -173,7 +183,10 @@ class GCSBackend(Backend):
                     client._http.mount("https://", adapter)
                     client._http.mount("http://", adapter)
                 self._client = client
-                self._bucket = client.bucket(self._bucket_name)
+                bucket = client.bucket(self._bucket_name)
+                if self.curl is not None:
+                    self._downloads = CurlDownloads(client, bucket, self._config.read_timeout_s)
+                self._bucket = bucket
             return self._bucket
 
     def session(self) -> requests.Session:
@@ -247,7 +260,12 @@ class GCSBackend(Backend):
 
         self.requests["get"] += 1
         try:
-            result = await self.caller.call(f"GET {key}", fetch)
+            if self.curl is not None and end - start <= CURL_MAX_BYTES and await self._curl_usable():
+                self.get_paths["curl"] += 1
+                result = await self.caller.run(f"GET {key}", self._fetch_curl, key, start, end, generation, object_bytes)
+            else:
+                self.get_paths["threads"] += 1
+                result = await self.caller.call(f"GET {key}", fetch)
         except errors.NotFound:  # the GET's 404, or the metadata GET's (gone since)
             raise await self._gone_error(key, version) from None
         if result is None:
@@ -262,6 +280,38 @@ class GCSBackend(Backend):
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
         self.bytes_fetched += len(data)
         return data
+
+    async def _curl_usable(self) -> bool:
+        if self._bucket is None:  # the client first (on a thread: ADC discovery may block)
+            await self.caller.call("GCS client", self._get_bucket)
+        return self._downloads is not None and self._downloads.usable
+
+    async def _fetch_curl(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]):
+        """read_range's `fetch` on curl_engine: (data, served generation, looked up), or
+        None past the end. One attempt (BlockingCaller.run retries it), with one new
+        token after a 401, as the library's authorized session does."""
+        downloads, into = self._downloads, bytearray(end - start)
+        for refreshed in (False, True):
+            if downloads.needs_token():
+                await trio.to_thread.run_sync(downloads.refresh_blocking, limiter=self.caller.limiter)
+            transfer = await self.curl.get(downloads.transfer(key, start, end, generation, into))
+            if transfer.error is not None:
+                raise transfer.error
+            if transfer.status != 401 or downloads.anonymous or refreshed:
+                break
+            await trio.to_thread.run_sync(downloads.refresh_blocking, True, limiter=self.caller.limiter)
+        if transfer.status == 416:
+            return None  # start >= size of whichever generation was served
+        if transfer.status not in (200, 206):
+            raise refused(transfer)
+        served, looked_up = served_generation(transfer), False
+        if served is None:  # (see fetch)
+            blob = await trio.to_thread.run_sync(self._reload_blocking, key, limiter=self.caller.limiter)
+            served, looked_up = blob.generation, True
+        if served == generation:
+            check_answer(key, start, end, transfer.received_bytes, transfer.headers.get("content-range"), object_bytes)
+        del into[transfer.received_bytes:]  # (a range past the object's end: its shorter answer)
+        return into, served, looked_up
 
     async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:
         """A generation-targeted GET gave 404: the object is gone or was replaced."""
@@ -301,6 +351,8 @@ class GCSBackend(Backend):
             raise errors.EndpointUnreachable(f"{where}: {exc}") from None
 
     async def aclose(self) -> None:
+        if self.curl is not None:
+            self.curl.close()
         with self._client_lock:
             client, self._client, self._bucket = self._client, None, None
         if client is not None:

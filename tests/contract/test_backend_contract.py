@@ -8,10 +8,13 @@ tests that need them skip.
 
 The GCS factories run on the emulator (the session fixture `gcs_server`), which
 neither pages listings nor honours generation conditions, so a `GCSLikeAdapter`
-on the backend's HTTP session makes it page like GCS: "gcs" also answers
-generation-targeted GETs like GCS (404/412, `x-goog-generation`), "gcs-emulator"
-leaves reads to the raw emulator (the backend then checks the generation with a
-metadata GET). The emulator has no authentication: access cannot be denied.
+makes it page like GCS: "gcs" also answers generation-targeted GETs like GCS
+(404/412, `x-goog-generation`), "gcs-emulator" leaves reads to the raw emulator (the
+backend then checks the generation with a metadata GET). The adapter answers from a
+real HTTP front before the emulator (tests/http_front.py), so small GETs take the
+backend's curl path; "gcs-threads" mounts it on the backend's requests session
+instead, with every GET on the library's path. The emulator has no authentication:
+access cannot be denied.
 
 Async code runs with trio.run inside each test (no pytest-trio).
 """
@@ -116,11 +119,16 @@ def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return _s3_target("s3-moto", server, bucket, stack, None, authenticates=False)
 
 
-def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool) -> ContractTarget:
+def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool, curl: bool = True) -> ContractTarget:
+    """`curl`: small GETs on curl_engine, the adapter answering from a real HTTP front
+    before the emulator (tests/http_front.py); else every request on the library's
+    session, the adapter mounted on it."""
     import requests
 
     from bucketfs.backends.gcs import GCSBackend
     from tests.gcs_server import GCSLikeAdapter, closed_port_url, fake_response
+    from tests.http_front import adapter_front
+    from tests.servers import without_curl
 
     class FaultyGCSLikeAdapter(GCSLikeAdapter):
         """GCS-like pages (and generations), and transient faults on demand."""
@@ -142,13 +150,18 @@ def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bo
 
     server = request.getfixturevalue("gcs_server")
     bucket = server.new_bucket()
+    adapter = FaultyGCSLikeAdapter()
+    front_url = stack.enter_context(adapter_front(adapter, server.endpoint_url)) if curl else None
 
     def make(bucket_name: str = bucket, **overrides) -> Backend:
-        return _closing(stack, GCSBackend(server.config(bucket_name, **overrides)))
+        if front_url:
+            overrides.setdefault("endpoint_url", front_url)
+        made = _closing(stack, GCSBackend(server.config(bucket_name, **overrides)))
+        return made if curl else without_curl(made)
 
     backend = make()
-    adapter = FaultyGCSLikeAdapter()
-    backend.session().mount(server.endpoint_url, adapter)
+    if not curl:
+        backend.session().mount(server.endpoint_url, adapter)
     return ContractTarget(
         name, backend, lambda key, data: server.put(bucket, key, data), _unique_prefix(),
         put_many=lambda objects: server.put_many(bucket, objects),
@@ -164,6 +177,10 @@ def gcs_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return _gcs_target("gcs", request, stack, generations=True)
 
 
+def gcs_threads_target(request, stack: contextlib.ExitStack) -> ContractTarget:
+    return _gcs_target("gcs-threads", request, stack, generations=True, curl=False)
+
+
 def gcs_emulator_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return _gcs_target("gcs-emulator", request, stack, generations=False)
 
@@ -174,6 +191,7 @@ FACTORIES = {
     "s3-rclone-threads": lambda request, stack: rclone_target(request, stack, curl=False),
     "s3-moto": moto_target,
     "gcs": gcs_target,
+    "gcs-threads": gcs_threads_target,
     "gcs-emulator": gcs_emulator_target,
 }
 

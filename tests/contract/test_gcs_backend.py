@@ -14,6 +14,7 @@ Server modes (a transport adapter mounted on the backend's HTTP session):
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import random
@@ -30,6 +31,8 @@ from bucketfs import errors
 from bucketfs.backends import gcs
 from bucketfs.backends.gcs import GCSBackend
 from tests.gcs_server import GCSLikeAdapter, fake_response
+from tests.http_front import adapter_front
+from tests.servers import without_curl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,22 +42,38 @@ def bucket(gcs_server) -> str:
     return gcs_server.new_bucket()
 
 
+# The two ways a GET goes: the library's requests session on a worker thread, or
+# curl_engine (small GETs, when pycurl is there).
+GET_PATHS = ["threads", "curl"]
+
+
 @pytest.fixture
 def make_backend(gcs_server, bucket):
-    """`make_backend(adapter=None, bucket_name=None, **config_overrides)`; closed after the test."""
+    """`make_backend(adapter=None, bucket_name=None, path="threads", **config_overrides)`;
+    closed after the test. `path` "threads": every GET on the library's path, the
+    adapter mounted on its session; "curl": small GETs on curl_engine, the adapter
+    answering from a real HTTP front (tests/http_front.py) before the server."""
     made = []
+    with contextlib.ExitStack() as fronts:
 
-    def make(adapter: Optional[requests.adapters.HTTPAdapter] = None, bucket_name: Optional[str] = None,
-             **overrides) -> GCSBackend:
-        backend = GCSBackend(gcs_server.config(bucket_name or bucket, **overrides))
-        if adapter is not None:
-            backend.session().mount(overrides.get("endpoint_url", gcs_server.endpoint_url), adapter)
-        made.append(backend)
-        return backend
+        def make(adapter: Optional[requests.adapters.HTTPAdapter] = None, bucket_name: Optional[str] = None,
+                 path: str = "threads", **overrides) -> GCSBackend:
+            if path == "curl" and adapter is not None:
+                upstream = overrides.get("endpoint_url", gcs_server.endpoint_url)
+                overrides["endpoint_url"] = fronts.enter_context(adapter_front(adapter, upstream))
+            backend = GCSBackend(gcs_server.config(bucket_name or bucket, **overrides))
+            made.append(backend)
+            if path == "threads":
+                without_curl(backend)
+                if adapter is not None:
+                    backend.session().mount(overrides.get("endpoint_url", gcs_server.endpoint_url), adapter)
+            else:
+                assert backend.curl is not None, "pycurl is a runtime dependency"
+            return backend
 
-    yield make
-    for backend in made:
-        trio.run(backend.aclose)
+        yield make
+        for backend in made:
+            trio.run(backend.aclose)
 
 
 MODES = {
@@ -69,8 +88,9 @@ STALE_READ_REQUESTS = {"emulator": {"get": 1, "head": 1}, "gcs-like": {"get": 1,
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_version_pinning_in_every_server_mode(make_backend, gcs_server, bucket, mode):
-    backend = make_backend(MODES[mode]())
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_version_pinning_in_every_server_mode(path, make_backend, gcs_server, bucket, mode):
+    backend = make_backend(MODES[mode](), path=path)
 
     async def main():
         gcs_server.put(bucket, "obj", b"old-bytes")
@@ -106,8 +126,9 @@ class _RangeNotSatisfiableAdapter(requests.adapters.HTTPAdapter):
         return response
 
 
-def test_range_past_the_end_of_a_shorter_replacement_is_not_a_silent_eof(make_backend, gcs_server, bucket):
-    backend = make_backend(_RangeNotSatisfiableAdapter())
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_range_past_the_end_of_a_shorter_replacement_is_not_a_silent_eof(path, make_backend, gcs_server, bucket):
+    backend = make_backend(_RangeNotSatisfiableAdapter(), path=path)
 
     async def main():
         gcs_server.put(bucket, "obj", b"0123456789" * 2)
@@ -120,18 +141,20 @@ def test_range_past_the_end_of_a_shorter_replacement_is_not_a_silent_eof(make_ba
     trio.run(main)
 
 
-def test_read_costs_one_get_when_the_server_reports_the_generation(make_backend, gcs_server, bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_read_costs_one_get_when_the_server_reports_the_generation(path, make_backend, gcs_server, bucket):
     gcs_server.put(bucket, "k", b"abc")
 
     async def one_read(backend):
         info = await backend.stat("k")
         backend.requests.clear()
         assert await backend.read_range("k", 0, 3, info.version) == b"abc"
+        assert dict(backend.get_paths) == {path: 1}  # the path the test names, not a fall-back
         return dict(backend.requests), backend.bytes_fetched
 
-    assert trio.run(one_read, make_backend(GCSLikeAdapter())) == ({"get": 1}, 3)
+    assert trio.run(one_read, make_backend(GCSLikeAdapter(), path=path)) == ({"get": 1}, 3)
     # The emulator sends no x-goog-generation: the backend checks with a metadata GET.
-    assert trio.run(one_read, make_backend()) == ({"get": 1, "head": 1}, 3)
+    assert trio.run(one_read, make_backend(path=path)) == ({"get": 1, "head": 1}, 3)
 
 
 class _Raw(io.BytesIO):
@@ -176,14 +199,15 @@ class _EmulatorFaultAdapter(requests.adapters.HTTPAdapter):
         return response
 
 
-def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_retried(make_backend, gcs_server, bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_retried(path, make_backend, gcs_server, bucket):
     """Found by the GCS fault fuzzer (session 18): on an endpoint that names no
     generation, the answer was checked only after the retries, so a cut body of an
     unchanged object was ESTALE to the reader instead of fetched again."""
     data = random.Random(3).randbytes(100_000)
     gcs_server.put(bucket, "k", data)
     adapter = _EmulatorFaultAdapter("cut")
-    backend = make_backend(adapter)
+    backend = make_backend(adapter, path=path)
 
     async def main():
         info = await backend.stat("k")
@@ -196,13 +220,14 @@ def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_re
     assert requests_made == {"get": 1, "head": 1} and retries_count == 1
 
 
-def test_without_a_generation_header_an_object_deleted_after_its_download_is_stale(make_backend, gcs_server, bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_without_a_generation_header_an_object_deleted_after_its_download_is_stale(path, make_backend, gcs_server, bucket):
     """The metadata GET that checks the generation finds nothing: ObjectChanged
     (ESTALE), as for any read of a listed object that is gone; it was NotFound, which
     a reader of an open file saw as ENOENT."""
     gcs_server.put(bucket, "k", b"abc" * 1000)
     adapter = _EmulatorFaultAdapter("delete", on_delete=lambda: gcs_server.delete(bucket, "k"))
-    backend = make_backend(adapter)
+    backend = make_backend(adapter, path=path)
 
     async def main():
         info = await backend.stat("k")
@@ -213,11 +238,12 @@ def test_without_a_generation_header_an_object_deleted_after_its_download_is_sta
     assert adapter.faults_count == 1
 
 
-def test_a_416_for_a_range_inside_the_pinned_object_is_an_error_not_eof(make_backend, gcs_server, bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_416_for_a_range_inside_the_pinned_object_is_an_error_not_eof(path, make_backend, gcs_server, bucket):
     """Only a server in error answers so; it was taken for an EOF, which the core then
     reported as a changed object (ESTALE), though nothing changed."""
     gcs_server.put(bucket, "k", b"0123456789" * 10)
-    backend = make_backend(_EmulatorFaultAdapter("416"))
+    backend = make_backend(_EmulatorFaultAdapter("416"), path=path)
 
     async def main():
         info = await backend.stat("k")
@@ -240,11 +266,12 @@ class _GzipHeaderAdapter(requests.adapters.HTTPAdapter):
 
 
 @pytest.mark.parametrize("adapter", [None, _GzipHeaderAdapter], ids=["emulator", "gzip-header"])
-def test_gzip_encoded_object_is_served_as_stored(gcs_server, bucket, make_backend, adapter):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_gzip_encoded_object_is_served_as_stored(path, gcs_server, bucket, make_backend, adapter):
     plain = b"hello gzip " * 1000
     stored = gzip.compress(plain)
     gcs_server.put(bucket, "data.json.gz", stored, content_encoding="gzip")
-    backend = make_backend(adapter() if adapter else None)
+    backend = make_backend(adapter() if adapter else None, path=path)
 
     async def main():
         (info,) = (await backend.list_page("")).objects
@@ -301,10 +328,11 @@ class FaultAdapter(requests.adapters.HTTPAdapter):
     (401, errors.AccessDenied), (403, errors.AccessDenied), (412, errors.ObjectChanged),
     (400, errors.BackendError),
 ])
-def test_http_status_classification(make_backend, gcs_server, bucket, code, error):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_http_status_classification(path, make_backend, gcs_server, bucket, code, error):
     gcs_server.put(bucket, "k", b"payload")
     faults = FaultAdapter(0, lambda request: fake_response(request, code))
-    backend = make_backend(faults, retry_attempts_count=3)
+    backend = make_backend(faults, retry_attempts_count=3, path=path)
 
     async def main():
         info = await backend.stat("k")
@@ -319,11 +347,12 @@ def test_http_status_classification(make_backend, gcs_server, bucket, code, erro
     trio.run(main)
 
 
-def test_concurrent_reads(make_backend, gcs_server, bucket):
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_concurrent_reads(path, make_backend, gcs_server, bucket):
     payloads = {f"f{i}": random.Random(i).randbytes(100_000) for i in range(8)}
     for key, data in payloads.items():
         gcs_server.put(bucket, key, data)
-    backend = make_backend(GCSLikeAdapter(), max_connections_count=4)
+    backend = make_backend(GCSLikeAdapter(), max_connections_count=4, path=path)
     results = {}
 
     async def main():
