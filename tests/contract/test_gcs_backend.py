@@ -442,3 +442,86 @@ def test_a_web_server_404_at_the_endpoint_is_no_missing_bucket(make_backend):
         trio.run(backend.check_bucket, "")
     assert type(raised.value) is errors.BackendError
     assert errors.user_error_for(raised.value, "gs://b/").exit_code == errors.EXIT_ENDPOINT_UNREACHABLE
+
+
+@pytest.mark.parametrize("key", ["plain/k.tar", "a b/c+d%e.jpg", "ü/x?y#z", "~tilde/&=;", "dir//double/../dot"])
+def test_curl_path_asks_for_the_same_url_as_the_library(make_backend, key):
+    """The curl path builds download URLs itself (once per bucket, then the key): the
+    same as the library's for any name (a mismatch reads another object, or none)."""
+    from google.cloud import storage
+
+    backend = make_backend(path="curl")
+    trio.run(backend._curl_usable)
+    library_url = storage.Blob(key, backend._bucket, generation=7)._get_download_url(backend._client, if_generation_match=7)
+    assert backend._downloads.url(key, 7) == library_url
+
+
+class _TokenCredentials:
+    """Stands in for real credentials on the curl path: each refresh (counted) issues
+    the next token, valid until `expire()`."""
+
+    def __init__(self):
+        self.refreshes_count, self.valid = 0, False
+
+    def refresh(self, _request):
+        self.refreshes_count += 1
+        self.valid = True
+
+    @property
+    def token(self) -> str:
+        return f"token-{self.refreshes_count}"
+
+    def apply(self, headers):
+        headers["authorization"] = f"Bearer {self.token}"
+
+
+class _BearerAdapter(requests.adapters.HTTPAdapter):
+    """Media GETs need `Bearer <accepted>`; others answer 401, as GCS does for a
+    revoked or expired token."""
+
+    def __init__(self):
+        super().__init__(max_retries=0)
+        self.accepted, self.seen = None, []
+
+    def send(self, request, **kwargs):
+        if "/download/" in request.url:
+            self.seen.append(request.headers.get("Authorization"))
+            if request.headers.get("Authorization") != f"Bearer {self.accepted}":
+                return fake_response(request, 401)
+        return super().send(request, **kwargs)
+
+
+def test_curl_path_sends_a_fresh_token_and_renews_it_once_after_a_401(make_backend, gcs_server, bucket):
+    """Credentials with no valid token are refreshed once for many concurrent GETs (on
+    a worker thread, not per GET); a 401 (a token revoked early) gets one new token
+    and the GET again, as the library's authorized session does; a second 401 is
+    access denied."""
+    data = random.Random(5).randbytes(50_000)
+    gcs_server.put(bucket, "k", data)
+    adapter = _BearerAdapter()
+    backend = make_backend(adapter, path="curl")
+    credentials = _TokenCredentials()
+
+    async def main():
+        info = await backend.stat("k")
+        await backend._curl_usable()
+        backend._downloads.credentials, backend._downloads.anonymous = credentials, False
+        adapter.accepted = "token-1"
+        got = {}
+
+        async def read(i):
+            got[i] = await backend.read_range("k", i * 1000, i * 1000 + 1000, info.version)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(read, i)
+        assert credentials.refreshes_count == 1 and all(got[i] == data[i * 1000:i * 1000 + 1000] for i in got)
+        adapter.accepted = "token-2"  # token-1 revoked
+        assert await backend.read_range("k", 0, 10, info.version) == data[:10]
+        assert credentials.refreshes_count == 2 and adapter.seen[-2:] == ["Bearer token-1", "Bearer token-2"]
+        adapter.accepted = "never"
+        with pytest.raises(errors.AccessDenied):
+            await backend.read_range("k", 0, 10, info.version)
+        assert backend.get_paths["curl"] == 10 and not backend.get_paths["threads"]
+
+    trio.run(main)

@@ -54,6 +54,9 @@ def test_mixed_tree_copies_out_byte_identical(gcs_server, gcs_bucket, mount_fact
     files = {k[len("ds/"):]: v for k, v in objects.items() if not k.endswith("/")}
     assert_tree_copies_out(m, files, out)
     assert (out / "marker-only").is_dir() and os.listdir(out / "marker-only") == []
+    stats = m.stats()
+    # Small files and read-ahead parts up to 2 MiB on libcurl's engine, larger parts on threads.
+    assert stats["backend.get_path.curl"] >= 8 and stats["backend.get_path.threads"] >= 1
 
 
 def test_listing_of_3000_entries_is_complete_and_in_order(gcs_server, gcs_bucket, mount_factory):
