@@ -30,7 +30,7 @@ BODY_BYTES = 2000
 TRICKLE_GAP_S = 0.05  # a byte every 50 ms: 100 s for the body, never a 1 s silence
 READ_TIMEOUT_S = 1.0
 ATTEMPTS_COUNT = 2
-KINDS = ["s3-curl", "s3-lean", "s3-lean-into", "s3-sdk", "gcs"]
+KINDS = ["s3-curl", "s3-lean", "s3-lean-into", "s3-sdk", "gcs-curl", "gcs-threads"]
 
 
 @contextlib.contextmanager
@@ -97,9 +97,11 @@ def _config(scheme: str, endpoint: str) -> Config:
 
 
 def _backend(kind: str, endpoint: str):
-    """s3-curl: small GETs on curl_engine; s3-lean(-into): on urllib3 threads; s3-sdk: the boto3 client."""
-    if kind == "gcs":
-        return GCSBackend(_config("gs", endpoint))
+    """s3-curl, gcs-curl: small GETs on curl_engine; s3-lean(-into): on urllib3 threads;
+    s3-sdk: the boto3 client; gcs-threads: the library's session on threads."""
+    if kind.startswith("gcs"):
+        backend = GCSBackend(_config("gs", endpoint))
+        return backend if kind == "gcs-curl" else without_curl(backend)
     session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
                                     region_name="us-east-1")
     backend = S3Backend(_config("s3", endpoint), session=session)
@@ -114,7 +116,7 @@ def test_a_trickling_body_ends_in_an_error_within_its_bound(kind, monkeypatch):
     bound_s = ATTEMPTS_COUNT * (READ_TIMEOUT_S + BODY_BYTES / 2000) + 1.0  # + backoff and slack
     with trickling_store() as (endpoint, answered):
         backend = _backend(kind, endpoint)
-        version = "1" if kind == "gcs" else "v1"
+        version = "1" if kind.startswith("gcs") else "v1"
 
         async def read():
             with trio.fail_after(bound_s + 10):  # (the test's own guard: a hang fails here)
@@ -152,7 +154,7 @@ def test_a_short_answer_of_the_pinned_version_is_retried_not_stale(kind):
     retry (found by the session-15 fault fuzzer: 271 ESTALEs in one run)."""
     with short_then_whole_store() as (endpoint, answered):
         backend = _backend(kind, endpoint)
-        version = "1" if kind == "gcs" else "v1"
+        version = "1" if kind.startswith("gcs") else "v1"
 
         async def read():
             with trio.fail_after(20):
@@ -206,7 +208,7 @@ def test_a_small_range_of_a_huge_object_from_a_server_that_ignores_range_stays_s
     expected = (piece * 4)[start:end]
     with store as (endpoint, answered):
         backend = _backend(kind, endpoint)
-        version = "1" if kind == "gcs" else "v1"
+        version = "1" if kind.startswith("gcs") else "v1"
 
         async def read():
             with trio.fail_after(20):
