@@ -354,9 +354,22 @@ def test_the_daemon_leaves_the_callers_directory_and_relative_paths_work(rclone_
 
 
 # -- logging and signals (session 15 review) ----------------------------------------
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _child_pids(pid: int) -> list:
+    """The forked daemons of `bucketfs mount` (pid): children running its own command
+    line. Not every child: an import runs `/sbin/ldconfig -p` (ctypes.util.find_library)
+    before the fork, and a test that took it for the daemon found no log (one CI run)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+        children = [int(p) for p in f.read().split()]
+    own = _cmdline(pid)
+    return [child for child in children if own and _cmdline(child) == own]
 
 
 def _pid_is_gone(pid: int) -> bool:
