@@ -81,7 +81,7 @@ class _Collector:
         # bucketfs_backend_failures (a result label here could only ever say "ok").
         yield _by_label(snap, "backend.requests.", "bucketfs_backend_requests", "Requests sent to the store by type", "type")
         yield _by_label(snap, "backend.get_path.", "bucketfs_backend_gets",
-                        "GETs by the way they went (S3: curl for small ones, threads for read-ahead parts)", "path")
+                        "GETs by the way they went (curl for small ones, threads for read-ahead parts)", "path")
         yield _by_label(snap, "backend.failures.", "bucketfs_backend_failures", "Failed store requests (after retries) by error", "error")
         yield CounterMetricFamily("bucketfs_backend_retries", "Retried store requests (throttling, 5xx, resets)", value=snap.get("backend.retries", 0))
         yield _by_label(snap, "fuse.", "bucketfs_fuse_requests", "Requests from the kernel by FUSE operation", "op")
@@ -91,10 +91,14 @@ class _Collector:
 def _by_label(snap: dict, prefix: str, name: str, help_text: str, label: str) -> CounterMetricFamily:
     """One counter family from the snapshot's keys `prefix` + label value."""
     family = CounterMetricFamily(name, help_text, labels=[label])
-    for key, value in snap.items():
-        if key.startswith(prefix):
-            family.add_metric([key[len(prefix):]], value)
+    for label_value, value in _under(snap, prefix).items():
+        family.add_metric([label_value], value)
     return family
+
+
+def _under(snap: dict, prefix: str) -> dict:
+    """{rest of the key: value} of the snapshot's keys that start with `prefix`."""
+    return {key[len(prefix):]: value for key, value in snap.items() if key.startswith(prefix)}
 
 
 def start_metrics_server(address: str, port: int, snapshot_on_trio_thread) -> None:
@@ -118,9 +122,8 @@ def format_stats(snapshot: dict) -> str:
     """A human summary for `bucketfs stats`."""
     mib = 1024 * 1024
     get = snapshot.get
-    reqs = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.requests.")}
-    failures = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.failures.")}
-    get_paths = {k.split(".")[2]: v for k, v in snapshot.items() if k.startswith("backend.get_path.")}
+    reqs, failures = _under(snapshot, "backend.requests."), _under(snapshot, "backend.failures.")
+    get_paths = _under(snapshot, "backend.get_path.")
     # Counted in blocks, not requests: one GET fetches a run of missing blocks. Misses
     # are bucketfs_cache_misses; blocks that waited on a GET already started are apart.
     hits, misses, joined = get("cache.hits", 0), get("cache.misses", 0), get("cache.shared_misses", 0)

@@ -120,8 +120,8 @@ class Backend(abc.ABC):
     def __init__(self) -> None:
         self.requests: collections.Counter = collections.Counter()
         self.bytes_fetched = 0
-        # GETs by the way they went, where a backend has more than one (S3: "curl" or
-        # "threads"); the counters show which one a mount's reads take.
+        # GETs by the way they went, where a backend has more than one (S3 and GCS:
+        # "curl" or "threads"); the counters show which one a mount's reads take.
         self.get_paths: collections.Counter = collections.Counter()
 
     @abc.abstractmethod

@@ -33,6 +33,8 @@ from typing import Optional
 
 import trio
 
+from bucketfs.backends.base import body_deadline_s
+
 try:
     import pycurl
 except ImportError:  # an optional speed-up: without it, every GET takes the urllib3 path
@@ -40,6 +42,10 @@ except ImportError:  # an optional speed-up: without it, every GET takes the url
 
 log = logging.getLogger(__name__)
 
+# GETs up to this size go through this engine (small files, random-read blocks): their
+# cost is per request. Read-ahead parts (8 MiB) stay on the urllib3 path, which
+# receives them into their buffers without curl's one copy. (S3 and GCS alike.)
+SMALL_GET_MAX_BYTES = 2 * 1024 * 1024
 # Bytes per receive callback: a 100 KB body in one or two Python calls, not seven.
 RECEIVE_BUFFER_BYTES = 512 * 1024
 # An error answer's body (S3's XML) is kept this far: enough for its Code and Message.
@@ -69,6 +75,14 @@ class Transfer:
     _body_seen_bytes: int = 0
     _ended_early: bool = False  # the buffer is full: the rest of a whole-object answer is not wanted
     _overflow: bool = False
+
+    @classmethod
+    def ranged(cls, url: str, headers: dict, buffer: bytearray, start: int, read_timeout_s: float) -> "Transfer":
+        """The GET of `len(buffer)` bytes from `start`, `headers` sent as they are, with
+        one deadline for the whole attempt (first byte, then the body at the slowest
+        rate read_body accepts); connecting is bounded on its own as well."""
+        timeout_s = body_deadline_s(read_timeout_s, len(buffer)) - time.monotonic()
+        return cls(url, [f"{name}: {value}" for name, value in headers.items()], buffer, start, timeout_s)
 
     # -- callbacks, on the engine's thread ---------------------------------------
     def on_header(self, line: bytes) -> None:

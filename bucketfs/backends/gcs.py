@@ -44,7 +44,7 @@ from google.cloud import storage
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     gone_message, lists_entries, read_range_body)
-from bucketfs.backends.curl_engine import CurlEngine
+from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
 from bucketfs.config import Config
 
@@ -57,9 +57,6 @@ _LIST_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
 # where every attempt waits for the whole connect timeout.
 _PROBE_DEADLINE_S = 30.0
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-# GETs up to this size go through curl_engine (small files, random-read blocks), as
-# for S3 (s3.CURL_MAX_BYTES): their cost is per request.
-CURL_MAX_BYTES = 2 * 1024 * 1024
 
 # Throttling and server-side failures, by HTTP status (408 has no class of its own).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -260,7 +257,7 @@ class GCSBackend(Backend):
 
         self.requests["get"] += 1
         try:
-            if self.curl is not None and end - start <= CURL_MAX_BYTES and await self._curl_usable():
+            if self.curl is not None and end - start <= SMALL_GET_MAX_BYTES and await self._curl_usable():
                 self.get_paths["curl"] += 1
                 result = await self.caller.run(f"GET {key}", self._fetch_curl, key, start, end, generation, object_bytes)
             else:

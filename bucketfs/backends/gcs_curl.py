@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Optional
 from urllib.parse import quote
 
@@ -32,7 +31,6 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from bucketfs.backends.base import body_deadline_s
 from bucketfs.backends.curl_engine import Transfer
 
 _PLACEHOLDER_KEY = "bucketfs-placeholder"
@@ -83,9 +81,7 @@ class CurlDownloads:
         headers = {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "gzip"}
         if not self.anonymous:
             self.credentials.apply(headers)  # Authorization, and x-goog-user-project if set
-        timeout_s = body_deadline_s(self.read_timeout_s, end - start) - time.monotonic()
-        return Transfer(self.url(key, generation), [f"{name}: {value}" for name, value in headers.items()],
-                        buffer, start, timeout_s)
+        return Transfer.ranged(self.url(key, generation), headers, buffer, start, self.read_timeout_s)
 
 
 def refused(transfer: Transfer) -> gexc.GoogleAPICallError:

@@ -39,7 +39,7 @@ from botocore import UNSIGNED
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
-from bucketfs.backends.curl_engine import CurlEngine
+from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.config import Config
 
@@ -74,10 +74,6 @@ _TRANSIENT_EXCEPTIONS = (
 # Failures to reach the endpoint at all: check_bucket reports these as EndpointUnreachable.
 _UNREACHABLE_EXCEPTIONS = (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectTimeoutError)
 _USERINFO_RE = re.compile(r"//[^/@\s]+@")
-# GETs up to this size go through curl_engine (small files, random-read blocks): their
-# cost is per request. Read-ahead parts (8 MiB) stay on the urllib3 path, which
-# receives them into their buffers without curl's one copy.
-CURL_MAX_BYTES = 2 * 1024 * 1024
 
 
 def _scrub(text: str) -> str:
@@ -314,7 +310,7 @@ class S3Backend(Backend):
         # has let go of it.
         what = f"GET {key!r} [{start}, {end})"
         try:
-            if self.curl is not None and self.lean.usable and end - start <= CURL_MAX_BYTES:
+            if self.curl is not None and self.lean.usable and end - start <= SMALL_GET_MAX_BYTES:
                 self.get_paths["curl"] += 1
                 got_bytes = await self.caller.run(what, self._get_curl, key, start, end, version, into, object_bytes)
             else:

@@ -277,11 +277,8 @@ class LeanS3:
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        headers = self._headers(url, self._range_headers(start, end, version))
-        # One deadline for the whole attempt (first byte, then the body at the slowest
-        # rate read_body accepts); connecting is bounded on its own as well.
-        timeout_s = body_deadline_s(self.read_timeout_s, end - start) - time.monotonic()
-        return Transfer(url, [f"{name}: {value}" for name, value in headers.items()], buffer, start, timeout_s)
+        return Transfer.ranged(url, self._headers(url, self._range_headers(start, end, version)), buffer, start,
+                               self.read_timeout_s)
 
     def answer_of(self, transfer: Transfer) -> Optional[tuple]:
         """get()'s answer for a finished transfer (`body`: the bytes received into its
