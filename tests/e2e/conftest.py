@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from tests.e2e.counting_proxy import CountingProxy, counting_proxy
+from tests.counting_proxy import CountingProxy, counting_proxy
 from tests.mounting import bucketfs_mount
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -6,7 +6,8 @@ request unchanged (the Host header too, so SigV4 signatures still verify) and re
 store for, from outside the mount, e.g. "the second epoch made no GETs".
 
 Responses are read whole and re-sent with a Content-Length: fine for test datasets of
-a few MB, not a general-purpose proxy.
+a few MB, not a general-purpose proxy. A subclass may answer otherwise (`answer`:
+tests/fault_proxy.py breaks some answers).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class CountingProxy:
             def _forward(self):
                 split = urllib.parse.urlsplit(self.path)
                 proxy._record(Request(self.command, urllib.parse.unquote(split.path), split.query))
+                proxy.answer(self)
+
+            def relay(self) -> tuple:
+                """(response, body) of this request, asked of the upstream server."""
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -75,11 +80,14 @@ class CountingProxy:
                 try:
                     upstream.request(self.command, self.path, body=body, headers=headers)
                     response = upstream.getresponse()
-                    data = response.read()
+                    return response, response.read()
                 except (OSError, http.client.HTTPException):
                     upstream.close()
                     self._upstream = None
                     raise
+
+            def send_head(self, response, data: bytes) -> None:
+                """The upstream's status and headers, with the Content-Length of `data`."""
                 self.send_response_only(response.status, response.reason)
                 for key, value in response.getheaders():
                     if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
@@ -88,8 +96,6 @@ class CountingProxy:
                 self.send_header("Content-Length", response.getheader("Content-Length", "0")
                                  if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
@@ -100,6 +106,13 @@ class CountingProxy:
                     upstream.close()
 
         return Handler
+
+    def answer(self, handler) -> None:
+        """Answer one request (a subclass may answer otherwise): relayed unchanged."""
+        response, data = handler.relay()
+        handler.send_head(response, data)
+        if handler.command != "HEAD":
+            handler.wfile.write(data)
 
     def start(self) -> None:
         threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True).start()

@@ -1,0 +1,104 @@
+"""An HTTP proxy in front of a local store (S3, or the GCS emulator) that breaks some answers.
+
+While `faulty` is set, each GET (object reads and LISTs alike) is, with probability
+`fault_rate` (a seeded draw), answered by one of the ways a real store or network
+path fails (`FAULT_KINDS`), taken in turn, so any six faults include every kind:
+
+- `slowdown`: 503 SlowDown, the throttling answer S3 gives under load;
+- `internal`: 500 InternalError;
+- `reset-mid-body`: the real status and headers (Content-Length included), part of
+  the body, then a TCP reset;
+- `cut-mid-body`: the same, then an orderly close (FIN): a body shorter than its
+  Content-Length, which a client that does not check lengths takes for the whole;
+- `reset-before-answer`: the request is read, then a reset, no answer at all;
+- `stall`: nothing for `stall_s` (longer than the mount's --read-timeout), then a close.
+
+Everything else is relayed unchanged, and every request is counted, by
+tests/counting_proxy.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+import socket
+import struct
+import threading
+import time
+from typing import Iterator
+
+from tests.counting_proxy import CountingProxy
+
+FAULT_KINDS = ("slowdown", "internal", "reset-mid-body", "cut-mid-body", "reset-before-answer", "stall")
+_ERROR_ANSWERS = {
+    "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "internal": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+}
+
+
+class FaultProxy(CountingProxy):
+    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float):
+        super().__init__(upstream_url)
+        self.fault_rate, self.stall_s = fault_rate, stall_s
+        self.faulty = threading.Event()  # set: break answers; clear: relay everything
+        self.injected = collections.Counter()  # fault kind -> times injected
+        self._rng = random.Random(seed)
+        self._draw_lock = threading.Lock()
+
+    def _draw(self) -> tuple:
+        """(fault kind or None, where a body is cut as a fraction of it), under a lock so
+        the draws depend on the seed and the order of requests only."""
+        with self._draw_lock:
+            kind = None
+            if self.faulty.is_set() and self._rng.random() < self.fault_rate:
+                kind = FAULT_KINDS[sum(self.injected.values()) % len(FAULT_KINDS)]
+                self.injected[kind] += 1
+            return kind, self._rng.random()
+
+    def answer(self, handler) -> None:
+        kind, cut_fraction = self._draw() if handler.command == "GET" else (None, 0.0)
+        if kind is None:
+            super().answer(handler)
+        elif kind == "stall":
+            time.sleep(self.stall_s)  # the fault itself: a server that says nothing
+            handler.close_connection = True
+        elif kind == "reset-before-answer":
+            _reset(handler)
+        elif kind in _ERROR_ANSWERS:
+            _error_answer(handler, *_ERROR_ANSWERS[kind])
+        else:  # a body cut short
+            response, data = handler.relay()
+            handler.send_head(response, data)
+            handler.wfile.write(data[: int(len(data) * cut_fraction)])
+            if kind == "reset-mid-body":
+                _reset(handler)
+            handler.close_connection = True
+
+
+def _reset(handler) -> None:
+    """End the connection with a TCP reset (SO_LINGER 0) rather than a FIN."""
+    handler.wfile.flush()
+    handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    handler.close_connection = True
+
+
+def _error_answer(handler, status: int, reason: str, code: str, message: str) -> None:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message></Error>").encode()
+    handler.send_response_only(status, reason)
+    handler.send_header("Content-Type", "application/xml")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream_url: str, fault_rate: float, seed: int, stall_s: float) -> Iterator[FaultProxy]:
+    """A running FaultProxy (faults off until `proxy.faulty.set()`); always stopped."""
+    proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

@@ -1,0 +1,190 @@
+"""A store that fails one answer in five, through a real mount: throttling (503),
+internal errors (500), bodies cut short by a reset or by an orderly close, connections
+reset before any answer, and answers that never come. Readers of every kind (whole
+small files, shard streams, random preads, directory walks) must get every byte right,
+with no short read, no missing directory entry and no error: each fault is one failed
+attempt, and the mount's retries absorb it. Then, with the store healthy and the page
+cache dropped, what the daemon kept is read again and must be right too.
+"""
+
+import errno
+import os
+import random
+import threading
+
+import pytest
+
+from tests.fault_proxy import FAULT_KINDS, fault_proxy
+
+pytestmark = pytest.mark.integration
+
+MiB = 1024 * 1024
+FAULT_RATE = 0.2
+SEED = 20261123
+READ_TIMEOUT_S = 1
+STALL_S = READ_TIMEOUT_S + 0.5  # a stalled answer outlasts the mount's read timeout
+# 8 attempts at one fault in five: a read fails only if 8 attempts in a row do (~3e-6).
+ATTEMPTS = 8
+CLASSES, FILES_PER_CLASS = 3, 40
+SHARDS, SHARD_BYTES = 2, 12 * MiB
+RANDOM_PREADS_PER_THREAD = 60
+
+
+def dataset() -> dict:
+    rng = random.Random(SEED)
+    files = {}
+    for c in range(CLASSES):
+        for i in range(FILES_PER_CLASS):
+            files[f"train/class{c}/img{i:03d}.jpg"] = rng.randbytes(rng.randrange(20_000, 300_000))
+    for s in range(SHARDS):
+        files[f"shards/shard-{s:06d}.tar"] = rng.randbytes(SHARD_BYTES + s * 12345)
+    return files
+
+
+class Readers:
+    """Runs reader functions in threads; collects what went wrong instead of raising in them."""
+
+    def __init__(self):
+        self.problems: list = []
+        self.errnos: list = []
+        self._lock = threading.Lock()
+
+    def problem(self, text: str) -> None:
+        with self._lock:
+            self.problems.append(text)
+
+    def run(self, *targets) -> None:
+        def guarded(fn, *args):
+            try:
+                fn(*args)
+            except OSError as exc:
+                with self._lock:
+                    self.errnos.append(errno.errorcode.get(exc.errno, exc.errno))
+                    self.problems.append(f"{fn.__name__}: {exc!r}")
+            except Exception as exc:  # noqa: BLE001 - reported by the test thread
+                self.problem(f"{fn.__name__}: {exc!r}")
+
+        threads = [threading.Thread(target=guarded, args=target, daemon=True) for target in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+            if t.is_alive():
+                self.problem(f"a reader still blocked after 240 s: {t.name}")
+
+
+def check_whole_files(mount, files: dict, keys: list, readers: Readers) -> None:
+    for key in keys:
+        with open(mount.path(key), "rb") as f:
+            data = f.read()
+        if data != files[key]:
+            readers.problem(f"{key}: {len(data)} bytes, wrong" if len(data) == len(files[key]) else
+                            f"{key}: {len(data)} bytes of {len(files[key])}")
+
+
+def stream_shard(mount, files: dict, key: str, readers: Readers) -> None:
+    expected = files[key]
+    with open(mount.path(key), "rb", buffering=0) as f:
+        offset = 0
+        while True:
+            chunk = f.read(1 * MiB)
+            if not chunk:
+                break
+            if chunk != expected[offset:offset + len(chunk)]:
+                readers.problem(f"{key}: wrong bytes at {offset}")
+                return
+            offset += len(chunk)
+    if offset != len(expected):
+        readers.problem(f"{key}: stream ended at {offset} of {len(expected)}")
+
+
+def random_preads(mount, files: dict, keys: list, seed: int, readers: Readers) -> None:
+    rng = random.Random(seed)
+    fds = {key: os.open(mount.path(key), os.O_RDONLY) for key in keys}
+    try:
+        for _ in range(RANDOM_PREADS_PER_THREAD):
+            key = rng.choice(keys)
+            size = rng.randrange(4096, 65536)
+            offset = rng.randrange(0, len(files[key]) - size)
+            data = os.pread(fds[key], size, offset)
+            if data != files[key][offset:offset + size]:
+                readers.problem(f"{key}: pread of {size} at {offset} gave {len(data)} bytes, wrong")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def walk(mount, files: dict, readers: Readers) -> None:
+    seen = set()
+    def failed(exc: OSError) -> None:
+        readers.problem(f"walk: {exc!r}")
+
+    for dirpath, _dirs, names in os.walk(mount.path(), onerror=failed):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            key = os.path.relpath(path, mount.path())
+            if os.stat(path).st_size != len(files.get(key, b"")):
+                readers.problem(f"{key}: size {os.stat(path).st_size}, listed {len(files.get(key, b''))}")
+            seen.add(key)
+    if seen != set(files):
+        readers.problem(f"walk: missing {sorted(set(files) - seen)[:5]}, extra {sorted(seen - set(files))[:5]}")
+
+
+def all_readers(mount, files: dict, readers: Readers) -> list:
+    small = sorted(k for k in files if k.startswith("train/"))
+    shards = sorted(k for k in files if k.startswith("shards/"))
+    random.Random(SEED).shuffle(small)
+    return ([(walk, mount, files, readers)]
+            + [(check_whole_files, mount, files, small[i::4], readers) for i in range(4)]
+            + [(stream_shard, mount, files, key, readers) for key in shards]
+            + [(random_preads, mount, files, shards, SEED + i, readers) for i in range(2)])
+
+
+def drop_page_cache() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False  # not root: the second pass may be served by the page cache
+
+
+@pytest.fixture(params=["s3", pytest.param("gcs", marks=pytest.mark.gcs)])
+def seeded_store(request):
+    """(server, bucket) holding dataset()."""
+    files = dataset()
+    if request.param == "s3":
+        server = request.getfixturevalue("rclone_server")
+        bucket = request.getfixturevalue("s3_bucket")
+        server.write_files(bucket, files)
+    else:
+        server = request.getfixturevalue("gcs_server")
+        bucket = server.new_bucket()
+        server.put_many(bucket, files)
+    return server, bucket
+
+
+@pytest.mark.timeout(300)
+def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_store, mount_factory):
+    server, bucket = seeded_store
+    files = dataset()
+    with fault_proxy(server.endpoint_url, FAULT_RATE, SEED, STALL_S) as proxy:
+        m = mount_factory(server, bucket, "", "--retries", str(ATTEMPTS), "--read-timeout", str(READ_TIMEOUT_S),
+                          "--connect-timeout", "1", "--max-connections", "8", "--part-size", "2M",
+                          endpoint_url=proxy.url)
+        proxy.faulty.set()
+        readers = Readers()
+        readers.run(*all_readers(m, files, readers))
+        proxy.faulty.clear()
+        assert not readers.problems, f"{len(readers.problems)} problems (errnos {readers.errnos}): {readers.problems[:5]}"
+        # Every kind of fault happened (they are taken in turn), and was retried.
+        assert all(proxy.injected[kind] >= 2 for kind in FAULT_KINDS), proxy.injected
+        stats = m.stats()
+        assert stats["backend.retries"] >= sum(proxy.injected.values()) // 2, (stats["backend.retries"], proxy.injected)
+
+        # What the daemon kept (block cache, listings) is right too.
+        drop_page_cache()
+        again = Readers()
+        again.run(*all_readers(m, files, again))
+        assert not again.problems, again.problems[:5]
+        assert m.proc.poll() is None, "the daemon died"
