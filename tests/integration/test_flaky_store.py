@@ -1,6 +1,7 @@
 """A store that fails one answer in five, through a real mount: throttling (503),
 internal errors (500), bodies cut short by a reset or by an orderly close, connections
-reset before any answer, and answers that never come. Readers of every kind (whole
+reset before any answer, and answers that never come, under a 16 MiB memory budget
+(failed parts must give their memory back). Readers of every kind (whole
 small files, shard streams, random preads, directory walks) must get every byte right,
 with no short read, no missing directory entry and no error: each fault is one failed
 attempt, and the mount's retries absorb it. Then, with the store healthy and the page
@@ -170,7 +171,7 @@ def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_sto
     files = dataset()
     with fault_proxy(server.endpoint_url, FAULT_RATE, SEED, STALL_S) as proxy:
         m = mount_factory(server, bucket, "", "--retries", str(ATTEMPTS), "--read-timeout", str(READ_TIMEOUT_S),
-                          "--connect-timeout", "1", "--max-connections", "8", "--part-size", "2M",
+                          "--connect-timeout", "1", "--max-connections", "8", "--part-size", "2M", "--max-memory", "16M",
                           endpoint_url=proxy.url)
         proxy.faulty.set()
         readers = Readers()
