@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import sys
 import threading
 import urllib.parse
 from typing import Iterator, List, NamedTuple
@@ -33,14 +34,22 @@ class Request(NamedTuple):
         return self.method == "GET" and self.path.count("/") >= 2 and not self.path.endswith("/")
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # the client hung up (a cancelled read): nothing to report
+        super().handle_error(request, client_address)
+
+
 class CountingProxy:
     def __init__(self, upstream_url: str):
         parsed = urllib.parse.urlsplit(upstream_url)
         self.upstream = (parsed.hostname, parsed.port)
         self._lock = threading.Lock()
         self._requests: List[Request] = []
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler_class())
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     @property

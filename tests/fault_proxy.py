@@ -13,6 +13,7 @@ path fails (`FAULT_KINDS`), taken in turn, so any six faults include every kind:
 - `reset-before-answer`: the request is read, then a reset, no answer at all;
 - `stall`: nothing for `stall_s` (longer than the mount's --read-timeout), then a close.
 
+`delay_s` holds every GET that long first (a slow store, faults or not).
 Everything else is relayed unchanged, and every request is counted, by
 tests/counting_proxy.py.
 """
@@ -38,9 +39,9 @@ _ERROR_ANSWERS = {
 
 
 class FaultProxy(CountingProxy):
-    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float):
+    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float, delay_s: float = 0.0):
         super().__init__(upstream_url)
-        self.fault_rate, self.stall_s = fault_rate, stall_s
+        self.fault_rate, self.stall_s, self.delay_s = fault_rate, stall_s, delay_s
         self.faulty = threading.Event()  # set: break answers; clear: relay everything
         self.injected = collections.Counter()  # fault kind -> times injected
         self._rng = random.Random(seed)
@@ -58,6 +59,8 @@ class FaultProxy(CountingProxy):
 
     def answer(self, handler) -> None:
         kind, cut_fraction = self._draw() if handler.command == "GET" else (None, 0.0)
+        if self.delay_s and handler.command == "GET":
+            time.sleep(self.delay_s)  # a slow store: requests stay in flight for a while
         if kind is None:
             super().answer(handler)
         elif kind == "stall":
@@ -94,9 +97,10 @@ def _error_answer(handler, status: int, reason: str, code: str, message: str) ->
 
 
 @contextlib.contextmanager
-def fault_proxy(upstream_url: str, fault_rate: float, seed: int, stall_s: float) -> Iterator[FaultProxy]:
+def fault_proxy(upstream_url: str, fault_rate: float = 0.0, seed: int = 0, stall_s: float = 0.0,
+                delay_s: float = 0.0) -> Iterator[FaultProxy]:
     """A running FaultProxy (faults off until `proxy.faulty.set()`); always stopped."""
-    proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s)
+    proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s, delay_s)
     proxy.start()
     try:
         yield proxy

@@ -264,6 +264,9 @@ class Filesystem:
         if handle is None:
             return
         if handle.pinned:
+            # A READ of this handle may still be in progress (a killed reader's file is
+            # released without waiting for it): it must not unpin a second time.
+            handle.pinned = False
             self.cache.unpin(handle.key, handle.version)
         if handle.reader is not None:
             handle.reader.close()

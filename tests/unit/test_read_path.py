@@ -509,6 +509,31 @@ def test_reclaims_that_find_only_pinned_files_do_not_walk_them_again_and_again()
     assert freed_after_release == 3 * MiB and freed_after_lapse == 3 * MiB
 
 
+def test_a_read_that_ends_after_its_handle_was_released_leaves_the_other_handles_pin():
+    """A killed reader's file is released while its READ is still in the daemon (the
+    kernel does not wait for it). That READ then reads the file to its end, which is
+    where a handle lets go of its pin: released, it must not let go a second time,
+    taking another reader's pin and leaving that reader's file to eviction."""
+    files = {"a.jpg": blob(1 * MiB, 1)}
+    backend = MemoryBackend(files, delay_s=0.02)
+
+    async def body(fs):
+        ino = (await resolve(fs, "a.jpg")).ino
+        killed, other = await fs.open(ino, 0), await fs.open(ino, 0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.read, killed, 0, 1 * MiB)
+            await trio.testing.wait_all_tasks_blocked()  # the READ waits for the GET
+            fs.release(killed)
+        freed_bytes = fs.cache.evict(1 * MiB)  # the other handle's file is pinned: nothing
+        data = await read_through_bytes(fs, other, 1 * MiB)
+        fs.release(other)
+        return freed_bytes, data
+
+    freed_bytes, data = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), list_ahead_count=0)
+    assert freed_bytes == 0
+    assert data == files["a.jpg"]
+
+
 async def cached(fs, n_bytes):
     """Until the block cache holds `n_bytes` (a condition polled in trio's mock time)."""
     while fs.cache.cached_bytes < n_bytes:
