@@ -183,7 +183,7 @@ def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_sto
         stats = m.stats()
         assert stats["backend.retries"] >= sum(proxy.injected.values()) // 2, (stats["backend.retries"], proxy.injected)
 
-        # What the daemon kept (block cache, listings) is right too.
+        # What the daemon kept (listings, blocks the 16 MiB held) and fetches again is right too.
         drop_page_cache()
         again = Readers()
         again.run(*all_readers(m, files, again))
