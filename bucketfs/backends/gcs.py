@@ -104,13 +104,26 @@ def _is_storage_404(exc: Optional[BaseException]) -> bool:
     return not body or body.startswith("{")
 
 
-def _mtime_ns(updated: Optional[datetime.datetime]) -> int:
+def _mtime_ns(updated: Optional[str]) -> int:
+    """An RFC 3339 time as GCS writes it ("2024-05-01T12:00:00.123Z") in ns since the epoch.
+    datetime.fromisoformat (C; 'Z' and any number of fraction digits since Python 3.11,
+    those past microseconds dropped, as the library drops them) instead of the library's
+    strptime: 20 us an entry, two thirds of a listing's CPU."""
+    if not updated:
+        return 0
     # Integer arithmetic: a float timestamp loses the microseconds GCS reports.
-    return 0 if updated is None else (updated - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+    return (datetime.datetime.fromisoformat(updated) - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
 
 
-def _info(blob: storage.Blob) -> ObjectInfo:
-    return ObjectInfo(blob.name, int(blob.size or 0), _mtime_ns(blob.updated), str(blob.generation))
+def _info(resource: dict) -> ObjectInfo:
+    """An object's ObjectInfo from its JSON resource (a listing item, or a Blob's
+    `_properties`): no Blob object per listed entry."""
+    return ObjectInfo(resource["name"], int(resource.get("size") or 0), _mtime_ns(resource.get("updated")),
+                      str(resource.get("generation")))
+
+
+def _item_as_is(_iterator, item: dict) -> dict:
+    return item
 
 
 class GCSBackend(Backend):
@@ -198,8 +211,9 @@ class GCSBackend(Backend):
             iterator = bucket.client.list_blobs(
                 bucket, prefix=prefix or None, delimiter="/", page_size=_PAGE_SIZE_COUNT,
                 page_token=token, fields=_LIST_FIELDS, retry=None, timeout=self._timeout_s)
+            iterator.item_to_value = _item_as_is  # the items' JSON, not a Blob each (most of the CPU)
             page = next(iterator.pages)  # exactly one request: the caller drives paging
-            return [_info(blob) for blob in page], sorted(page.prefixes), iterator.next_page_token
+            return [_info(item) for item in page], sorted(page.prefixes), iterator.next_page_token
 
         self.requests["list"] += 1
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
@@ -213,7 +227,7 @@ class GCSBackend(Backend):
 
     async def stat(self, key: str) -> ObjectInfo:
         self.requests["head"] += 1
-        return await self.caller.call(f"stat {key}", lambda: _info(self._reload_blocking(key)))
+        return await self.caller.call(f"stat {key}", lambda: _info(self._reload_blocking(key)._properties))
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         if end <= start:
