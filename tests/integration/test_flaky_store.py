@@ -1,6 +1,6 @@
 """A store that fails one answer in five, through a real mount: throttling (503),
 internal errors (500), bodies cut short by a reset or by an orderly close, connections
-reset before any answer, and answers that never come, under a 16 MiB memory budget
+reset before any answer, and answers that never come (listing pages too), under a 16 MiB memory budget
 (failed parts must give their memory back). Readers of every kind (whole
 small files, shard streams, random preads, directory walks) must get every byte right,
 with no short read, no missing directory entry and no error: each fault is one failed
@@ -29,6 +29,7 @@ ATTEMPTS = 8
 CLASSES, FILES_PER_CLASS = 3, 40
 SHARDS, SHARD_BYTES = 2, 12 * MiB
 RANDOM_PREADS_PER_THREAD = 60
+LISTED_PAGES_ENTRIES = 2500  # 3 S3 LIST pages of 1,000 (the GCS emulator answers in one)
 
 
 def dataset() -> dict:
@@ -39,6 +40,8 @@ def dataset() -> dict:
             files[f"train/class{c}/img{i:03d}.jpg"] = rng.randbytes(rng.randrange(20_000, 300_000))
     for s in range(SHARDS):
         files[f"shards/shard-{s:06d}.tar"] = rng.randbytes(SHARD_BYTES + s * 12345)
+    for i in range(LISTED_PAGES_ENTRIES):  # a listing of several pages, each of which may fail
+        files[f"flat/f{i:05d}"] = b"%d" % i
     return files
 
 
