@@ -1,8 +1,8 @@
 """A store that fails one answer in five, through a real mount: throttling (503),
 internal errors (500), bodies cut short by a reset or by an orderly close, connections
-reset before any answer, and answers that never come (listing pages too), under a 16 MiB memory budget
-(failed parts must give their memory back). Readers of every kind (whole
-small files, shard streams, random preads, directory walks) must get every byte right,
+reset before any answer, and answers that never come (listing pages too), under a
+16 MiB memory budget (failed parts must give their memory back). Readers of every kind
+(whole small files, shard streams, random preads, directory walks) must get every byte right,
 with no short read, no missing directory entry and no error: each fault is one failed
 attempt, and the mount's retries absorb it. Then, with the store healthy and the page
 cache dropped, what the daemon kept is read again and must be right too.
