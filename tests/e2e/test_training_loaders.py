@@ -9,9 +9,12 @@ seeded bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import hashlib
 import io
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -33,6 +36,37 @@ except ImportError:
 pytestmark = pytest.mark.e2e
 
 IMAGE_PX = 64
+
+
+@contextlib.contextmanager
+def pinned_in_page_cache(paths):
+    """Every byte of `paths` in the page cache, and kept there (mmap + mlock) for the
+    block: pages read once sit on the kernel's inactive list, and under page-cache
+    pressure (a fresh CI machine that just installed torch) reclaim may drop one
+    between two epochs; that is the kernel's memory policy, not bucketfs's. Pages
+    not cached are read in here, through the mount, before the caller counts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    mapped = []
+    try:
+        for path in paths:
+            size = os.path.getsize(path)
+            if not size:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)  # (the mapping holds the file)
+            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            mapped.append((addr, size))
+            assert libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())
+        yield
+    finally:
+        for addr, size in mapped:
+            libc.munmap(addr, size)  # (munmap unlocks)
 
 
 def _transform():
@@ -161,11 +195,13 @@ def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
     # The kernel's read-ahead READs of epoch 1 (past the last byte a tar reader asks
     # for) may still be on their way: they are epoch 1's, not epoch 2's.
     wait_for(lambda: fuse_requests_waiting(fresh_mount.root) in (0, None), 30, "epoch 1's READs answered")
-    daemon_before = daemon_stats(fresh_mount.root)
-    assert len(_imagefolder_epoch(dataset)) == len(dataset)
-    assert len(_wds_epoch(pattern, shardshuffle=False)) == len(sample_data.wds_sha256)
-    epoch2 = proxy.requests[len(epoch1):]
-    daemon_after = daemon_stats(fresh_mount.root)
+    files = [os.path.join(fresh_mount.root, key) for key in sample_data.objects]
+    with pinned_in_page_cache(files):
+        daemon_before = daemon_stats(fresh_mount.root)
+        assert len(_imagefolder_epoch(dataset)) == len(dataset)
+        assert len(_wds_epoch(pattern, shardshuffle=False)) == len(sample_data.wds_sha256)
+        epoch2 = proxy.requests[len(epoch1):]
+        daemon_after = daemon_stats(fresh_mount.root)
     assert daemon_after.get("fuse.read", 0) == daemon_before.get("fuse.read", 0), "epoch 2's bytes reached the daemon"
     assert daemon_after["fuse.open"] > daemon_before["fuse.open"]  # (the counters do count: every open still reaches it)
 
