@@ -50,6 +50,7 @@ class CountingProxy:
         self._lock = threading.Lock()
         self._requests: List[Request] = []
         self._server = _Server(("127.0.0.1", 0), self._handler_class())
+        self._thread = None
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     @property
@@ -78,11 +79,16 @@ class CountingProxy:
                 proxy._record(Request(self.command, urllib.parse.unquote(split.path), split.query))
                 proxy.answer(self)
 
+            def request_body(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else None
+
+            def forwarded_headers(self) -> dict:
+                return {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+
             def relay(self) -> tuple:
                 """(response, body) of this request, asked of the upstream server."""
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                body, headers = self.request_body(), self.forwarded_headers()
                 upstream = getattr(self, "_upstream", None)
                 if upstream is None:
                     upstream = self._upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
@@ -97,13 +103,18 @@ class CountingProxy:
 
             def send_head(self, response, data: bytes) -> None:
                 """The upstream's status and headers, with the Content-Length of `data`."""
-                self.send_response_only(response.status, response.reason)
-                for key, value in response.getheaders():
+                # HEAD: the object's length as the server gave it; else the body we relay.
+                self.send_answer_head(response.status, response.reason, response.getheaders(),
+                                      response.getheader("Content-Length", "0") if self.command == "HEAD" else len(data))
+
+            def send_answer_head(self, status: int, reason: str, headers, content_length) -> None:
+                """A status line and `headers` (pairs; hop-by-hop ones and any length left
+                out), with this Content-Length."""
+                self.send_response_only(status, reason)
+                for key, value in headers:
                     if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
                         self.send_header(key, value)
-                # HEAD: the object's length as the server gave it; else the body we relay.
-                self.send_header("Content-Length", response.getheader("Content-Length", "0")
-                                 if self.command == "HEAD" else str(len(data)))
+                self.send_header("Content-Length", str(content_length))
                 self.end_headers()
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
@@ -124,11 +135,13 @@ class CountingProxy:
             handler.wfile.write(data)
 
     def start(self) -> None:
-        threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True).start()
+        self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._thread.join(timeout=10)
 
 
 @contextlib.contextmanager

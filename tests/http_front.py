@@ -8,20 +8,18 @@ both paths, over a real socket.
 
 An adapter's ConnectionError becomes a connection closed without an answer (what a
 reset looks like to a client); a body shorter than the Content-Length an adapter set
-is sent as it is, and the connection closed.
+is sent as it is, and the connection closed. The server is tests/counting_proxy.py's,
+with its answer taken from the adapter instead of relayed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.server
-import threading
 from typing import Iterator
 
 import requests
 
-# Hop-by-hop or recomputed: the rest of an adapter's headers are sent as they are.
-_NOT_FORWARDED = frozenset({"connection", "transfer-encoding", "content-length", "keep-alive", "host"})
+from tests.counting_proxy import CountingProxy
 
 
 def _raw_body(response: requests.Response) -> bytes:
@@ -36,54 +34,42 @@ def _raw_body(response: requests.Response) -> bytes:
         return raw.read()
 
 
+class AdapterFront(CountingProxy):
+    """Answers every request as `adapter` answers it, sent on to `upstream_url`."""
+
+    def __init__(self, adapter: requests.adapters.BaseAdapter, upstream_url: str):
+        super().__init__(upstream_url)
+        self.upstream_url = upstream_url.rstrip("/")
+        self.session = requests.Session()
+        self.session.trust_env = False  # (no proxy from the environment between the front and the server)
+        self.session.mount(self.upstream_url, adapter)
+
+    def answer(self, handler) -> None:
+        # Host: requests sets the upstream's own.
+        headers = {k: v for k, v in handler.forwarded_headers().items() if k.lower() != "host"}
+        try:
+            response = self.session.request(handler.command, self.upstream_url + handler.path, headers=headers,
+                                            data=handler.request_body(), stream=True, timeout=30, allow_redirects=False)
+        except requests.ConnectionError:
+            handler.close_connection = True
+            return
+        payload = _raw_body(response)
+        declared = int(response.headers.get("Content-Length", len(payload)))
+        handler.send_answer_head(response.status_code, response.reason, response.headers.items(), declared)
+        if handler.command != "HEAD":
+            handler.wfile.write(payload[:declared])
+        if len(payload) < declared:
+            handler.close_connection = True
+
+
 @contextlib.contextmanager
 def adapter_front(adapter: requests.adapters.BaseAdapter, upstream_url: str) -> Iterator[str]:
     """`with adapter_front(adapter, upstream) as url:` an http:// URL on 127.0.0.1 that
     answers every request as `adapter` answers it, sent on to `upstream`."""
-    upstream_url = upstream_url.rstrip("/")
-    session = requests.Session()
-    session.trust_env = False  # (no proxy from the environment between the front and the server)
-    session.mount(upstream_url, adapter)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *_args) -> None:
-            pass
-
-        def _forward(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else None
-            headers = {name: value for name, value in self.headers.items() if name.lower() not in _NOT_FORWARDED}
-            try:
-                response = session.request(self.command, upstream_url + self.path, headers=headers, data=body,
-                                           stream=True, timeout=30, allow_redirects=False)
-            except requests.ConnectionError:
-                self.close_connection = True
-                return
-            payload = _raw_body(response)
-            declared = int(response.headers.get("Content-Length", len(payload)))
-            self.send_response(response.status_code, response.reason)
-            for name, value in response.headers.items():
-                if name.lower() not in _NOT_FORWARDED:
-                    self.send_header(name, value)
-            self.send_header("Content-Length", str(declared))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(payload[:declared])
-            if len(payload) < declared:
-                self.close_connection = True
-
-        do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="http-front", daemon=True)
-    thread.start()
+    front = AdapterFront(adapter, upstream_url)
+    front.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield front.url
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-        session.close()
+        front.stop()
+        front.session.close()
