@@ -89,10 +89,7 @@ def _reset(handler) -> None:
 def _error_answer(handler, status: int, reason: str, code: str, message: str) -> None:
     body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
             f"<Message>{message}</Message></Error>").encode()
-    handler.send_response_only(status, reason)
-    handler.send_header("Content-Type", "application/xml")
-    handler.send_header("Content-Length", str(len(body)))
-    handler.end_headers()
+    handler.send_answer_head(status, reason, [("Content-Type", "application/xml")], len(body))
     handler.wfile.write(body)
 
 
