@@ -1,18 +1,21 @@
 """Randomized differential test of the read path: many seeded scenarios, each a random
 configuration (block, part and small-file sizes, memory budget, read-ahead widths,
 the disk cache on or off), a random set of files around those sizes, and concurrent
-readers with the patterns loaders and the kernel produce (streams in kernel-sized
-READs, several READs of one handle in flight at once as kernel read-ahead sends them,
-small reordered jumps, random preads, reads past the end, files closed half read, two
-handles on one file). Some scenarios also fail a share of GETs, replace objects in the
-store while they are read, or expire listings (--metadata-ttl), so that opens see the
-new versions while older handles still read the old ones.
+readers with the patterns loaders and the kernel produce: streams in kernel-sized
+READs, several READs of one handle in flight at once (kernel read-ahead), small
+reordered jumps, random preads, reads past the end, files closed half read, files
+released while their READs run (a killed reader), two handles on one file. Some
+scenarios also fail a share of GETs, replace objects in the store while they are
+read, or expire listings (--metadata-ttl), so that opens see the new versions while
+older handles still read the old ones.
 
 Every byte returned is compared with the object's bytes at the version the handle
-opened: never another version's, never a mix. Allowed failures are only the ones a scenario asks for (EIO after an injected
-fault, ESTALE for a replaced object); anything else fails the test. After each phase,
-with every handle closed and the background fetches done, every byte of memory the
-daemon holds must be reclaimable: a reservation nothing can give back is a leak.
+opened: never another version's, never a mix. Allowed failures are only the ones a
+scenario asks for (EIO after an injected fault, ESTALE for a replaced object, ENOENT
+for a READ after its file's release); anything else fails the test. After each
+phase, with every handle closed and the background fetches done, no pin may be left
+and every byte of memory the daemon holds must be reclaimable: a reservation nothing
+can give back is a leak.
 
 A failure prints the seed and the configuration; re-run one scenario with
 `pytest tests/unit/test_read_fuzz.py -k "seed_17"` (with BUCKETFS_FUZZ_SEEDS past it).
@@ -160,7 +163,7 @@ async def one_file(fs, store: Store, scenario: Scenario, rng: random.Random, pro
         return
     expected = store.by_version[node.version]  # the version listed: an open never reads another
     size = len(expected)
-    pattern = rng.choice(["stream", "kernel-readahead", "reordered", "random", "partial"])
+    pattern = rng.choice(["stream", "kernel-readahead", "reordered", "random", "partial", "killed"])
     what = f"{tag} {pattern} {key} ({size} B)"
     handles = []
     try:
@@ -186,6 +189,16 @@ async def one_file(fs, store: Store, scenario: Scenario, rng: random.Random, pro
                         nursery.start_soon(read_checked, fs, handles[0], off + n * 128 * KiB, 128 * KiB, expected,
                                            allowed, problems, what)
                 off += width * 128 * KiB
+        elif pattern == "killed":
+            # A killed reader: the kernel releases its file while its READs are still in
+            # the daemon (they finish for nobody), or before they reach it (ENOENT).
+            async with trio.open_nursery() as nursery:
+                for _ in range(rng.randint(1, 3)):
+                    off = rng.randrange(0, size + 1)
+                    nursery.start_soon(read_checked, fs, handles[0], off, 128 * KiB, expected,
+                                       allowed + (errors.NotFound,), problems, what)
+                await trio.sleep(rng.choice([0, 0.001, 0.02]))
+                fs.release(handles[0])
         elif pattern == "reordered":
             offs = list(range(0, size + 1, 64 * KiB))
             for i in range(0, len(offs) - 1, 2):
@@ -269,6 +282,8 @@ def run_scenario(scenario: Scenario, tmp_path) -> tuple:
         await settle(fs, in_flight)
         if fs.snapshot()["handles.open"]:
             problems.append(f"{name}: handles left open")
+        if fs.cache._pins:  # a pin nobody lets go of keeps its file from eviction
+            problems.append(f"{name}: pins left with every handle closed: {fs.cache._pins}")
         leaked = leaked_bytes(fs)
         if leaked:
             problems.append(f"{name}: {leaked} bytes of memory reserved that nothing gives back")
