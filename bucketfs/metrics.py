@@ -27,6 +27,7 @@ STATS_FILE_NAME = ".bucketfs-stats"
 # (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
 _SIMPLE = [
     ("backend.bytes_fetched", "bucketfs_backend_fetched_bytes", "Payload bytes fetched from the store", "counter"),
+    ("backend.corrupt_bodies", "bucketfs_backend_corrupt_bodies", "Whole-object GETs whose bytes did not match the store's checksum (fetched again)", "counter"),
     ("backend.calls_queued", "bucketfs_backend_queued_requests", "Requests that waited for a free connection (--max-connections)", "counter"),
     ("backend.urgent_overtakes", "bucketfs_backend_urgent_overtakes", "Free connections given to a request a reader waits on ahead of older read-ahead", "counter"),
     ("cache.hits", "bucketfs_cache_hits", "Block cache hits", "counter"),
@@ -132,7 +133,9 @@ def format_stats(snapshot: dict) -> str:
     lines = [
         f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}"
         + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else ""),
-        f"store         retries {get('backend.retries', 0)}; failed after retries: "
+        f"store         retries {get('backend.retries', 0)}"
+        + (f" ({corrupt} for bytes not matching the store's checksum)" if (corrupt := get("backend.corrupt_bodies", 0)) else "")
+        + "; failed after retries: "
         f"{', '.join(f'{k} {v}' for k, v in sorted(failures.items())) or 'none'}",
         f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",
         f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; blocks: {hits} hits, {misses} misses (fetched, one GET "

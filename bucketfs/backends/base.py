@@ -26,6 +26,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.digests import CorruptBody
 from bucketfs.backends.slots import PrioritySlots
 
 log = logging.getLogger(__name__)
@@ -243,6 +244,7 @@ class BlockingCaller:
         self.policy = policy
         self.classify = classify
         self.retries_count = 0
+        self.corrupt_bodies_count = 0  # answers whose bytes did not match the store's checksum
         self.failures: collections.Counter = collections.Counter()  # error type name -> count
 
     async def call(self, what: str, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
@@ -262,6 +264,8 @@ class BlockingCaller:
             except errors.BucketfsError:
                 raise
             except Exception as exc:  # noqa: BLE001 - every SDK failure is classified here
+                if isinstance(exc, CorruptBody):
+                    self.corrupt_bodies_count += 1
                 err = self.classify(exc)
                 attempt += 1
                 if isinstance(err, errors.TransientError) and attempt < self.policy.attempts_count:

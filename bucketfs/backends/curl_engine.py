@@ -92,7 +92,10 @@ class Transfer:
             return
         name, sep, value = line.partition(b":")
         if sep:
-            self.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+            name, value = name.strip().lower().decode("latin-1"), value.strip().decode("latin-1")
+            # A repeated header is one list, comma-joined (RFC 9110), as urllib3 reads it:
+            # GCS sends x-goog-hash twice, crc32c= and md5=.
+            self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
 
     def on_body(self, data: bytes):
         if self.status not in (200, 206):

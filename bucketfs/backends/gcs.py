@@ -33,6 +33,7 @@ import threading
 from typing import Optional
 
 import google.auth.exceptions
+import google_crc32c
 import requests
 import requests.adapters
 import trio
@@ -44,7 +45,9 @@ from google.cloud import storage
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     gone_message, lists_entries, read_range_body)
+from bucketfs.backends import digests
 from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
+from bucketfs.backends.digests import gcs_hash_digest, is_whole_object
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
 from bucketfs.config import Config
 
@@ -92,6 +95,21 @@ def classify(exc: BaseException) -> errors.BucketfsError:
     if isinstance(exc, _TRANSIENT) or (isinstance(exc, gexc.GoogleAPICallError) and exc.code in _TRANSIENT_STATUSES):
         return errors.TransientError(message)
     return errors.BackendError(message)
+
+
+def _crc32c_of(data) -> bytes:
+    """CRC32C as GCS states it (4 bytes, big-endian), by google-crc32c (the library's
+    own dependency; C where it has wheels), which takes bytes only."""
+    return google_crc32c.value(bytes(data)).to_bytes(4, "big")
+
+
+def check_whole_object(key: str, start: int, data, object_bytes: Optional[int], content_range: Optional[str],
+                       goog_hash: Optional[str]) -> None:
+    """A body that is the whole object is checked against the x-goog-hash GCS sends
+    (digests.py); CorruptBody (retried) if it does not match."""
+    digest = gcs_hash_digest(goog_hash, _crc32c_of)
+    if digest is not None and is_whole_object(start, len(data), object_bytes, content_range):
+        digests.check(key, digest, data)
 
 
 def _is_storage_404(exc: Optional[BaseException]) -> bool:
@@ -255,6 +273,7 @@ class GCSBackend(Backend):
                 data = read_range_body(response.raw, self._config.read_timeout_s, start, end,
                                        whole_object=response.status_code == 200 and content_range is None)
                 served = response.headers.get("x-goog-generation")
+                goog_hash = response.headers.get("x-goog-hash")
             finally:
                 response.close()  # (its connection back to the pool, for the metadata GET)
             if served:
@@ -267,6 +286,7 @@ class GCSBackend(Backend):
                 served_generation, looked_up = self._reload_blocking(key).generation, True
             if served_generation == generation:
                 check_answer(key, start, end, len(data), content_range, object_bytes)
+                check_whole_object(key, start, data, object_bytes, content_range, goog_hash)
             return data, served_generation, looked_up
 
         self.requests["get"] += 1
@@ -319,9 +339,11 @@ class GCSBackend(Backend):
         if served is None:  # (see fetch)
             blob = await trio.to_thread.run_sync(self._reload_blocking, key, limiter=self.caller.limiter)
             served, looked_up = blob.generation, True
-        if served == generation:
-            check_answer(key, start, end, transfer.received_bytes, transfer.headers.get("content-range"), object_bytes)
         del into[transfer.received_bytes:]  # (a range past the object's end: its shorter answer)
+        if served == generation:
+            content_range = transfer.headers.get("content-range")
+            check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
+            check_whole_object(key, start, into, object_bytes, content_range, transfer.headers.get("x-goog-hash"))
         return into, served, looked_up
 
     async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:

@@ -40,6 +40,7 @@ from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
 from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
+from bucketfs.backends.digests import EtagChecks, is_whole_object, s3_etag_digest
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.config import Config
 
@@ -159,6 +160,7 @@ class S3Backend(Backend):
         # bucket (a proxy, a redirect) it is not used: then every GET runs on a thread.
         self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
                                ca_bundle(self._session)) if CurlEngine.available() else None
+        self.etag_checks = EtagChecks()
         self.caller = BlockingCaller(
             config.max_connections_count,
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
@@ -198,17 +200,23 @@ class S3Backend(Backend):
         range starts past the end (416). Checked here, in the worker, where a short
         answer is retried (check_answer)."""
         return self._checked(key, start, end, version, self._get_unchecked_blocking(key, start, end, version, buffer),
-                             buffer is not None, object_bytes)
+                             buffer, object_bytes)
 
-    def _checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple], into_buffer: bool,
-                 object_bytes: Optional[int]):
-        """_get_blocking's answer from (etag, content_range, body), or None."""
+    def _checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple],
+                 buffer: Optional[bytearray], object_bytes: Optional[int]):
+        """_get_blocking's answer from (etag, content_range, body, digest), or None; with
+        `buffer`, `body` is the number of bytes received into it. A whole object is
+        checked against its ETag where that is an MD5 (digests.py)."""
         if answer is None:
             return None
-        etag, content_range, body = answer
+        etag, content_range, body, digest = answer
         if etag != version or not etag:
             raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
-        check_answer(key, start, end, body if into_buffer else len(body), content_range, object_bytes)
+        received_bytes = body if buffer is not None else len(body)
+        check_answer(key, start, end, received_bytes, content_range, object_bytes)
+        if (digest is not None and self.etag_checks.enabled
+                and is_whole_object(start, received_bytes, object_bytes, content_range)):
+            self.etag_checks.check(key, digest, body if buffer is None else memoryview(buffer)[:received_bytes])
         return body
 
     async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,
@@ -220,10 +228,10 @@ class S3Backend(Backend):
         if answer is None:
             return await trio.to_thread.run_sync(self._get_blocking, key, start, end, version, buffer, object_bytes,
                                                  limiter=self.caller.limiter)
-        status, etag, content_range, got_bytes = answer
+        status, etag, content_range, got_bytes, digest = answer
         if status == 416:
             return None
-        return self._checked(key, start, end, version, (normalise_etag(etag), content_range, got_bytes), True,
+        return self._checked(key, start, end, version, (normalise_etag(etag), content_range, got_bytes, digest), buffer,
                              object_bytes)
 
     def _get_unchecked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
@@ -232,12 +240,12 @@ class S3Backend(Backend):
         if self.lean.usable:
             answer = self.lean.get(key, start, end, version, buffer)
             if answer is not None:
-                status, etag, content_range, body = answer
+                status, etag, content_range, body, digest = answer
                 if status == 416:
                     return None
                 if not content_range:  # a server that ignored Range: the range was kept
                     body = _into(buffer, body)
-                return normalise_etag(etag), content_range, body
+                return normalise_etag(etag), content_range, body, digest
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                                               IfMatch=f'"{version}"')
@@ -253,7 +261,9 @@ class S3Backend(Backend):
                                    whole_object=not response.get("ContentRange"))
         finally:
             body.close()
-        return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data)
+        digest = s3_etag_digest(response.get("ETag", ""), response.get("ServerSideEncryption"),
+                                response.get("SSECustomerAlgorithm"))
+        return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data), digest
 
     # -- contract ---------------------------------------------------------------
     def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:

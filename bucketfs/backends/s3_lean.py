@@ -41,6 +41,7 @@ from botocore.compat import unquote_str
 
 from bucketfs.backends.base import body_deadline_s, copy_into, read_body
 from bucketfs.backends.curl_engine import Transfer
+from bucketfs.backends.digests import s3_etag_digest
 from bucketfs.backends.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,12 @@ def parse_list_page(body: bytes) -> tuple:
     return _parse_fast(body) or _parse_tree(body)
 
 
+def _etag_digest(headers):
+    """s3_etag_digest of an answer's headers (urllib3's, or curl_engine's lower-case dict)."""
+    return s3_etag_digest(headers.get("etag", ""), headers.get("x-amz-server-side-encryption"),
+                          headers.get("x-amz-server-side-encryption-customer-algorithm"))
+
+
 class LeanS3:
     def __init__(self, client, session, bucket: str, max_connections_count: int,
                  connect_timeout_s: float, read_timeout_s: float, unsigned: bool):
@@ -255,9 +262,10 @@ class LeanS3:
             {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
 
     def get(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None) -> Optional[tuple]:
-        """(status, etag, content_range or None, body) of a ranged GET pinned to `version`
-        (without Content-Range, the server ignored Range: `body` is the range all the same);
-        with `buffer`, a ranged body is received into it and `body` is its length."""
+        """(status, etag, content_range or None, body, digest) of a ranged GET pinned to
+        `version` (without Content-Range, the server ignored Range: `body` is the range all
+        the same); with `buffer`, a ranged body is received into it and `body` is its
+        length. `digest`: the MD5 the ETag states of the whole object, if it states one."""
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
@@ -265,7 +273,7 @@ class LeanS3:
         if answer is None:
             return None
         status, headers, body = answer
-        return status, headers.get("ETag", ""), headers.get("Content-Range"), body
+        return status, headers.get("ETag", ""), headers.get("Content-Range"), body, _etag_digest(headers)
 
     @staticmethod
     def _range_headers(start: int, end: int, version: str) -> dict:
@@ -288,7 +296,8 @@ class LeanS3:
         if transfer.status not in (200, 206, 416):
             return self._refused(transfer.status, bytes(transfer.error_body))
         headers = transfer.headers
-        return transfer.status, headers.get("etag", ""), headers.get("content-range"), transfer.received_bytes
+        return (transfer.status, headers.get("etag", ""), headers.get("content-range"), transfer.received_bytes,
+                _etag_digest(headers))
 
     def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""

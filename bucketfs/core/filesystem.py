@@ -391,6 +391,7 @@ class Filesystem:
         caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one
         if caller is not None:
             stats["backend.retries"] = caller.retries_count
+            stats["backend.corrupt_bodies"] = caller.corrupt_bodies_count
             stats["backend.calls_queued"] = caller.slots.queued_count
             stats["backend.urgent_overtakes"] = caller.slots.overtakes_count
             for name, count in caller.failures.items():

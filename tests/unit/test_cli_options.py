@@ -341,6 +341,9 @@ def test_the_stats_summary_shows_the_store_and_labels_blocks():
                 "disk_cache.skipped_stores": 4}
     lines = {line.split("  ")[0]: line for line in format_stats(snapshot).splitlines()}
     assert lines["store"] == "store         retries 8; failed after retries: TransientError 2"  # it showed neither
+    snapshot["backend.corrupt_bodies"] = 3
+    assert format_stats(snapshot).splitlines()[1] == ("store         retries 8 (3 for bytes not matching the store's "
+                                                      "checksum); failed after retries: TransientError 2")
     # The misses Prometheus counts (bucketfs_cache_misses), apart from blocks that joined a fetch.
     assert "blocks: 5 hits, 20 misses (fetched, one GET per run of them), 3 joined a fetch in flight" in lines["block cache"]
     assert "in 4 fetches" in lines["disk cache"]

@@ -1,0 +1,133 @@
+"""Whole-object checksums: a GET whose body is a whole object is checked against the
+checksum the store states for that object, so bytes damaged on the way (a proxy, a
+NIC, a plain-HTTP network, a bug) are fetched again and never served.
+
+Only whole objects: S3 and GCS state checksums of whole objects (the ETag of an S3
+single-part upload is the MD5 of its bytes; GCS's x-goog-hash header carries CRC32C
+and, except for composite objects, MD5), never of a range. Files fetched whole at
+open (up to --small-file-bytes: ImageFolder samples) are checked; ranged reads of
+larger objects (shards, random reads) are not.
+
+Checked in the backends (a mismatch is retried like a reset: another attempt fetches
+the object again; after the last one, EIO), where the answer's headers say whether the
+ETag is an MD5 at all.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import logging
+import re
+from typing import Callable, NamedTuple, Optional
+
+log = logging.getLogger(__name__)
+
+# Objects whose last GET did not match their ETag, remembered to tell damage (which
+# differs between attempts) from an ETag that is no MD5 (the same bytes twice).
+MISMATCHES_KEPT_COUNT = 1024
+
+_MD5_HEX_RE = re.compile(r"[0-9a-fA-F]{32}")
+
+
+class CorruptBody(ConnectionError):
+    """A body that does not match the checksum its store states for it: retried like a
+    reset, and after the last attempt EIO; never served."""
+
+
+class Digest(NamedTuple):
+    name: str  # "md5" or "crc32c"
+    expected: bytes
+    compute: Callable[[object], bytes]  # bytes-like -> digest
+
+
+def md5_of(data) -> bytes:
+    return hashlib.md5(data).digest()
+
+
+def s3_etag_digest(etag: str, encryption: Optional[str], customer_algorithm: Optional[str]) -> Optional[Digest]:
+    """The MD5 an S3 ETag (quoted or not) states of the object's bytes, or None where it
+    states none: a multipart upload's ETag ("<hex>-<parts>"), SSE-KMS, DSSE-KMS and
+    SSE-C objects (AWS: their ETag is not the MD5 of the data), and ETags of another
+    shape (stores that do not use MD5)."""
+    if customer_algorithm or (encryption or "").lower().startswith("aws:kms"):
+        return None
+    etag = (etag or "").strip('"')
+    if not _MD5_HEX_RE.fullmatch(etag):
+        return None
+    return Digest("md5", bytes.fromhex(etag), md5_of)
+
+
+def gcs_hash_digest(goog_hash: Optional[str], crc32c_of: Callable[[object], bytes]) -> Optional[Digest]:
+    """The checksum GCS's `x-goog-hash: crc32c=<b64>,md5=<b64>` header states: CRC32C
+    where given (cheaper to compute), else MD5; None without either."""
+    hashes = {}
+    for item in (goog_hash or "").split(","):
+        name, _, value = item.strip().partition("=")
+        try:
+            hashes[name.lower()] = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+    if len(hashes.get("crc32c", b"")) == 4:
+        return Digest("crc32c", hashes["crc32c"], crc32c_of)
+    if len(hashes.get("md5", b"")) == 16:
+        return Digest("md5", hashes["md5"], md5_of)
+    return None
+
+
+def is_whole_object(start: int, received_bytes: int, object_bytes: Optional[int], content_range: Optional[str]) -> bool:
+    """Whether a body of `received_bytes` from `start` is all of the object: its size is
+    `object_bytes` (the listed size), or else the total of `Content-Range: bytes a-b/TOTAL`."""
+    if start != 0:
+        return False
+    total_bytes = object_bytes
+    if total_bytes is None and content_range:
+        total = content_range.rpartition("/")[2].strip()
+        total_bytes = int(total) if total.isdigit() else None
+    return total_bytes is not None and received_bytes == total_bytes
+
+
+def check(key: str, digest: Digest, data) -> None:
+    """CorruptBody if `data` (bytes-like) does not have the stated digest."""
+    size_bytes, got = len(data), digest.compute(data)
+    del data  # (a traceback must not keep a view of a buffer its owner resizes or reuses)
+    if got != digest.expected:
+        raise _corrupt(key, digest, size_bytes)
+
+
+def _corrupt(key: str, digest: Digest, size_bytes: int) -> CorruptBody:
+    return CorruptBody(f"{key}: the {digest.name} of the {size_bytes} bytes received is not the one the store "
+                       "states for the object")
+
+
+class EtagChecks:
+    """Checks of whole-object GETs against S3 ETags, for one mount, until the store shows
+    that its ETags are not MD5s of the objects' bytes: two GETs of one object version
+    that bring the same bytes (the same MD5), not matching its ETag. Damage on the way
+    does not repeat itself; an ETag of another kind does (S3-compatible stores that
+    encrypt, compress or choose ETags their own way, where AWS would send MD5s). Then
+    the bytes are served, and ETags are no longer checked on this mount (logged once).
+    Called from worker threads and the trio thread: the dict's single operations are
+    atomic under the GIL, and a lost update only costs one more attempt."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._mismatched: dict = {}  # (key, etag) -> the MD5 of the bytes that came
+
+    def check(self, key: str, digest: Digest, data) -> None:
+        size_bytes, got = len(data), digest.compute(data)
+        del data  # (as in check)
+        if got == digest.expected:
+            return
+        etag = digest.expected.hex()
+        if self._mismatched.pop((key, etag), None) == got:
+            if self.enabled:
+                self.enabled = False
+                log.warning("%s: two GETs brought the same bytes, whose MD5 is not the object's ETag: this store's "
+                            "ETags are not MD5s of the bytes, so whole-object checks against them are off", key)
+            return
+        if len(self._mismatched) >= MISMATCHES_KEPT_COUNT:
+            self._mismatched.clear()
+        self._mismatched[(key, etag)] = got
+        raise _corrupt(key, digest, size_bytes)

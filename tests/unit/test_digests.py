@@ -1,0 +1,76 @@
+"""Whole-object checksums (backends/digests.py): which answers state one, and how a
+mismatch is told apart from an ETag that is no MD5."""
+
+import base64
+import hashlib
+
+import pytest
+
+from bucketfs.backends import digests
+from bucketfs.backends.digests import CorruptBody, EtagChecks, gcs_hash_digest, is_whole_object, s3_etag_digest
+from bucketfs.backends.gcs import _crc32c_of
+
+DATA = b"the bytes of a small file" * 100
+MD5_HEX = hashlib.md5(DATA).hexdigest()
+
+
+def test_an_s3_etag_states_an_md5_only_for_plain_single_part_objects():
+    assert s3_etag_digest(f'"{MD5_HEX}"', None, None).expected == hashlib.md5(DATA).digest()
+    assert s3_etag_digest(MD5_HEX, "AES256", None) is not None  # SSE-S3: still the MD5 on AWS
+    assert s3_etag_digest(f"{MD5_HEX}-3", None, None) is None  # multipart
+    assert s3_etag_digest(MD5_HEX, "aws:kms", None) is None
+    assert s3_etag_digest(MD5_HEX, "aws:kms:dsse", None) is None
+    assert s3_etag_digest(MD5_HEX, "AES256", "AES256") is None  # SSE-C
+    assert s3_etag_digest("1a2b3c", None, None) is None  # a store's own kind of ETag
+    assert s3_etag_digest("", None, None) is None
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def test_gcs_x_goog_hash_prefers_crc32c_and_ignores_what_it_cannot_read():
+    crc, md5 = _crc32c_of(DATA), hashlib.md5(DATA).digest()
+    both = gcs_hash_digest(f"crc32c={b64(crc)}, md5={b64(md5)}", _crc32c_of)  # two headers, joined
+    assert (both.name, both.expected) == ("crc32c", crc)
+    assert gcs_hash_digest(f"md5={b64(md5)}", _crc32c_of).name == "md5"  # (composite objects have no MD5; here, the reverse)
+    assert gcs_hash_digest("crc32c=not base64!", _crc32c_of) is None
+    assert gcs_hash_digest(None, _crc32c_of) is None
+    digests.check("k", both, DATA)
+    with pytest.raises(CorruptBody):
+        digests.check("k", both, DATA[:-1] + b"!")
+
+
+def test_only_a_body_that_is_the_whole_object_is_checked():
+    assert is_whole_object(0, 100, 100, None)
+    assert is_whole_object(0, 100, None, "bytes 0-99/100")
+    assert not is_whole_object(0, 50, 100, "bytes 0-49/100")
+    assert not is_whole_object(10, 90, 100, "bytes 10-99/100")
+    assert not is_whole_object(0, 100, None, None)  # no size known
+    assert not is_whole_object(0, 100, None, "bytes 0-99/*")
+
+
+def test_damage_is_fetched_again_but_the_same_bytes_twice_mean_the_etag_is_no_md5():
+    checks, digest = EtagChecks(), s3_etag_digest(MD5_HEX, None, None)
+    checks.check("k", digest, DATA)
+    for n in range(5):  # damage differs between attempts: every attempt refused
+        with pytest.raises(CorruptBody, match="md5 of the 2500 bytes"):
+            checks.check("k", digest, DATA[:n] + b"!" + DATA[n + 1:])
+    assert checks.enabled
+    other = digest._replace(expected=bytes(16))  # an ETag that is not the bytes' MD5
+    with pytest.raises(CorruptBody):
+        checks.check("k", other, DATA)
+    checks.check("k", other, DATA)  # the same bytes again: served
+    assert not checks.enabled
+
+
+def test_a_failed_check_keeps_no_view_of_the_buffer():
+    """The GET paths resize or reuse the buffer after a failed attempt: a traceback
+    holding a view of it would make that raise BufferError."""
+    buffer = bytearray(DATA)
+    digest = s3_etag_digest(hashlib.md5(b"other").hexdigest(), None, None)
+    try:
+        digests.check("k", digest, memoryview(buffer)[:100])
+    except CorruptBody:
+        del buffer[10:]  # BufferError if a view were still alive
+    assert len(buffer) == 10
