@@ -13,6 +13,13 @@ path fails (`FAULT_KINDS`), taken in turn, so any six faults include every kind:
 - `reset-before-answer`: the request is read, then a reset, no answer at all;
 - `stall`: nothing for `stall_s` (longer than the mount's --read-timeout), then a close.
 
+Asked for by name only (`kinds`), not among FAULT_KINDS:
+- `flip`: an object GET's answer (one with a Range header: listings are left alone)
+  relayed whole, with one bit of its body flipped (the right length, wrong bytes:
+  only a checksum catches it).
+
+`goog_hash` adds to whole-object answers the `x-goog-hash` header GCS sends (CRC32C and
+MD5 of the bytes, computed before any damage), which the GCS emulator leaves out.
 `delay_s` holds every GET that long first (a slow store, faults or not).
 Everything else is relayed unchanged, and every request is counted, by
 tests/counting_proxy.py.
@@ -20,14 +27,18 @@ tests/counting_proxy.py.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
+import hashlib
 import random
 import socket
 import struct
 import threading
 import time
 from typing import Iterator
+
+import google_crc32c
 
 from tests.counting_proxy import CountingProxy
 
@@ -39,9 +50,11 @@ _ERROR_ANSWERS = {
 
 
 class FaultProxy(CountingProxy):
-    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float, delay_s: float = 0.0):
+    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float, delay_s: float = 0.0,
+                 kinds: tuple = FAULT_KINDS, goog_hash: bool = False):
         super().__init__(upstream_url)
         self.fault_rate, self.stall_s, self.delay_s = fault_rate, stall_s, delay_s
+        self.kinds, self.goog_hash = kinds, goog_hash
         self.faulty = threading.Event()  # set: break answers; clear: relay everything
         self.injected = collections.Counter()  # fault kind -> times injected
         self._rng = random.Random(seed)
@@ -53,16 +66,32 @@ class FaultProxy(CountingProxy):
         with self._draw_lock:
             kind = None
             if self.faulty.is_set() and self._rng.random() < self.fault_rate:
-                kind = FAULT_KINDS[sum(self.injected.values()) % len(FAULT_KINDS)]
+                kind = self.kinds[sum(self.injected.values()) % len(self.kinds)]
                 self.injected[kind] += 1
             return kind, self._rng.random()
 
     def answer(self, handler) -> None:
+        flippable = handler.command == "GET" and "Range" in handler.headers
         kind, cut_fraction = self._draw() if handler.command == "GET" else (None, 0.0)
+        if kind == "flip" and not flippable:
+            with self._draw_lock:
+                self.injected[kind] -= 1
+            kind = None
         if self.delay_s and handler.command == "GET":
             time.sleep(self.delay_s)  # a slow store: requests stay in flight for a while
-        if kind is None:
-            super().answer(handler)
+        if kind is None or kind == "flip":
+            response, data = handler.relay()
+            headers = response.getheaders()
+            if self.goog_hash and flippable and response.status in (200, 206) and _is_whole(response, data):
+                headers = headers + [("x-goog-hash", f"crc32c={_b64(_crc32c(data))}"),
+                                     ("x-goog-hash", f"md5={_b64(hashlib.md5(data).digest())}")]
+            if kind == "flip" and data:
+                at = int(len(data) * cut_fraction)
+                data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+            handler.send_answer_head(response.status, response.reason, headers,
+                                     response.getheader("Content-Length", "0") if handler.command == "HEAD" else len(data))
+            if handler.command != "HEAD":
+                handler.wfile.write(data)
         elif kind == "stall":
             time.sleep(self.stall_s)  # the fault itself: a server that says nothing
             handler.close_connection = True
@@ -77,6 +106,20 @@ class FaultProxy(CountingProxy):
             if kind == "reset-mid-body":
                 _reset(handler)
             handler.close_connection = True
+
+
+def _is_whole(response, data: bytes) -> bool:
+    """The answer's body is the whole object (a 200, or a range that covers it all)."""
+    content_range = response.getheader("Content-Range")
+    return not content_range or content_range.rpartition("/")[2] == str(len(data))
+
+
+def _crc32c(data: bytes) -> bytes:
+    return google_crc32c.value(data).to_bytes(4, "big")
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
 
 
 def _reset(handler) -> None:
@@ -95,9 +138,9 @@ def _error_answer(handler, status: int, reason: str, code: str, message: str) ->
 
 @contextlib.contextmanager
 def fault_proxy(upstream_url: str, fault_rate: float = 0.0, seed: int = 0, stall_s: float = 0.0,
-                delay_s: float = 0.0) -> Iterator[FaultProxy]:
+                delay_s: float = 0.0, kinds: tuple = FAULT_KINDS, goog_hash: bool = False) -> Iterator[FaultProxy]:
     """A running FaultProxy (faults off until `proxy.faulty.set()`); always stopped."""
-    proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s, delay_s)
+    proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s, delay_s, kinds, goog_hash)
     proxy.start()
     try:
         yield proxy
