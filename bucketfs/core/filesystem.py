@@ -356,7 +356,13 @@ class Filesystem:
         # directory does not match every name against the globs.
         for name in itertools.islice(names, bisect.bisect_right(names, node.name), None):
             if self.is_shard(name):
-                nxt = self.ns.node(listing.children[name])
+                try:
+                    nxt = self.ns.node(listing.children[name])
+                except errors.NotFound:
+                    # With --metadata-ttl, a shard of this (older) listing that was replaced
+                    # or deleted since, and dropped: nothing to warm, and warming must
+                    # never fail the READ that runs it (it did: ENOENT).
+                    continue
                 if not nxt.is_dir:
                     yield self.key_prefix + nxt.path, nxt
 

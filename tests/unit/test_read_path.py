@@ -1192,3 +1192,24 @@ def test_many_readers_on_a_tiny_budget_never_wait_out_the_memory_deadline(part_s
                                      small_file_bytes=small_file_bytes, clock=trio.testing.MockClock(autojump_threshold=0))
     assert overcommits == 0
     assert peak_bytes <= 16 * MiB
+
+
+def test_a_shard_dropped_from_the_listing_is_passed_over_by_warming_not_an_error():
+    """--metadata-ttl: the shards after an open one are found lazily, in the listing of
+    when the search began. A later shard replaced since (its node dropped on the next
+    listing: nobody looked it up) is passed over; it raised ENOENT out of the READ that
+    ran the warming (found by tests/unit/test_read_fuzz.py, seed 388)."""
+    shards, backend = shard_set(4, 1 * MiB)
+    names = sorted(shards)
+
+    async def body(fs):
+        first = await resolve(fs, names[0])
+        later = fs._shards_after(first)
+        assert next(later)[0] == names[1]
+        backend.put(names[2], b"a new version")
+        await trio.sleep(1)  # past the TTL
+        await fs.ns.list_dir(first.parent_ino)  # relisted: the old node of names[2] is dropped
+        return [key for key, _ in later]
+
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.5,
+                  negative_ttl_s=0.5) == [names[3]]
