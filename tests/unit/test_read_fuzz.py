@@ -35,8 +35,9 @@ from bucketfs.core.filesystem import Filesystem
 from tests.unit.helpers import make_config, resolve
 
 KiB, MiB = 1024, 1024 * 1024
-# More with BUCKETFS_FUZZ_SEEDS=N (a few seconds per 10).
-SEEDS = range(int(os.environ.get("BUCKETFS_FUZZ_SEEDS", "40")))
+# More with BUCKETFS_FUZZ_SEEDS=N (a few seconds per 10), from BUCKETFS_FUZZ_FIRST_SEED.
+_FIRST_SEED = int(os.environ.get("BUCKETFS_FUZZ_FIRST_SEED", "0"))
+SEEDS = range(_FIRST_SEED, _FIRST_SEED + int(os.environ.get("BUCKETFS_FUZZ_SEEDS", "40")))
 SCENARIO_TIMEOUT_S = 60  # virtual seconds without the disk cache, real ones with it
 
 
