@@ -101,10 +101,11 @@ class CountingProxy:
                     self._upstream = None
                     raise
 
-            def send_head(self, response, data: bytes) -> None:
-                """The upstream's status and headers, with the Content-Length of `data`."""
+            def send_head(self, response, data: bytes, headers=None) -> None:
+                """The upstream's status and headers (or `headers`), with the Content-Length of `data`."""
                 # HEAD: the object's length as the server gave it; else the body we relay.
-                self.send_answer_head(response.status, response.reason, response.getheaders(),
+                self.send_answer_head(response.status, response.reason,
+                                      response.getheaders() if headers is None else headers,
                                       response.getheader("Content-Length", "0") if self.command == "HEAD" else len(data))
 
             def send_answer_head(self, status: int, reason: str, headers, content_length) -> None:
@@ -128,11 +129,17 @@ class CountingProxy:
         return Handler
 
     def answer(self, handler) -> None:
-        """Answer one request (a subclass may answer otherwise): relayed unchanged."""
+        """Answer one request (a subclass may answer otherwise): relayed, as `relayed` has it."""
         response, data = handler.relay()
-        handler.send_head(response, data)
+        headers, data = self.relayed(handler, response, data)
+        handler.send_head(response, data, headers)
         if handler.command != "HEAD":
             handler.wfile.write(data)
+
+    def relayed(self, handler, response, data: bytes) -> tuple:
+        """(headers, body) relayed for the upstream's answer: unchanged (a subclass may
+        change them)."""
+        return response.getheaders(), data
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)

@@ -14,9 +14,9 @@ path fails (`FAULT_KINDS`), taken in turn, so any six faults include every kind:
 - `stall`: nothing for `stall_s` (longer than the mount's --read-timeout), then a close.
 
 Asked for by name only (`kinds`), not among FAULT_KINDS:
-- `flip`: an object GET's answer (one with a Range header: listings are left alone)
-  relayed whole, with one bit of its body flipped (the right length, wrong bytes:
-  only a checksum catches it).
+- `flip`: an object GET's answer relayed whole, with one bit of its body flipped (the
+  right length, wrong bytes: only a checksum catches it). A proxy given this kind
+  breaks object GETs only (those with a Range header): listings are left alone.
 
 `goog_hash` adds to whole-object answers the `x-goog-hash` header GCS sends (CRC32C and
 MD5 of the bytes, computed before any damage), which the GCS emulator leaves out.
@@ -71,27 +71,13 @@ class FaultProxy(CountingProxy):
             return kind, self._rng.random()
 
     def answer(self, handler) -> None:
-        flippable = handler.command == "GET" and "Range" in handler.headers
-        kind, cut_fraction = self._draw() if handler.command == "GET" else (None, 0.0)
-        if kind == "flip" and not flippable:
-            with self._draw_lock:
-                self.injected[kind] -= 1
-            kind = None
+        breakable = handler.command == "GET" and ("flip" not in self.kinds or "Range" in handler.headers)
+        kind, handler.cut_fraction = self._draw() if breakable else (None, 0.0)
+        handler.flip = kind == "flip"
         if self.delay_s and handler.command == "GET":
             time.sleep(self.delay_s)  # a slow store: requests stay in flight for a while
         if kind is None or kind == "flip":
-            response, data = handler.relay()
-            headers = response.getheaders()
-            if self.goog_hash and flippable and response.status in (200, 206) and _is_whole(response, data):
-                headers = headers + [("x-goog-hash", f"crc32c={_b64(_crc32c(data))}"),
-                                     ("x-goog-hash", f"md5={_b64(hashlib.md5(data).digest())}")]
-            if kind == "flip" and data:
-                at = int(len(data) * cut_fraction)
-                data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
-            handler.send_answer_head(response.status, response.reason, headers,
-                                     response.getheader("Content-Length", "0") if handler.command == "HEAD" else len(data))
-            if handler.command != "HEAD":
-                handler.wfile.write(data)
+            super().answer(handler)  # (relayed, through `relayed`)
         elif kind == "stall":
             time.sleep(self.stall_s)  # the fault itself: a server that says nothing
             handler.close_connection = True
@@ -102,10 +88,23 @@ class FaultProxy(CountingProxy):
         else:  # a body cut short
             response, data = handler.relay()
             handler.send_head(response, data)
-            handler.wfile.write(data[: int(len(data) * cut_fraction)])
+            handler.wfile.write(data[: int(len(data) * handler.cut_fraction)])
             if kind == "reset-mid-body":
                 _reset(handler)
             handler.close_connection = True
+
+    def relayed(self, handler, response, data: bytes) -> tuple:
+        """With `goog_hash`, GCS's x-goog-hash of a whole object's bytes; for a `flip`,
+        one bit of the body flipped after that."""
+        headers = response.getheaders()
+        if (self.goog_hash and handler.command == "GET" and "Range" in handler.headers and response.status in (200, 206)
+                and _is_whole(response, data)):
+            headers += [("x-goog-hash", f"crc32c={_b64(_crc32c(data))}"),
+                        ("x-goog-hash", f"md5={_b64(hashlib.md5(data).digest())}")]
+        if handler.flip and data:
+            at = int(len(data) * handler.cut_fraction)
+            data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+        return headers, data
 
 
 def _is_whole(response, data: bytes) -> bool:

@@ -88,46 +88,48 @@ def is_whole_object(start: int, received_bytes: int, object_bytes: Optional[int]
     return total_bytes is not None and received_bytes == total_bytes
 
 
-def check(key: str, digest: Digest, data) -> None:
-    """CorruptBody if `data` (bytes-like) does not have the stated digest."""
+def check_whole_object(key: str, digest: Optional[Digest], start: int, data, object_bytes: Optional[int],
+                       content_range: Optional[str], etags: Optional["EtagChecks"] = None) -> None:
+    """CorruptBody if `data` (bytes-like), the body of a GET from `start`, is the whole
+    object and does not have the stated digest (None: nothing stated, nothing checked).
+    `etags`: the mount's S3 ETag checks, which may have learnt that ETags are no MD5s."""
+    if digest is None or (etags is not None and not etags.enabled):
+        return
+    if not is_whole_object(start, len(data), object_bytes, content_range):
+        return
     size_bytes, got = len(data), digest.compute(data)
     del data  # (a traceback must not keep a view of a buffer its owner resizes or reuses)
-    if got != digest.expected:
-        raise _corrupt(key, digest, size_bytes)
-
-
-def _corrupt(key: str, digest: Digest, size_bytes: int) -> CorruptBody:
-    return CorruptBody(f"{key}: the {digest.name} of the {size_bytes} bytes received is not the one the store "
-                       "states for the object")
+    if got == digest.expected or (etags is not None and etags.same_bytes_again(key, digest, got)):
+        return
+    raise CorruptBody(f"{key}: the {digest.name} of the {size_bytes} bytes received is not the one the store "
+                      "states for the object")
 
 
 class EtagChecks:
-    """Checks of whole-object GETs against S3 ETags, for one mount, until the store shows
-    that its ETags are not MD5s of the objects' bytes: two GETs of one object version
-    that bring the same bytes (the same MD5), not matching its ETag. Damage on the way
-    does not repeat itself; an ETag of another kind does (S3-compatible stores that
-    encrypt, compress or choose ETags their own way, where AWS would send MD5s). Then
-    the bytes are served, and ETags are no longer checked on this mount (logged once).
-    Called from worker threads and the trio thread: the dict's single operations are
-    atomic under the GIL, and a lost update only costs one more attempt."""
+    """Whether S3 ETags are checked, for one mount: until the store shows that its ETags
+    are not MD5s of the objects' bytes, by two GETs of one object version that bring the
+    same bytes (the same MD5), not matching its ETag. Damage on the way does not repeat
+    itself; an ETag of another kind does (S3-compatible stores that encrypt, compress or
+    choose ETags their own way, where AWS would send MD5s). Then the bytes are served,
+    and ETags are no longer checked on this mount (logged once). Used from worker
+    threads and the trio thread: the dict's single operations are atomic under the GIL,
+    and a lost update only costs one more attempt."""
 
     def __init__(self) -> None:
         self.enabled = True
         self._mismatched: dict = {}  # (key, etag) -> the MD5 of the bytes that came
 
-    def check(self, key: str, digest: Digest, data) -> None:
-        size_bytes, got = len(data), digest.compute(data)
-        del data  # (as in check)
-        if got == digest.expected:
-            return
+    def same_bytes_again(self, key: str, digest: Digest, got: bytes) -> bool:
+        """A mismatch: whether the last GET of this object version brought the same
+        bytes (then the checks go off), remembering these otherwise."""
         etag = digest.expected.hex()
         if self._mismatched.pop((key, etag), None) == got:
             if self.enabled:
                 self.enabled = False
                 log.warning("%s: two GETs brought the same bytes, whose MD5 is not the object's ETag: this store's "
                             "ETags are not MD5s of the bytes, so whole-object checks against them are off", key)
-            return
+            return True
         if len(self._mismatched) >= MISMATCHES_KEPT_COUNT:
             self._mismatched.clear()
         self._mismatched[(key, etag)] = got
-        raise _corrupt(key, digest, size_bytes)
+        return False

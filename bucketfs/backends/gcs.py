@@ -45,9 +45,8 @@ from google.cloud import storage
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     gone_message, lists_entries, read_range_body)
-from bucketfs.backends import digests
 from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
-from bucketfs.backends.digests import gcs_hash_digest, is_whole_object
+from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
 from bucketfs.config import Config
 
@@ -101,15 +100,6 @@ def _crc32c_of(data) -> bytes:
     """CRC32C as GCS states it (4 bytes, big-endian), by google-crc32c (the library's
     own dependency; C where it has wheels), which takes bytes only."""
     return google_crc32c.value(bytes(data)).to_bytes(4, "big")
-
-
-def check_whole_object(key: str, start: int, data, object_bytes: Optional[int], content_range: Optional[str],
-                       goog_hash: Optional[str]) -> None:
-    """A body that is the whole object is checked against the x-goog-hash GCS sends
-    (digests.py); CorruptBody (retried) if it does not match."""
-    digest = gcs_hash_digest(goog_hash, _crc32c_of)
-    if digest is not None and is_whole_object(start, len(data), object_bytes, content_range):
-        digests.check(key, digest, data)
 
 
 def _is_storage_404(exc: Optional[BaseException]) -> bool:
@@ -286,7 +276,7 @@ class GCSBackend(Backend):
                 served_generation, looked_up = self._reload_blocking(key).generation, True
             if served_generation == generation:
                 check_answer(key, start, end, len(data), content_range, object_bytes)
-                check_whole_object(key, start, data, object_bytes, content_range, goog_hash)
+                check_whole_object(key, gcs_hash_digest(goog_hash, _crc32c_of), start, data, object_bytes, content_range)
             return data, served_generation, looked_up
 
         self.requests["get"] += 1
@@ -343,7 +333,8 @@ class GCSBackend(Backend):
         if served == generation:
             content_range = transfer.headers.get("content-range")
             check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
-            check_whole_object(key, start, into, object_bytes, content_range, transfer.headers.get("x-goog-hash"))
+            check_whole_object(key, gcs_hash_digest(transfer.headers.get("x-goog-hash"), _crc32c_of), start, into,
+                               object_bytes, content_range)
         return into, served, looked_up
 
     async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:

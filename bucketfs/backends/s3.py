@@ -40,7 +40,7 @@ from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
 from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
-from bucketfs.backends.digests import EtagChecks, is_whole_object, s3_etag_digest
+from bucketfs.backends.digests import EtagChecks, check_whole_object, s3_etag_digest
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.config import Config
 
@@ -214,9 +214,8 @@ class S3Backend(Backend):
             raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
         received_bytes = body if buffer is not None else len(body)
         check_answer(key, start, end, received_bytes, content_range, object_bytes)
-        if (digest is not None and self.etag_checks.enabled
-                and is_whole_object(start, received_bytes, object_bytes, content_range)):
-            self.etag_checks.check(key, digest, body if buffer is None else memoryview(buffer)[:received_bytes])
+        check_whole_object(key, digest, start, body if buffer is None else memoryview(buffer)[:received_bytes],
+                           object_bytes, content_range, self.etag_checks)
         return body
 
     async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from bucketfs.backends import digests
-from bucketfs.backends.digests import CorruptBody, EtagChecks, gcs_hash_digest, is_whole_object, s3_etag_digest
+from bucketfs.backends.digests import (CorruptBody, EtagChecks, check_whole_object, gcs_hash_digest, is_whole_object,
+                                      s3_etag_digest)
 from bucketfs.backends.gcs import _crc32c_of
 
 DATA = b"the bytes of a small file" * 100
@@ -36,9 +36,11 @@ def test_gcs_x_goog_hash_prefers_crc32c_and_ignores_what_it_cannot_read():
     assert gcs_hash_digest(f"md5={b64(md5)}", _crc32c_of).name == "md5"  # (composite objects have no MD5; here, the reverse)
     assert gcs_hash_digest("crc32c=not base64!", _crc32c_of) is None
     assert gcs_hash_digest(None, _crc32c_of) is None
-    digests.check("k", both, DATA)
+    check_whole_object("k", both, 0, DATA, len(DATA), None)
     with pytest.raises(CorruptBody):
-        digests.check("k", both, DATA[:-1] + b"!")
+        check_whole_object("k", both, 0, DATA[:-1] + b"!", len(DATA), None)
+    check_whole_object("k", both, 0, DATA[:100] + b"!", None, f"bytes 0-100/{len(DATA)}")  # a range: not checked
+    check_whole_object("k", None, 0, DATA[:-1] + b"!", len(DATA), None)  # nothing stated
 
 
 def test_only_a_body_that_is_the_whole_object_is_checked():
@@ -52,16 +54,21 @@ def test_only_a_body_that_is_the_whole_object_is_checked():
 
 def test_damage_is_fetched_again_but_the_same_bytes_twice_mean_the_etag_is_no_md5():
     checks, digest = EtagChecks(), s3_etag_digest(MD5_HEX, None, None)
-    checks.check("k", digest, DATA)
+
+    def check(digest, data):
+        check_whole_object("k", digest, 0, data, len(DATA), None, checks)
+
+    check(digest, DATA)
     for n in range(5):  # damage differs between attempts: every attempt refused
         with pytest.raises(CorruptBody, match="md5 of the 2500 bytes"):
-            checks.check("k", digest, DATA[:n] + b"!" + DATA[n + 1:])
+            check(digest, DATA[:n] + b"!" + DATA[n + 1:])
     assert checks.enabled
     other = digest._replace(expected=bytes(16))  # an ETag that is not the bytes' MD5
     with pytest.raises(CorruptBody):
-        checks.check("k", other, DATA)
-    checks.check("k", other, DATA)  # the same bytes again: served
+        check(other, DATA)
+    check(other, DATA)  # the same bytes again: served
     assert not checks.enabled
+    check(digest, DATA[:-1] + b"!")  # no longer checked
 
 
 def test_a_failed_check_keeps_no_view_of_the_buffer():
@@ -70,7 +77,7 @@ def test_a_failed_check_keeps_no_view_of_the_buffer():
     buffer = bytearray(DATA)
     digest = s3_etag_digest(hashlib.md5(b"other").hexdigest(), None, None)
     try:
-        digests.check("k", digest, memoryview(buffer)[:100])
+        check_whole_object("k", digest, 0, memoryview(buffer)[:100], 100, None)
     except CorruptBody:
         del buffer[10:]  # BufferError if a view were still alive
     assert len(buffer) == 10
