@@ -1,4 +1,5 @@
-"""The FUSE adapter: the only module that speaks pyfuse3.
+"""The FUSE adapter: with fuse_dircache (which sets the OPENDIR reply flags pyfuse3
+cannot), the only code that speaks pyfuse3.
 
 It turns FUSE requests into core calls and core results into pyfuse3 types, and
 maps every exception to an errno in ONE table (`errno_for`). A handler never lets
@@ -20,6 +21,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
+from bucketfs.fuse_dircache import DirCacheFlags
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)
@@ -117,9 +119,13 @@ class FuseOperations(pyfuse3.Operations):
         self._stats_name = os.fsencode(STATS_FILE_NAME)
         self._stats_fhs = itertools.count(STATS_FH_FIRST)
         self._stats_reads: dict = {}  # fh -> the counters as they were at open
+        # Listings never change in immutable mode: the kernel may keep them.
+        self._dir_cache = DirCacheFlags(fs.stats) if config.immutable else None
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: with a TTL, tell the kernel about names that vanished."""
+        if self._dir_cache is not None:
+            self._dir_cache.install()
         if self._count_lookups:
             self._ns.on_vanished = self._note_vanished
             nursery.start_soon(self._invalidate_vanished)
@@ -223,7 +229,10 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def opendir(self, inode, ctx):
-        return await self.fs.opendir(inode)
+        dh = await self.fs.opendir(inode)
+        if self._dir_cache is not None:
+            self._dir_cache.mark(inode)
+        return dh
 
     @fuse_errors
     async def readdir(self, fh, start_id, token):

@@ -120,6 +120,42 @@ def test_directories_list_dot_and_dotdot_first_with_their_inodes(rclone_server, 
     assert os.listdir(m.path("d")) == ["b", "sub"]
 
 
+def walk_listing(top: str) -> list:
+    """Every directory's readdir as a program sees it: names in readdir order, inode
+    numbers and types (`ls -1aUi` prints d_ino), under `top`."""
+    seen = []
+    for dirpath, dirnames, _filenames in os.walk(top):
+        with os.scandir(dirpath) as it:
+            seen.append((dirpath, [(e.name, e.inode(), e.is_dir(follow_symlinks=False)) for e in it]))
+        out = subprocess.run(["ls", "-1aUi", dirpath], capture_output=True, text=True, timeout=30, check=True).stdout
+        seen.append((dirpath, out))
+    return seen
+
+
+def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_server, s3_bucket, mount_factory):
+    """In the immutable default the kernel keeps each directory's entries: a second walk
+    sends no READDIR to the daemon, and lists the same names, inodes and types in the
+    same order. With --metadata-ttl every readdir reaches the daemon (listings change)."""
+    objects = {f"t/c{c}/f{i:03d}.jpg": b"j" * (i + 1) for c in range(3) for i in range(150)}
+    objects.update({"t/c0/deeper/x.bin": b"x", "t/top.txt": b"t"})
+    rclone_server.write_files(s3_bucket, objects)
+    m = mount_factory(rclone_server, s3_bucket, "t")
+    first = walk_listing(m.mountpoint)
+    assert sorted(name for name, _ino, _d in first[0][1]) == ["c0", "c1", "c2", "top.txt"]
+    before = m.stats()
+    assert walk_listing(m.mountpoint) == first
+    after = m.stats()
+    assert after.get("fuse.readdir", 0) == before.get("fuse.readdir", 0)
+    assert after["fuse.opendir"] > before["fuse.opendir"]  # the walk did open every directory again
+    assert "fuse.dir_cache_off" not in after
+
+    ttl = mount_factory(rclone_server, s3_bucket, "t", "--metadata-ttl", "3600")
+    walk_listing(ttl.mountpoint)
+    before = ttl.stats()
+    walk_listing(ttl.mountpoint)
+    assert ttl.stats()["fuse.readdir"] > before["fuse.readdir"]
+
+
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
     rclone_server.write_files(s3_bucket, special_name_objects("s", SPECIAL_NAMES))
     assert_special_names_read_back(mount_factory(rclone_server, s3_bucket), "s", SPECIAL_NAMES)
