@@ -84,7 +84,7 @@ class DirCacheFlags:
         bits = self._checked_bits(container, inode)
         if bits is None:
             self.enabled = False
-            self.stats["fuse.dir_cache_off"] += 1
+            self.stats["namespace.kernel_dir_cache_off"] = 1
             log.warning("pyfuse3's OPENDIR request is not laid out as expected (pyfuse3 %s): "
                         "directory listings are not cached by the kernel",
                         getattr(pyfuse3, "__version__", "?"))

@@ -147,7 +147,7 @@ def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_serv
     after = m.stats()
     assert after.get("fuse.readdir", 0) == before.get("fuse.readdir", 0)
     assert after["fuse.opendir"] > before["fuse.opendir"]  # the walk did open every directory again
-    assert "fuse.dir_cache_off" not in after
+    assert "namespace.kernel_dir_cache_off" not in after
 
     ttl = mount_factory(rclone_server, s3_bucket, "t", "--metadata-ttl", "3600")
     walk_listing(ttl.mountpoint)

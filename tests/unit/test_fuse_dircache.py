@@ -84,7 +84,7 @@ def test_a_request_not_laid_out_as_expected_is_left_untouched_and_turns_the_flag
     assert answer(flags, monkeypatch, [(good, 5), (odd, 6), (later, 7)]) == [True, False, False]
     assert memory(odd) == before  # not one byte written
     assert flag_bits(later) == 0  # off for the rest of the mount
-    assert stats["fuse.dir_cache_off"] == 1
+    assert stats["namespace.kernel_dir_cache_off"] == 1
 
 
 def test_a_second_layout_is_recognised_and_then_kept(monkeypatch):
@@ -94,7 +94,7 @@ def test_a_second_layout_is_recognised_and_then_kept(monkeypatch):
     flags = DirCacheFlags(stats)
     requests = [(container(1, ino_offset=FILE_INFO_OFFSET + 64), 1), (container(9), 9)]
     assert answer(flags, monkeypatch, requests) == [True, False]
-    assert stats["fuse.dir_cache_off"] == 1
+    assert stats["namespace.kernel_dir_cache_off"] == 1
 
 
 def test_nothing_is_marked_outside_an_opendir_request():
