@@ -4,8 +4,8 @@ With both flags the kernel fills its own cache of a directory's entries from the
 first READDIRPLUS and answers every later readdir() of it without asking the
 daemon, for as long as it keeps the directory's inode: a cached os.walk() of 200
 directories costs OPENDIR and RELEASEDIR per directory instead of OPENDIR, two
-READDIRPLUS and RELEASEDIR (measured: 0.197 s -> 0.134 s for 20,000 entries). Only
-right when listings never change while mounted (the immutable default).
+READDIRPLUS and RELEASEDIR (measured: 0.197 s -> 0.12-0.16 s for 20,000 entries).
+Only right when listings never change while mounted (the immutable default).
 
 pyfuse3 (3.5) has no way to set these flags: `opendir` returns only a handle, and
 the `fuse_file_info` it replies with lives in a private request container. So this
@@ -13,9 +13,10 @@ wraps pyfuse3's OPENDIR coroutine to see that container, and sets the two bits i
 its `fi` before pyfuse3 replies, but only after checking that the memory is laid out
 as expected: the request's inode must be where pyfuse3 (handlers.pxi, `_Container`:
 PyObject header, `dev_t rdev`, `fuse_file_info fi`, `fuse_ino_t ino`, ...) and
-libfuse's `fuse_file_info` put it, and the flag bits must still be clear. One
-mismatch switches this off for the mount (logged once): directories are then
-listed by the daemon on every readdir(), as without it. Never a wrong listing.
+the running libfuse's `fuse_file_info` put it, and the flag bits must still be
+clear. The bits' positions depend on the libfuse version (`layout_for`); an unknown
+version, or one mismatch, switches this off for the mount (logged once):
+directories are then listed by the daemon on every readdir(), as without it.
 
 Drop this module once pyfuse3 lets `opendir` return a FileInfo.
 """
@@ -26,20 +27,57 @@ import contextvars
 import ctypes
 import logging
 import os
+import re
+from dataclasses import dataclass
+from typing import Optional
 
 import pyfuse3
 
 log = logging.getLogger(__name__)
 
-# fuse_file_info (libfuse 3 <= 3.16: 40 bytes; 3.17 added fields: 64) begins after
-# the PyObject header and `dev_t rdev`; `ino` follows it.
+# fuse_file_info begins after the PyObject header and `dev_t rdev`; `ino` follows it.
 FILE_INFO_OFFSET = object.__basicsize__ + ctypes.sizeof(ctypes.c_uint64)
-FILE_INFO_SIZES = (40, 64)
-# The bits after `int flags`, in declaration order (writepage, direct_io, keep_cache,
-# flush, nonseekable, flock_release, cache_readdir, ...; GCC allocates from bit 0),
-# unchanged from libfuse 3.0 to 3.17.
-KEEP_CACHE_BIT = 1 << 2
-CACHE_READDIR_BIT = 1 << 6
+
+
+@dataclass(frozen=True)
+class FlagLayout:
+    """Where one libfuse keeps what OPENDIR's reply is built from."""
+    file_info_bytes: int  # sizeof(struct fuse_file_info)
+    keep_cache_bit: int  # in the bitfield word after `int flags` (GCC allocates from bit 0)
+    cache_readdir_bit: int
+
+
+def layout_for(version: Optional[tuple]) -> Optional[FlagLayout]:
+    """The layout of libfuse `version` (from its fuse_common.h), None if not known.
+    The bitfield is writepage, direct_io, keep_cache, flush, nonseekable,
+    flock_release, cache_readdir, noflush, except from 3.15 to 3.16, which put
+    parallel_direct_writes after keep_cache (libfuse issue 1029; 3.17 moved it back,
+    grew the struct to 64 bytes and changed the soname)."""
+    if version is None:
+        return None
+    if version >= (3, 17):
+        return FlagLayout(64, 1 << 2, 1 << 6)
+    if version >= (3, 15):
+        return FlagLayout(40, 1 << 2, 1 << 7)
+    if (3, 0) <= version <= (3, 14, 0):
+        return FlagLayout(40, 1 << 2, 1 << 6)
+    return None  # 3.14.1-3.14.x: which of the two is not known here
+
+
+def libfuse_version() -> Optional[tuple]:
+    """The version of the libfuse3 this process has loaded (pyfuse3's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libfuse3.so" in line}
+        if len(paths) != 1:
+            return None
+        lib = ctypes.CDLL(paths.pop())  # the loaded library again, not a second copy
+        lib.fuse_pkgversion.restype = ctypes.c_char_p
+        match = re.match(rb"(\d+)\.(\d+)(?:\.(\d+))?", lib.fuse_pkgversion() or b"")
+    except (OSError, AttributeError):
+        return None
+    return tuple(int(part or 0) for part in match.groups()) if match else None
+
 
 _request = contextvars.ContextVar("bucketfs_opendir_request", default=None)
 
@@ -47,10 +85,18 @@ _request = contextvars.ContextVar("bucketfs_opendir_request", default=None)
 class DirCacheFlags:
     """Sets the kernel's directory-cache flags on the OPENDIR being answered."""
 
-    def __init__(self, stats) -> None:
+    def __init__(self, stats, layout: Optional[FlagLayout] = None) -> None:
+        """`layout`: the running libfuse's (by default, looked up)."""
         self.stats = stats
-        self.enabled = True
-        self._ino_offset = None  # learned from the first OPENDIR, then checked on each
+        version = None
+        if layout is None:
+            version = libfuse_version()
+            layout = layout_for(version)
+        self.layout = layout
+        self.enabled = layout is not None
+        if not self.enabled:
+            self._switch_off(f"libfuse {'.'.join(map(str, version)) if version else '(version unknown)'} "
+                             "is not one whose fuse_file_info layout is known")
 
     def install(self) -> None:
         """Wrap pyfuse3's OPENDIR handler (looked up by name for every request) so
@@ -83,29 +129,29 @@ class DirCacheFlags:
             return False
         bits = self._checked_bits(container, inode)
         if bits is None:
-            self.enabled = False
-            self.stats["namespace.kernel_dir_cache_off"] = 1
-            log.warning("pyfuse3's OPENDIR request is not laid out as expected (pyfuse3 %s): "
-                        "directory listings are not cached by the kernel",
-                        getattr(pyfuse3, "__version__", "?"))
+            self._switch_off(f"pyfuse3's OPENDIR request is not laid out as expected (pyfuse3 "
+                             f"{getattr(pyfuse3, '__version__', '?')})")
             return False
-        bits.value |= KEEP_CACHE_BIT | CACHE_READDIR_BIT
+        bits.value |= self.layout.keep_cache_bit | self.layout.cache_readdir_bit
         return True
+
+    def _switch_off(self, reason: str) -> None:
+        self.enabled = False
+        self.stats["namespace.kernel_dir_cache_off"] = 1
+        log.warning("%s: directory listings are not cached by the kernel", reason)
 
     def _checked_bits(self, container, inode: int):
         """The `fuse_file_info` flag word of `container`, if its memory holds this
         request as expected; None otherwise."""
         base = id(container)
-        limit = type(container).__basicsize__
-        offsets = ((self._ino_offset,) if self._ino_offset is not None else
-                   tuple(FILE_INFO_OFFSET + size for size in FILE_INFO_SIZES))
-        matches = [offset for offset in offsets if offset + 8 <= limit
-                   and ctypes.c_uint64.from_address(base + offset).value == inode]
-        if len(matches) != 1:
+        ino_offset = FILE_INFO_OFFSET + self.layout.file_info_bytes
+        if ino_offset + 8 > type(container).__basicsize__:
+            return None
+        if ctypes.c_uint64.from_address(base + ino_offset).value != inode:
             return None
         open_flags = ctypes.c_int32.from_address(base + FILE_INFO_OFFSET).value
         bits = ctypes.c_uint32.from_address(base + FILE_INFO_OFFSET + 4)
-        if open_flags & os.O_ACCMODE != os.O_RDONLY or bits.value & (KEEP_CACHE_BIT | CACHE_READDIR_BIT):
+        wanted = self.layout.keep_cache_bit | self.layout.cache_readdir_bit
+        if open_flags & os.O_ACCMODE != os.O_RDONLY or bits.value & wanted:
             return None  # a directory is opened read-only, and libfuse clears the bits
-        self._ino_offset = matches[0]
         return bits

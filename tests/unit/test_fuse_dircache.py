@@ -10,11 +10,15 @@ import pytest
 import trio
 
 from bucketfs import fuse_dircache
-from bucketfs.fuse_dircache import CACHE_READDIR_BIT, FILE_INFO_OFFSET, KEEP_CACHE_BIT, DirCacheFlags
+from bucketfs.fuse_dircache import FILE_INFO_OFFSET, DirCacheFlags, FlagLayout, layout_for, libfuse_version
 
 pytestmark = pytest.mark.timeout(30)
 
-INO_OFFSET = FILE_INFO_OFFSET + 40  # libfuse <= 3.16's fuse_file_info, as on this machine
+# The libfuse this process runs (Debian 12's 3.14.0 here and in CI): its layout is known.
+LAYOUT = layout_for(libfuse_version())
+assert LAYOUT is not None, libfuse_version()
+INO_OFFSET = FILE_INFO_OFFSET + LAYOUT.file_info_bytes
+BOTH_BITS = LAYOUT.keep_cache_bit | LAYOUT.cache_readdir_bit
 
 
 def container(inode: int, open_flags: int = os.O_RDONLY | os.O_DIRECTORY, ino_offset: int = INO_OFFSET):
@@ -62,7 +66,7 @@ def test_the_flags_are_set_on_the_request_that_names_the_inode(monkeypatch):
     requests = [(container(1), 1), (container(2), 2), (container(70_001), 70_001)]
     assert answer(flags, monkeypatch, requests) == [True, True, True]
     for c, _inode in requests:
-        assert flag_bits(c) == KEEP_CACHE_BIT | CACHE_READDIR_BIT
+        assert flag_bits(c) == BOTH_BITS
     assert not stats
 
 
@@ -78,7 +82,7 @@ def test_a_request_not_laid_out_as_expected_is_left_untouched_and_turns_the_flag
         "bits already set": lambda: container(6),
     }[bad]()
     if bad == "bits already set":
-        ctypes.c_uint32.from_address(id(odd) + FILE_INFO_OFFSET + 4).value = CACHE_READDIR_BIT
+        ctypes.c_uint32.from_address(id(odd) + FILE_INFO_OFFSET + 4).value = LAYOUT.cache_readdir_bit
     before = memory(odd)
     later = container(7)
     assert answer(flags, monkeypatch, [(good, 5), (odd, 6), (later, 7)]) == [True, False, False]
@@ -87,13 +91,38 @@ def test_a_request_not_laid_out_as_expected_is_left_untouched_and_turns_the_flag
     assert stats["namespace.kernel_dir_cache_off"] == 1
 
 
-def test_a_second_layout_is_recognised_and_then_kept(monkeypatch):
-    """libfuse 3.17's larger fuse_file_info moves the inode to FILE_INFO_OFFSET + 64;
-    once learned from the first request, the offset is the only one accepted."""
+@pytest.mark.parametrize("version, layout", [
+    ((3, 10, 5), FlagLayout(40, 1 << 2, 1 << 6)),
+    ((3, 14, 0), FlagLayout(40, 1 << 2, 1 << 6)),
+    ((3, 14, 1), None),  # not known which side of libfuse's ABI break it is on
+    ((3, 15, 0), FlagLayout(40, 1 << 2, 1 << 7)),  # parallel_direct_writes after keep_cache
+    ((3, 16, 2), FlagLayout(40, 1 << 2, 1 << 7)),
+    ((3, 17, 1), FlagLayout(64, 1 << 2, 1 << 6)),  # moved back; a larger struct
+    ((3, 18, 0), FlagLayout(64, 1 << 2, 1 << 6)),
+    ((2, 9, 9), None),
+    (None, None),
+])
+def test_the_layout_follows_the_libfuse_version(version, layout):
+    assert layout_for(version) == layout
+
+
+def test_a_larger_fuse_file_info_moves_the_inode(monkeypatch):
+    """With libfuse 3.17's 64-byte fuse_file_info, the inode is 24 bytes further on;
+    where a 3.14 build puts it is then not accepted."""
+    flags = DirCacheFlags(collections.Counter(), layout=layout_for((3, 17, 0)))
+    right = container(1, ino_offset=FILE_INFO_OFFSET + 64)
+    assert answer(flags, monkeypatch, [(right, 1), (container(2, ino_offset=FILE_INFO_OFFSET + 40), 2)]) == [True, False]
+    assert flag_bits(right) == (1 << 2) | (1 << 6)
+
+
+def test_an_unknown_libfuse_switches_the_flags_off_before_any_request(monkeypatch):
+    monkeypatch.setattr(fuse_dircache, "libfuse_version", lambda: (3, 14, 1))
     stats = collections.Counter()
     flags = DirCacheFlags(stats)
-    requests = [(container(1, ino_offset=FILE_INFO_OFFSET + 64), 1), (container(9), 9)]
-    assert answer(flags, monkeypatch, requests) == [True, False]
+    c = container(3)
+    before = memory(c)
+    assert answer(flags, monkeypatch, [(c, 3)]) == [False]
+    assert memory(c) == before
     assert stats["namespace.kernel_dir_cache_off"] == 1
 
 
