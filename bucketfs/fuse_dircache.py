@@ -124,8 +124,12 @@ class DirCacheFlags:
     def mark(self, inode: int) -> bool:
         """Ask the kernel to cache the listing of `inode`, whose OPENDIR is being
         answered in this task. False (and nothing written) when it cannot be done."""
+        if not self.enabled:
+            return False
         container = _request.get()
-        if not self.enabled or container is None:
+        if container is None:
+            self._switch_off("pyfuse3 did not run its OPENDIR handler through the wrapper "
+                             f"(pyfuse3 {getattr(pyfuse3, '__version__', '?')})")
             return False
         bits = self._checked_bits(container, inode)
         if bits is None:
