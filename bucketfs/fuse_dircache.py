@@ -53,8 +53,8 @@ def layout_for(version: Optional[tuple]) -> Optional[FlagLayout]:
     flock_release, cache_readdir, noflush, except from 3.15 to 3.16, which put
     parallel_direct_writes after keep_cache (libfuse issue 1029; 3.17 moved it back,
     grew the struct to 64 bytes and changed the soname)."""
-    if version is None:
-        return None
+    if version is None or version >= (3, 19):
+        return None  # a libfuse newer than this table: its headers not read yet
     if version >= (3, 17):
         return FlagLayout(64, 1 << 2, 1 << 6)
     if version >= (3, 15):

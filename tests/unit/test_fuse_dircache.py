@@ -99,6 +99,7 @@ def test_a_request_not_laid_out_as_expected_is_left_untouched_and_turns_the_flag
     ((3, 16, 2), FlagLayout(40, 1 << 2, 1 << 7)),
     ((3, 17, 1), FlagLayout(64, 1 << 2, 1 << 6)),  # moved back; a larger struct
     ((3, 18, 0), FlagLayout(64, 1 << 2, 1 << 6)),
+    ((3, 19, 0), None),  # newer than the table
     ((2, 9, 9), None),
     (None, None),
 ])
