@@ -98,12 +98,11 @@ class DirCacheFlags:
             self._switch_off(f"libfuse {'.'.join(map(str, version)) if version else '(version unknown)'} "
                              "is not one whose fuse_file_info layout is known")
 
-    def install(self) -> None:
+    @staticmethod
+    def install() -> None:
         """Wrap pyfuse3's OPENDIR handler (looked up by name for every request) so
-        `mark` can see the request it runs in. Undone by `uninstall`."""
+        `mark` can see the request it runs in. Once per daemon: it serves one mount."""
         original = pyfuse3.fuse_opendir_async
-        if getattr(original, "_bucketfs_original", None) is not None:
-            original = original._bucketfs_original
 
         async def fuse_opendir_async(container):
             token = _request.set(container)
@@ -112,14 +111,7 @@ class DirCacheFlags:
             finally:
                 _request.reset(token)
 
-        fuse_opendir_async._bucketfs_original = original
         pyfuse3.fuse_opendir_async = fuse_opendir_async
-
-    @staticmethod
-    def uninstall() -> None:
-        original = getattr(pyfuse3.fuse_opendir_async, "_bucketfs_original", None)
-        if original is not None:
-            pyfuse3.fuse_opendir_async = original
 
     def mark(self, inode: int) -> bool:
         """Ask the kernel to cache the listing of `inode`, whose OPENDIR is being

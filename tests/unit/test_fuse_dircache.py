@@ -47,16 +47,14 @@ def answer(flags: DirCacheFlags, monkeypatch, requests):
     async def pyfuse3_handler(c):
         marked.append(flags.mark(requests[len(marked)][1]))
 
-    monkeypatch.setattr(pyfuse3, "fuse_opendir_async", pyfuse3_handler)
+    monkeypatch.setattr(pyfuse3, "fuse_opendir_async", pyfuse3_handler)  # (restored after the test)
     flags.install()
-    try:
-        async def main():
-            for c, _inode in requests:
-                await pyfuse3.fuse_opendir_async(c)
-        trio.run(main)
-    finally:
-        flags.uninstall()
-    assert pyfuse3.fuse_opendir_async is pyfuse3_handler  # uninstall restores the original
+    assert pyfuse3.fuse_opendir_async is not pyfuse3_handler  # wrapped
+
+    async def main():
+        for c, _inode in requests:
+            await pyfuse3.fuse_opendir_async(c)
+    trio.run(main)
     return marked
 
 

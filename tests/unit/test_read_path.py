@@ -1201,15 +1201,15 @@ def test_a_shard_dropped_from_the_listing_is_passed_over_by_warming_not_an_error
     ran the warming (found by tests/unit/test_read_fuzz.py, seed 388)."""
     shards, backend = shard_set(4, 1 * MiB)
     names = sorted(shards)
+    clock = trio.testing.MockClock()
 
     async def body(fs):
         first = await resolve(fs, names[0])
         later = fs._shards_after(first)
         assert next(later)[0] == names[1]
         backend.put(names[2], b"a new version")
-        await trio.sleep(1)  # past the TTL
+        clock.jump(1)  # past the TTL
         await fs.ns.list_dir(first.parent_ino)  # relisted: the old node of names[2] is dropped
         return [key for key, _ in later]
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.5,
-                  negative_ttl_s=0.5) == [names[3]]
+    assert run_fs(backend, body, clock=clock, metadata_ttl_s=0.5, negative_ttl_s=0.5) == [names[3]]
