@@ -131,6 +131,18 @@ class DirCacheFlags:
         bits.value |= self.layout.keep_cache_bit | self.layout.cache_readdir_bit
         return True
 
+    def request_pointer(self, inode: int) -> Optional[int]:
+        """The libfuse request (`fuse_req_t`) of the OPENDIR of `inode` being answered
+        in this task, read from pyfuse3's container once its layout checks out (after
+        `ino` come `parent` and `req`); None if it cannot be read."""
+        container = _request.get()
+        if not self.enabled or container is None or self._checked_bits(container, inode) is None:
+            return None
+        req_offset = FILE_INFO_OFFSET + self.layout.file_info_bytes + 2 * ctypes.sizeof(ctypes.c_uint64)
+        if req_offset + ctypes.sizeof(ctypes.c_void_p) > type(container).__basicsize__:
+            return None
+        return ctypes.c_void_p.from_address(id(container) + req_offset).value
+
     def _switch_off(self, reason: str) -> None:
         self.enabled = False
         self.stats["namespace.kernel_dir_cache_off"] = 1

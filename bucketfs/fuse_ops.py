@@ -22,6 +22,7 @@ import trio
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
 from bucketfs.fuse_dircache import DirCacheFlags
+from bucketfs.fuse_noopendir import KernelOpensDirs
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def fuse_errors(fn):
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:
-            self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
+            if exc.errno != errno.ENOSYS:  # "not implemented, stop asking": no error
+                self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
             raise
         except errors.BucketfsError as exc:
             code = errno_for(exc)
@@ -121,6 +123,8 @@ class FuseOperations(pyfuse3.Operations):
         self._stats_reads: dict = {}  # fh -> the counters as they were at open
         # Listings never change in immutable mode: the kernel may keep them.
         self._dir_cache = DirCacheFlags(fs.stats) if config.immutable else None
+        # ... and may open directories itself: no OPENDIR or RELEASEDIR round trips.
+        self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if config.immutable else None
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: with a TTL, tell the kernel about names that vanished."""
@@ -229,6 +233,12 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def opendir(self, inode, ctx):
+        opens = self._kernel_opens_dirs
+        if opens is not None and not opens.refused and (
+                opens.active or opens.try_enable(self._dir_cache.request_pointer(inode))):
+            # ENOSYS: the kernel stops sending OPENDIR and RELEASEDIR for this mount and
+            # keeps every directory's listing; READDIRPLUS comes with handle 0.
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         dh = await self.fs.opendir(inode)
         if self._dir_cache is not None:
             self._dir_cache.mark(inode)
@@ -237,7 +247,14 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def readdir(self, fh, start_id, token):
         counting = self._count_lookups
-        for i, (name, node) in enumerate(await self.fs.readdir(fh, start_id), start=start_id + 1):
+        if fh == 0:  # no OPENDIR (handles count from 1): the directory is the request's inode
+            ino = self._kernel_opens_dirs.inode_of(token) if self._kernel_opens_dirs else None
+            if ino is None:
+                raise errors.BucketfsError("READDIR with no handle and no inode noted for it")
+            entries = await self.fs.readdir_inode(ino, start_id)
+        else:
+            entries = await self.fs.readdir(fh, start_id)
+        for i, (name, node) in enumerate(entries, start=start_id + 1):
             # The kernel takes no reference for "." and ".." (libfuse: their lookup
             # count is not raised), and a directory's node is never replaced.
             child = name not in DOT_NAMES

@@ -34,6 +34,7 @@ import os
 import time
 from typing import Optional
 
+import cachetools
 import trio
 
 from bucketfs import errors
@@ -91,6 +92,9 @@ class FileHandle:
 
 # A directory's own entries, listed ahead of its children; no child has these names.
 DOT_NAMES = (".", "..")
+# Child lists kept for READDIRs with no handle (8 bytes a child): directories the
+# kernel is reading at once, such as 16 listed ahead plus a few walkers.
+DIR_CHILDREN_KEPT_COUNT = 32
 
 
 class DirHandle:
@@ -137,6 +141,9 @@ class Filesystem:
         self._handles: dict = {}
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
+        # Directory inode -> (its listing, its children in order), for readdir_inode.
+        # A few: the kernel reads one directory's READDIRs in a row and then keeps them.
+        self._dir_children = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
         self._open_keys: dict = {}  # key -> number of open handles
         self._shard_pass: dict = {}  # parent ino -> set of shard names opened in this pass
         self._warmers: dict = {}  # shard key -> fh of the handle whose window warms its head
@@ -166,6 +173,21 @@ class Filesystem:
             handle.children = await self.ns.list_dir(handle.node.ino)
         handle.read_from_start = True
         return handle.entries(start_index)
+
+    async def readdir_inode(self, ino: int, start_index: int):
+        """Entries of directory `ino` from `start_index` on, with no handle: the FUSE
+        adapter lets the kernel open directories itself in the immutable mode, where a
+        listing never changes, so an offset names the same entry in every READDIR.
+        The child lists of the last few directories are kept: a 20,000-entry listing
+        read in a hundred READDIRs is not rebuilt for each."""
+        if not self.config.immutable:
+            raise errors.BucketfsError("a READDIR with no handle needs listings that never change")
+        listing = await self.ns.listing(ino)
+        # (state re-check after the await: the kept list must be this listing's)
+        kept = self._dir_children.get(ino)
+        if kept is None or kept[0] is not listing:
+            kept = self._dir_children[ino] = (listing, await self.ns.list_dir(ino))
+        return DirHandle(self.ns.node(ino), kept[1]).entries(start_index)
 
     def releasedir(self, dh: int) -> None:
         self._dir_handles.pop(dh, None)

@@ -133,27 +133,39 @@ def walk_listing(top: str) -> list:
 
 
 def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_server, s3_bucket, mount_factory):
-    """In the immutable default the kernel keeps each directory's entries: a second walk
-    sends no READDIR to the daemon, and lists the same names, inodes and types in the
-    same order. With --metadata-ttl every readdir reaches the daemon (listings change)."""
+    """In the immutable default the kernel opens directories itself and keeps their
+    entries: a second walk sends no OPENDIR, READDIR or RELEASEDIR to the daemon (the
+    first sends one OPENDIR, answered ENOSYS), and lists the same names, inodes and
+    types in the same order. With --metadata-ttl every opendir and readdir reaches the
+    daemon (listings change)."""
     objects = {f"t/c{c}/f{i:03d}.jpg": b"j" * (i + 1) for c in range(3) for i in range(150)}
     objects.update({"t/c0/deeper/x.bin": b"x", "t/top.txt": b"t"})
     rclone_server.write_files(s3_bucket, objects)
     m = mount_factory(rclone_server, s3_bucket, "t")
     first = walk_listing(m.mountpoint)
     assert sorted(name for name, _ino, _d in first[0][1]) == ["c0", "c1", "c2", "top.txt"]
+    expected = {os.path.dirname(k[len("t/"):]) for k in objects} | {"c0/deeper"}
+    for rel in expected:  # every directory lists exactly its objects, after a cold walk through no handles
+        names = {os.path.relpath(k, "t/" + rel if rel else "t").split("/")[0] for k in objects
+                 if k.startswith(f"t/{rel}/" if rel else "t/")}
+        assert sorted(os.listdir(m.path(rel) if rel else m.mountpoint)) == sorted(names), rel
     before = m.stats()
+    assert before["fuse.opendir"] == 1 and "fuse.releasedir" not in before and "errors.ENOSYS" not in before
+    assert before["namespace.kernel_opens_dirs"] == 1
     assert walk_listing(m.mountpoint) == first
     after = m.stats()
-    assert after.get("fuse.readdir", 0) == before.get("fuse.readdir", 0)
-    assert after["fuse.opendir"] > before["fuse.opendir"]  # the walk did open every directory again
+    for op in ("fuse.readdir", "fuse.opendir", "fuse.releasedir"):
+        assert after.get(op, 0) == before.get(op, 0), op
     assert "namespace.kernel_dir_cache_off" not in after
 
     ttl = mount_factory(rclone_server, s3_bucket, "t", "--metadata-ttl", "3600")
     walk_listing(ttl.mountpoint)
     before = ttl.stats()
     walk_listing(ttl.mountpoint)
-    assert ttl.stats()["fuse.readdir"] > before["fuse.readdir"]
+    after = ttl.stats()
+    assert after["fuse.readdir"] > before["fuse.readdir"]
+    assert after["fuse.opendir"] > before["fuse.opendir"] and after["fuse.releasedir"] > before["fuse.releasedir"]
+    assert "namespace.kernel_opens_dirs" not in after
 
 
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
