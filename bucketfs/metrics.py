@@ -67,6 +67,8 @@ _SIMPLE = [
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
     ("namespace.kernel_dir_cache_off", "bucketfs_kernel_dir_cache_off",
      "1 if the kernel could not be asked to keep directory listings (pyfuse3's request layout not as expected)", "gauge"),
+    ("namespace.kernel_opens_dirs", "bucketfs_kernel_opens_dirs",
+     "1 if the kernel opens directories itself (no OPENDIR or RELEASEDIR round trips; the immutable default)", "gauge"),
     ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),
 ]
 
@@ -161,7 +163,8 @@ def format_stats(snapshot: dict) -> str:
            f"in {get('disk_cache.skipped_stores', 0)} fetches"]
           if "disk_cache.capacity_bytes" in snapshot else []),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}"
-        + ("; the kernel does not keep listings (see the log)" if get("namespace.kernel_dir_cache_off") else ""),
+        + ("; the kernel does not keep listings (see the log)" if get("namespace.kernel_dir_cache_off") else "")
+        + ("; the kernel opens directories itself (no OPENDIR)" if get("namespace.kernel_opens_dirs") else ""),
     ]
     ops = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("fuse.")}
     lines.append(f"kernel asked  {', '.join(f'{k} {v}' for k, v in sorted(ops.items())) or 'nothing'}")
