@@ -1762,6 +1762,46 @@ class Bench:
         return "\n".join(out)
 
 
+def emulation_ceilings(runs: list, cpus: int) -> list:
+    """What this machine allows any client of the emulated store, from the CPU the store
+    itself (server + proxy) used in this run: lines for the W1 rows. On a real
+    deployment that CPU is the store's and the network's, not the training machine's;
+    here it shares the machine's cores with the client, so it caps every client.
+    - W1 MB/s: the store's CPU per MB (the lower of bucketfs's and direct's runs) plus
+      each system's own CPU per MB (its readers', and bucketfs's daemon's), on `cpus`
+      cores: a reader side that cheap cannot pass cpus / (that sum) MB/s. The local
+      disk's readers are the least any reader side spends: no client passes that one.
+    - webdataset: the local loop keeps the cores busy (its busy CPU is ~cpus x its
+      seconds), so a mount's run needs at least (the local loop's busy CPU + the store's
+      CPU) / cpus seconds even if its daemon cost nothing: a ceiling on mount / local."""
+    by = {(r["run"], r["system"]): r for r in runs}
+    lines = []
+    for label in ("W1 1 reader(s)", "W1 4 reader(s)"):
+        runs_of = {system: by.get((label, system)) for system in ("local", "direct", "bucketfs")}
+        remote = [r for r in (runs_of["bucketfs"], runs_of["direct"]) if r and r.get("fetched_bytes") and not r.get("error_count")]
+        if not runs_of["local"] or not remote or not runs_of["local"].get("MB/s"):
+            continue
+        store_s_per_mb = min((r["server_cpu_s"] + r.get("proxy_cpu_s", 0)) / (r["fetched_bytes"] / MB) for r in remote)
+        client_s_per_mb = {}  # everything on this machine that is not the store, per MB read
+        for system, r in runs_of.items():
+            if r and r.get("MB/s") and not r.get("error_count"):
+                client_s_per_mb[system] = (r["client_cpu_s"] + r.get("daemon_cpu_s", 0)) / (r["MB/s"] * r["wall_s"])
+        parts = ", ".join(f"{system} {1000 * v:.2f}" for system, v in client_s_per_mb.items())
+        bounds = " / ".join(f"{cpus / (store_s_per_mb + v):,.0f}" for v in client_s_per_mb.values())
+        lines.append(f"  {label}: the store used {1000 * store_s_per_mb:.2f} ms of CPU per MB (server + proxy); the reader "
+                     f"side ({'daemon + ' if 'bucketfs' in client_s_per_mb else ''}readers) used, per MB: {parts} ms. "
+                     f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
+                     f"({' / '.join(client_s_per_mb)})")
+    local, mount = by.get(("W1 webdataset", "local")), by.get(("W1 webdataset", "bucketfs"))
+    if local and mount and local.get("loop_busy_cpu_s") and local.get("samples/s"):
+        store_s = mount["server_cpu_s"] + mount.get("proxy_cpu_s", 0)
+        ratio = local["loop_busy_cpu_s"] / (local["loop_busy_cpu_s"] + store_s)
+        lines.append(f"  W1 webdataset: the local loop kept {local['loop_busy_cpu_s']:.1f} CPU s busy and the store used "
+                     f"{store_s:.1f} CPU s for the mount's run: with a daemon that cost nothing, a mount reaches at most "
+                     f"{ratio:.2f}x local here ({ratio * local['samples/s']:,.0f} samples/s)")
+    return lines
+
+
 # Targets that are absolute speeds of a remote read (set for S3 at full scale): not
 # evaluated on a backend that cannot reach them whatever the client (the GCS emulator).
 ABSOLUTE_TARGET_KEYS = ("W1.1", "W1.4", "W2.list", "W4.ops")
@@ -1933,6 +1973,10 @@ def main(argv=None) -> int:
           " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time;\n"
           " steal = CPU time the hypervisor gave other guests while this VM wanted it: a slow host)")
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
+    ceilings = emulation_ceilings(bench.runs, os.cpu_count() or 1)
+    if ceilings:
+        print("\nWhat the emulated store leaves this machine (its CPU is on the same cores as the client's):")
+        print("\n".join(ceilings))
     print()
     print(TARGETS)
     if backend_cls.targets_note:
