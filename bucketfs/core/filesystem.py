@@ -352,7 +352,7 @@ class Filesystem:
                 if shard.name in opened or key in self._open_keys or self._warmed_by_another(key, shard.version, fh):
                     continue
                 self._warmers[key] = fh
-                self.prefetcher.warm_head(key, shard.version, shard.size_bytes, beyond_bytes)
+                self.prefetcher.warm_head(key, shard.version, shard.size_bytes, beyond_bytes, window_bytes)
                 beyond_bytes -= shard.size_bytes
                 targets_count += 1
 

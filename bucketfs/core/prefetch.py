@@ -63,7 +63,8 @@ class PartCancelled(Exception):
 
 
 class Part:
-    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed", "issued_s")
+    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed", "issued_s",
+                 "warmer_window_bytes")
 
     def __init__(self, start: int, end: int, demanded: bool = False):
         self.start, self.end = start, end
@@ -77,6 +78,7 @@ class Part:
         self.waiters = 0
         self.consumed = False
         self.issued_s = 0.0  # trio clock, when the prefetcher started it
+        self.warmer_window_bytes = 0  # a warmed head's part: the window of the stream that warmed it
 
     @property
     def urgent(self) -> bool:
@@ -218,10 +220,11 @@ class Prefetcher:
         return any(directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
                    for (key, _), parts in self._heads.items())
 
-    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int) -> None:
+    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, warmer_window_bytes: int = 0) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
         whole parts (the last one may end at the shard's end); called again with a
-        larger `head_end`, it extends the head."""
+        larger `head_end`, it extends the head. `warmer_window_bytes`: the window of
+        the stream warming it, which the stream that reads it starts from."""
         parts = self._heads.get((key, version), [])  # a warmed head is extended in place
         start = parts[-1].end if parts else 0
         while start < size_bytes:
@@ -231,6 +234,7 @@ class Prefetcher:
             part = self.fetch(key, version, size_bytes, start, part_end, demanded=False)
             if part is None:
                 break
+            part.warmer_window_bytes = warmer_window_bytes
             parts.append(part)
             start = part_end
         if not parts or (key, version) in self._heads:
@@ -289,15 +293,22 @@ class SequentialStream:
         self.fetch_end = start
         self.read_end = start
         # Waits on parts before this offset say nothing about the window: they were
-        # issued when the stream began (set after its first read), no time ahead.
+        # issued when the stream began (set after its first read), no time ahead...
         self.ramp_end: Optional[int] = None
         self.starved = False  # a read waited on a part issued ahead of it since the window last grew
         for part in prefetcher.take_head(key, version):
             if part.start <= self.fetch_end < part.end and part.error is None:
                 self.parts.append(part)  # a warmed head: the reader starts on ready bytes
                 self.fetch_end = part.end
+                # The reader goes on from the stream that warmed this head: its window,
+                # so that a reader of consecutive shards keeps what it has grown to.
+                self.window_bytes = min(max(self.window_bytes, part.warmer_window_bytes), max_window_bytes)
             else:
                 prefetcher._waste(part)
+        # ... except parts of a warmed head: issued by the previous shard's stream, a
+        # window ahead. A wait on one is a window too short (with shards no longer than
+        # the window, every part of a stream was in its ramp: windows never grew).
+        self.head_end = self.fetch_end
         prefetcher.streams.add(self)
 
     def covers(self, off: int) -> bool:
@@ -325,7 +336,7 @@ class SequentialStream:
             raise PartCancelled()  # a part inside was shed under memory pressure: the block cache reads it
         pieces = []
         for part in wanted:
-            if not part.done.is_set() and part.start >= self.ramp_end:
+            if not part.done.is_set() and (part.start >= self.ramp_end or part.end <= self.head_end):
                 self.starved = True
             data = await part.wait()  # state re-check after: the stream may have moved on
             # A memoryview slice: pyfuse3 replies from any buffer, so no copy is made.

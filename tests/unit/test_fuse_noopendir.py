@@ -10,6 +10,7 @@ import pyfuse3
 import pytest
 import trio
 
+from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.fuse_noopendir import (
     _READDIRPLUS_C, LOWLEVEL_OPS, OPS_OFFSET_MAX_BYTES, POINTER_BYTES, PYFUSE3_OPS, READDIRPLUS_SLOT,
@@ -209,7 +210,7 @@ def test_a_ttl_mount_keeps_opendir(monkeypatch):
         d = await resolve(fs, "d")
         assert ops._kernel_opens_dirs is None
         assert await ops.opendir(d.ino, None) > 0
-        with pytest.raises(Exception):
+        with pytest.raises(errors.BucketfsError):
             await fs.readdir_inode(d.ino, 0)
 
     run_fs(MemoryBackend({"d/f": b"x"}), body, metadata_ttl_s=60)

@@ -707,6 +707,38 @@ def test_a_shard_opened_on_a_warmed_head_continues_into_the_next_at_once():
     assert warming_early == ["w/shard-000002.tar"]
 
 
+@pytest.mark.parametrize("pause_s, window_expected", [(0.0, 128 * MiB), (0.05, 32 * MiB)])
+def test_a_reader_of_consecutive_shards_grows_its_window_across_them(pause_s, window_expected):
+    """Shards no longer than the starting window: every part of a stream is issued at
+    its start, so waiting on them says nothing, and the window never grew (one reader
+    stayed at 64 MiB in flight, ~500 MB/s against 20 ms and 100 MB/s per connection).
+    A wait on a warmed head's part does say it (the previous shard's stream issued it
+    a window ahead), and the next stream starts from the window of the stream that
+    warmed its head. A reader that pauses 50 ms per MiB finds its bytes ready and keeps
+    the window it started with."""
+    shards, backend = shard_set(6, 32 * MiB)
+    backend.delay_s = 0.02  # a round trip the fast reader outpaces
+
+    async def body(fs):
+        windows = []
+        for node in await shard_nodes(fs, shards):
+            fh = await fs.open(node.ino, 0)
+            off = 0
+            while off < node.size_bytes:
+                chunk = await fs.read(fh, off, 1 * MiB)
+                assert chunk == shards[node.path][off : off + len(chunk)]
+                off += len(chunk)
+                windows.append(fs._handles[fh].reader.stream.window_bytes)
+                await trio.sleep(pause_s)
+            fs.release(fh)
+        return windows
+
+    windows = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
+                     **dict(SMALL_WINDOW, readahead_max_bytes=128 * MiB))
+    assert max(windows) == window_expected
+    assert windows[-1] == window_expected  # kept to the last shard, not restarted at each
+
+
 @pytest.mark.parametrize("read_count, heads_expected", [(2, (2, 3)), (3, (3, 4))])
 def test_a_window_longer_than_the_next_shard_reaches_into_the_one_after(read_count, heads_expected):
     """In a pass (shard 1 opened on the head shard 0 warmed), a 32 MiB window over
