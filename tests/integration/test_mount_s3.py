@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import mmap
+import concurrent.futures
 import os
 import random
 import subprocess
@@ -166,6 +167,27 @@ def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_serv
     assert after["fuse.readdir"] > before["fuse.readdir"]
     assert after["fuse.opendir"] > before["fuse.opendir"] and after["fuse.releasedir"] > before["fuse.releasedir"]
     assert "namespace.kernel_opens_dirs" not in after
+
+
+def test_directories_listed_at_once_by_many_threads_each_list_their_own_entries(rclone_server, s3_bucket, mount_factory):
+    """With no OPENDIR, each READDIRPLUS is told its directory by the inode noted for
+    its request: 32 threads listing 60 cold directories at once (and the list-ahead
+    LISTs running beside them) must each get their own directory's entries."""
+    objects = {f"p/d{d:02d}/f{d:02d}-{i:03d}": b"" for d in range(60) for i in range(d + 1)}
+    rclone_server.write_files(s3_bucket, objects)
+    m = mount_factory(rclone_server, s3_bucket, "p")
+
+    def listing(d):
+        with os.scandir(m.path(f"d{d:02d}")) as it:
+            return sorted(e.name for e in it)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        listed = list(pool.map(listing, range(60)))
+    assert listed == [[f"f{d:02d}-{i:03d}" for i in range(d + 1)] for d in range(60)]
+    stats = m.stats()
+    # OPENDIRs sent before the kernel took the first ENOSYS get ENOSYS too: none has a
+    # handle, so none is released.
+    assert stats["namespace.kernel_opens_dirs"] == 1 and "fuse.releasedir" not in stats
 
 
 def test_special_names_round_trip(rclone_server, s3_bucket, mount_factory):
