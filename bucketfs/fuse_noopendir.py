@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import pyfuse3
 
@@ -117,15 +117,17 @@ class KernelOpensDirs:
         self._noted: dict = {}  # request pointer -> inode, from the READDIRPLUS handler
         self._handler = None  # the C callable in the table: kept alive as long as the mount
 
-    def try_enable(self, request: Optional[int], code: Optional[list] = None) -> bool:
-        """From an OPENDIR being answered (`request`: its libfuse request pointer, or
-        None if fuse_dircache could not read it): put the READDIRPLUS handler in
-        place. True if done (answer this and every later OPENDIR with ENOSYS).
-        `code`: where handlers may point (default: pyfuse3's executable mappings)."""
+    def skips_opendir(self, request_of: Callable[[], Optional[int]], code: Optional[list] = None) -> bool:
+        """Whether to answer this OPENDIR with ENOSYS (and so every later one). The
+        first time, `request_of()` gives the OPENDIR's libfuse request pointer (None if
+        fuse_dircache could not read it) and the READDIRPLUS handler is put in place;
+        after that the answer is remembered. `code`: where handlers may point (default:
+        pyfuse3's executable mappings)."""
         if self.active:
             return True
         if self.refused:
             return False
+        request = request_of()
         table = None
         try:
             if request and readable(request, POINTER_BYTES):

@@ -234,8 +234,7 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def opendir(self, inode, ctx):
         opens = self._kernel_opens_dirs
-        if opens is not None and not opens.refused and (
-                opens.active or opens.try_enable(self._dir_cache.request_pointer(inode))):
+        if opens is not None and opens.skips_opendir(lambda: self._dir_cache.request_pointer(inode)):
             # ENOSYS: the kernel stops sending OPENDIR and RELEASEDIR for this mount and
             # keeps every directory's listing; READDIRPLUS comes with handle 0.
             raise pyfuse3.FUSEError(errno.ENOSYS)

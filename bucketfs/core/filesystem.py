@@ -183,8 +183,7 @@ class Filesystem:
         if not self.config.immutable:
             raise errors.BucketfsError("a READDIR with no handle needs listings that never change")
         listing = await self.ns.listing(ino)
-        # (state re-check after the await: the kept list must be this listing's)
-        kept = self._dir_children.get(ino)
+        kept = self._dir_children.get(ino)  # (read after the await: another READDIR may have kept it)
         if kept is None or kept[0] is not listing:
             kept = self._dir_children[ino] = (listing, await self.ns.list_dir(ino))
         return DirHandle(self.ns.node(ino), kept[1]).entries(start_index)

@@ -220,7 +220,7 @@ class Prefetcher:
         return any(directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
                    for (key, _), parts in self._heads.items())
 
-    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, warmer_window_bytes: int = 0) -> None:
+    def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, warmer_window_bytes: int) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
         whole parts (the last one may end at the shard's end); called again with a
         larger `head_end`, it extends the head. `warmer_window_bytes`: the window of

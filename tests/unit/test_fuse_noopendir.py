@@ -8,12 +8,11 @@ import errno
 
 import pyfuse3
 import pytest
-import trio
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.fuse_noopendir import (
-    _READDIRPLUS_C, LOWLEVEL_OPS, OPS_OFFSET_MAX_BYTES, POINTER_BYTES, PYFUSE3_OPS, READDIRPLUS_SLOT,
+    _READDIRPLUS_C, LOWLEVEL_OPS, OPS_OFFSET_MAX_BYTES, POINTER_BYTES, PYFUSE3_OPS,
     TOKEN_REQ_OFFSET, KernelOpensDirs, code_ranges, find_ops_table,
 )
 from bucketfs.fuse_ops import FuseOperations
@@ -86,25 +85,25 @@ def test_anything_but_pyfuse3s_pattern_is_refused_and_nothing_is_written(change)
     before = bytes(session.memory)
     stats = collections.Counter()
     opens = KernelOpensDirs(stats)
-    assert not opens.try_enable(ctypes.addressof(session.request), code)
+    assert not opens.skips_opendir(lambda: ctypes.addressof(session.request), code)
     assert opens.refused and not opens.active and "namespace.kernel_opens_dirs" not in stats
     assert bytes(session.memory) == before
-    assert not opens.try_enable(ctypes.addressof(session.request), original.code)  # refused once: for good
+    assert not opens.skips_opendir(lambda: ctypes.addressof(session.request), original.code)  # refused once: for good
 
 
 def test_no_request_is_refused():
     opens = KernelOpensDirs(collections.Counter())
-    assert not opens.try_enable(None) and opens.refused
+    assert not opens.skips_opendir(lambda: None) and opens.refused
 
 
 def test_pointers_into_unmapped_memory_are_refused_without_reading_them():
     """A request or session pointer that is not one (a layout not as expected) must
     not crash the daemon: it is checked against the process's mappings first."""
     original = Original()
-    assert not KernelOpensDirs(collections.Counter()).try_enable(0x1000, original.code)  # page 1: never mapped
+    assert not KernelOpensDirs(collections.Counter()).skips_opendir(lambda: 0x1000, original.code)  # page 1: never mapped
     session = FakeSession(original.address)
     session.request.value = 0x1000  # a request whose session pointer leads nowhere
-    assert not KernelOpensDirs(collections.Counter()).try_enable(ctypes.addressof(session.request), original.code)
+    assert not KernelOpensDirs(collections.Counter()).skips_opendir(lambda: ctypes.addressof(session.request), original.code)
 
 
 def test_readdirplus_notes_its_inode_and_always_runs_pyfuse3s_handler():
@@ -112,7 +111,7 @@ def test_readdirplus_notes_its_inode_and_always_runs_pyfuse3s_handler():
     session = FakeSession(original.address)
     stats = collections.Counter()
     opens = KernelOpensDirs(stats)
-    assert opens.try_enable(ctypes.addressof(session.request), original.code)
+    assert opens.skips_opendir(lambda: ctypes.addressof(session.request), original.code)
     assert opens.active and stats["namespace.kernel_opens_dirs"] == 1
     assert session.slot("readdirplus").value != original.address
     assert session.slot("opendir").value == original.address  # only READDIRPLUS is replaced
@@ -123,7 +122,7 @@ def test_readdirplus_notes_its_inode_and_always_runs_pyfuse3s_handler():
     assert opens.inode_of(token_for(0xA0)) == 7
     assert opens.inode_of(token_for(0xA0)) is None  # taken once
     assert opens.inode_of(object()) is None  # not pyfuse3's token: its memory is not read
-    assert opens.try_enable(None)  # already on
+    assert opens.skips_opendir(lambda: None)  # already on
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the MemoryError, reported by ctypes
@@ -137,7 +136,7 @@ def test_pyfuse3s_handler_runs_even_when_noting_fails():
             raise MemoryError
 
     opens._noted = Broken()
-    assert opens.try_enable(ctypes.addressof(session.request), original.code)
+    assert opens.skips_opendir(lambda: ctypes.addressof(session.request), original.code)
     call_slot(session, 0xC0, 3)
     assert original.calls == [(0xC0, 3, 4096, 0)]  # the request still gets its reply
 
@@ -203,7 +202,7 @@ def test_readdir_with_no_handle_and_nothing_noted_is_an_error_not_a_wrong_listin
     assert run_fs(MemoryBackend({"d/f": b"x"}), body) == errno.EIO
 
 
-def test_a_ttl_mount_keeps_opendir(monkeypatch):
+def test_a_ttl_mount_keeps_opendir():
     """Listings that change must not be kept by the kernel: no ENOSYS, no handle-less READDIR."""
     async def body(fs):
         ops = FuseOperations(fs, fs.config)
