@@ -302,8 +302,8 @@ def test_the_help_says_what_the_parser_enforces():
 
 
 def test_every_mount_option_is_in_the_readme_table():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    table = readme[readme.index("### Options of `bucketfs mount URL MOUNTPOINT`"):readme.index("### Exit codes")]
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")).read()
+    table = readme[readme.index("## Options of `bucketfs mount URL MOUNTPOINT`"):readme.index("## Exit codes")]
     # Each row's first cell names its options (an option mentioned in another row's
     # meaning has no row of its own).
     first_cells = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `")]
