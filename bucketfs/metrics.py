@@ -27,6 +27,7 @@ STATS_FILE_NAME = ".bucketfs-stats"
 # (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
 _SIMPLE = [
     ("backend.bytes_fetched", "bucketfs_backend_fetched_bytes", "Payload bytes fetched from the store", "counter"),
+    ("backend.redirects", "bucketfs_backend_redirects", "Redirects followed (an AIStore gateway sending a GET to the target that holds the object)", "counter"),
     ("backend.corrupt_bodies", "bucketfs_backend_corrupt_bodies", "Whole-object GETs whose bytes did not match the store's checksum (fetched again)", "counter"),
     ("backend.calls_queued", "bucketfs_backend_queued_requests", "Requests that waited for a free connection (--max-connections)", "counter"),
     ("backend.urgent_overtakes", "bucketfs_backend_urgent_overtakes", "Free connections given to a request a reader waits on ahead of older read-ahead", "counter"),
@@ -136,7 +137,8 @@ def format_stats(snapshot: dict) -> str:
     used, wasted = get("prefetch.bytes_used", 0), get("prefetch.bytes_wasted", 0)
     lines = [
         f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}"
-        + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else ""),
+        + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else "")
+        + (f"; {redirects} redirects followed" if (redirects := get("backend.redirects", 0)) else ""),
         f"store         retries {get('backend.retries', 0)}"
         + (f" ({corrupt} for bytes not matching the store's checksum)" if (corrupt := get("backend.corrupt_bodies", 0)) else "")
         + "; failed after retries: "

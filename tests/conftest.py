@@ -35,6 +35,21 @@ def rclone_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def rclone_server_no_etag(tmp_path_factory):
+    """`rclone serve s3 --etag-hash ""`: empty ETags in listings and answers, as some
+    S3-compatible stores send (SeaweedFS lists them so)."""
+    with rclone_s3_server(tmp_path_factory.mktemp("rclone-no-etag"), etag_hash="") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rclone_server_xxh3(tmp_path_factory):
+    """`rclone serve s3 --etag-hash XXH3`: ETags that are 16-hex-digit hashes, no MD5s."""
+    with rclone_s3_server(tmp_path_factory.mktemp("rclone-xxh3"), etag_hash="XXH3") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def moto_server():
     """moto's S3 server (answers 412 to a failed If-Match), for the whole session."""
     with moto_s3_server() as server:

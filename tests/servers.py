@@ -8,6 +8,9 @@ Credentials live on the handle and on the clients/sessions it makes, never in
 os.environ: `S3Server.env()` gives the AWS_* variables for a subprocess (a mount).
 
 Known quirks (rclone v1.75, moto 5.2), which the backend tests rely on:
+- rclone `--etag-hash ""` sends empty ETags (`<ETag></ETag>`, `ETag: ""`) and
+  `--etag-hash XXH3` 16-hex-digit ones; it ignores If-Unmodified-Since as it
+  ignores If-Match.
 - rclone ignores If-Match on GET (returns the current object); moto answers 412.
 - rclone LIST answers ETags unquoted; HEAD/GET quote them. moto quotes them all.
 - rclone ETags are the MD5 of the content (`--etag-hash MD5`): rewriting an object
@@ -177,9 +180,10 @@ class S3Server:
             return
         self.client.put_object(Bucket=bucket, Key=key, Body=data)
 
-    def write_files(self, bucket: str, objects: dict) -> None:
+    def write_files(self, bucket: str, objects: dict, mtime_s: Optional[float] = None) -> None:
         """rclone only: seed `{key: bytes}` fast, as files on disk (a `dir/` key makes a
-        directory), then make rclone forget its cached listings so it sees them."""
+        directory), then make rclone forget its cached listings so it sees them.
+        `mtime_s`: the files' modification time (rclone's Last-Modified)."""
         if self.kind != "rclone":
             raise NotImplementedError("write_files needs rclone's served directory")
         bucket_dir = self.root_dir / bucket
@@ -190,6 +194,8 @@ class S3Server:
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
+                if mtime_s is not None:
+                    os.utime(path, (mtime_s, mtime_s))
         self.rclone_rc("vfs/forget")
 
     def rclone_rc(self, command: str, **params) -> dict:
@@ -431,9 +437,11 @@ def self_signed_certificate(work_dir: str) -> tuple:
 
 
 @contextlib.contextmanager
-def rclone_s3_server(root_dir, tls: bool = False) -> Iterator[S3Server]:
+def rclone_s3_server(root_dir, tls: bool = False, etag_hash: str = "MD5") -> Iterator[S3Server]:
     """Run `rclone serve s3` over `root_dir` on a free port; always stop it. With
-    `tls`, it serves HTTPS with a self-signed certificate (`server.ca_bundle`)."""
+    `tls`, it serves HTTPS with a self-signed certificate (`server.ca_bundle`).
+    `etag_hash`: what its ETags are ("MD5": the content's MD5, so a rewrite changes the
+    version; "XXH3": a 16-hex-digit hash that is no MD5; "": none, empty ETags)."""
     root_dir = pathlib.Path(root_dir)
     root_dir.mkdir(parents=True, exist_ok=True)
     binary = rclone_binary()
@@ -451,7 +459,7 @@ def rclone_s3_server(root_dir, tls: bool = False) -> Iterator[S3Server]:
                 binary, "serve", "s3", str(root_dir),
                 "--addr", f"127.0.0.1:{port}", *tls_args,
                 "--auth-key", f"{RCLONE_ACCESS_KEY},{RCLONE_SECRET_KEY}",
-                "--etag-hash", "MD5",  # ETag = content MD5, so a rewrite changes the version
+                "--etag-hash", etag_hash,
                 "--vfs-cache-mode", "off",  # read and write the directory directly
                 "--config", config_path,
                 "--log-file", log_path, "--log-level", "NOTICE",

@@ -3,7 +3,8 @@
 Contract (every backend, tested by tests/contract):
 - Keys are full object keys (the mount prefix included). Ranges are half-open
   `[start, end)`; `end` past the object's size is clipped; `start >= size` gives b"".
-- `version` is an opaque string (S3 ETag without quotes, GCS generation). A read
+- `version` is an opaque string (S3 ETag without quotes, GCS generation; on stores
+  that state no ETag, what versions.py derives from what they do state). A read
   pinned to a version either returns bytes of exactly that version or raises
   ObjectChanged: never bytes of another version.
 - Errors are the types of bucketfs.errors: NotFound, AccessDenied, ObjectChanged,
@@ -26,6 +27,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 import trio
 
 from bucketfs import errors
+from bucketfs.backends import versions
 from bucketfs.backends.digests import CorruptBody
 from bucketfs.backends.slots import PrioritySlots
 
@@ -117,6 +119,7 @@ class Backend(abc.ABC):
     # Elsewhere it only copies read_range's bytes into it, and the prefetcher does
     # better to keep those bytes than to pay a second copy into a part buffer.
     receives_into = False
+    redirects_count = 0  # redirects followed (S3: AIStore's gateways send GETs to targets)
 
     def __init__(self) -> None:
         self.requests: collections.Counter = collections.Counter()
@@ -166,7 +169,7 @@ class Backend(abc.ABC):
             current = await self.stat(key)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
-        if current.version != version:
+        if not versions.still(version, current):
             raise errors.ObjectChanged(f"{key}: version {version} is now {current.version}")
         if start < current.size_bytes:
             raise errors.BackendError(f"{key}: 416 for bytes from {start}, inside its {current.size_bytes} bytes")

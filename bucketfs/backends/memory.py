@@ -3,27 +3,41 @@
 It behaves like a strict S3: delimited, paginated, lexicographically ordered
 listings; versions change on every put; reads honour the version condition. Tests
 can inject failures and delays, and count requests by type.
+
+`versions` makes it state versions as S3-compatible stores do (versions.py):
+"counter" (opaque ETags "v1", "v2"...), "hash" (16-hex-digit ETags that are no MD5,
+as rclone's XXH3), "none" (no ETag: Last-Modified, each put a second later than the
+one before), "unpinned" (neither: reads are checked by size only).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 from typing import Callable, Optional
 
 import trio
 
 from bucketfs import errors
+from bucketfs.backends import versions as version_kinds
 from bucketfs.backends.base import Backend, ListPage, ObjectInfo, gone_message
 
 _versions = itertools.count(1)
+VERSION_MODES = ("counter", "hash", "none", "unpinned")
+DEFAULT_MTIME_NS = 1_700_000_000 * 10**9
 
 
 class MemoryBackend(Backend):
     receives_into = True  # stands in for S3 in unit tests, so they cover pooled part buffers
 
-    def __init__(self, objects: Optional[dict] = None, page_size_count: int = 1000, delay_s: float = 0.0):
+    def __init__(self, objects: Optional[dict] = None, page_size_count: int = 1000, delay_s: float = 0.0,
+                 versions: str = "counter"):
         super().__init__()
+        if versions not in VERSION_MODES:
+            raise ValueError(f"versions={versions!r}: one of {VERSION_MODES}")
+        self.versions = versions
+        self._puts_count = 0
         self.page_size_count = page_size_count
         self.delay_s = delay_s
         self._data: dict = {}
@@ -35,11 +49,22 @@ class MemoryBackend(Backend):
             self.put(key, data)
 
     # -- test helpers -------------------------------------------------------
-    def put(self, key: str, data: bytes, mtime_ns: int = 1_700_000_000 * 10**9) -> ObjectInfo:
+    def put(self, key: str, data: bytes, mtime_ns: Optional[int] = None) -> ObjectInfo:
         if key not in self._data:
             bisect.insort(self._sorted_keys, key)
         self._data[key] = bytes(data)
-        info = ObjectInfo(key, len(data), mtime_ns, f"v{next(_versions)}")
+        self._puts_count += 1
+        if mtime_ns is None:
+            # Without ETags a store's times tell versions apart: each put a second later.
+            mtime_ns = DEFAULT_MTIME_NS + (self._puts_count * 10**9 if self.versions == "none" else 0)
+        if self.versions == "counter":
+            version = f"v{next(_versions)}"
+        elif self.versions == "hash":
+            version = hashlib.blake2b(b"%d:" % next(_versions) + data, digest_size=8).hexdigest()
+        else:
+            version = version_kinds.of_s3("", mtime_ns if self.versions == "none" else 0)
+            mtime_ns = mtime_ns if self.versions == "none" else 0
+        info = ObjectInfo(key, len(data), mtime_ns, version)
         self._info[key] = info
         return info
 
@@ -92,11 +117,24 @@ class MemoryBackend(Backend):
         info = self._info.get(key)
         if info is None:
             raise errors.ObjectChanged(gone_message(key))
-        if info.version != version:
+        if not self._is(info, version, object_bytes):
             raise errors.ObjectChanged(f"{key}: version {version} is now {info.version}")
         data = self._data[key][start:end]
         self.bytes_fetched += len(data)
         return data
+
+    @staticmethod
+    def _is(info: ObjectInfo, version: str, object_bytes: Optional[int]) -> bool:
+        """Whether the object now (`info`) is `version`, as a store that states what
+        `info.version` states can tell (versions.py), the size a second witness."""
+        if object_bytes is not None and object_bytes != info.size_bytes:
+            return False
+        what = version_kinds.kind(version)
+        if what == version_kinds.ETAG:
+            return info.version == version
+        if what == version_kinds.LASTMOD:
+            return info.mtime_ns // version_kinds.NS_PER_S <= version_kinds.lastmod_s(version)
+        return True
 
     async def check_bucket(self, prefix: str) -> bool:
         await self._request("list", prefix)

@@ -7,13 +7,18 @@ GetObject. Invariants:
   off: every retry happens in BlockingCaller, with jittered backoff, so attempts are
   bounded in one place.
 - A read pinned to a version returns bytes of exactly that version or raises
-  ObjectChanged. We send If-Match AND compare the ETag of the response, because
-  some servers (rclone serve s3) ignore If-Match. A read we cannot verify is not
-  served: an answer without an ETag, or a pin that is empty (a listing without an
-  ETag), is ObjectChanged too. rclone answers both ways for an object being
-  rewritten, and served as is they cut a new version at the old size.
+  ObjectChanged. What a version is depends on what the store states (versions.py):
+  its ETag, else its Last-Modified, else nothing but its size. We send the condition
+  (If-Match, If-Unmodified-Since) AND compare the answer's ETag or Last-Modified,
+  because some servers (rclone serve s3) ignore both, and its total size. An answer
+  without an ETag for an ETag-pinned read is not served once the store has shown that
+  its answers carry ETags: rclone answers so for an object being rewritten, and
+  served as is it cut a new version at the old size.
 - ETags are normalised (quotes stripped): LIST answers them unquoted on some
   servers, HEAD and GET always quote them.
+- Redirects with a Location are followed on every GET path, signed again for the
+  new host (s3_lean.py); the SDK's path sends the hop through the client's own HTTP
+  session (its proxies, its CA bundle).
 - `requests` counts the calls the core made, by type; retries of one call are
   counted in `caller.retries_count`. Both are touched only on the trio thread.
 - Error messages never carry credentials (botocore never prints them; an endpoint
@@ -29,6 +34,7 @@ import re
 from typing import Optional
 
 import boto3
+import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 import botocore.utils
@@ -37,11 +43,13 @@ import urllib3.exceptions
 from botocore import UNSIGNED
 
 from bucketfs import errors
+from bucketfs.backends import versions
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
 from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.digests import EtagChecks, check_whole_object, s3_etag_digest
-from bucketfs.backends.s3_lean import LeanS3, ca_bundle
+from bucketfs.backends.s3_lean import (REDIRECT_HOPS_MAX, REDIRECT_STATUSES, LeanS3, ca_bundle, error_response,
+                                       redirect_url, too_many_redirects)
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -124,9 +132,12 @@ def normalise_etag(etag: str) -> str:
     return etag.strip('"') if etag else ""
 
 
-def _mtime_ns(when: datetime.datetime) -> int:
+def _mtime_ns(when: Optional[datetime.datetime]) -> int:
     # Integer arithmetic: a float timestamp * 1e9 loses the low bits of a nanosecond count.
-    return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+    # A time before the epoch (AIStore's zero time for objects never read) or none: 0.
+    if when is None:
+        return 0
+    return max((when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000, 0)
 
 
 def check_region(region: str) -> None:
@@ -161,11 +172,16 @@ class S3Backend(Backend):
         self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
                                ca_bundle(self._session)) if CurlEngine.available() else None
         self.etag_checks = EtagChecks()
+        self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
             config.max_connections_count,
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
             classify,
         )
+
+    @property
+    def redirects_count(self) -> int:
+        return self.lean.redirects_count
 
     def _make_client(self, connect_timeout_s: float, read_timeout_s: float):
         config = self._config
@@ -204,14 +220,13 @@ class S3Backend(Backend):
 
     def _checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple],
                  buffer: Optional[bytearray], object_bytes: Optional[int]):
-        """_get_blocking's answer from (etag, content_range, body, digest), or None; with
-        `buffer`, `body` is the number of bytes received into it. A whole object is
-        checked against its ETag where that is an MD5 (digests.py)."""
+        """_get_blocking's answer from (etag, content_range, body, digest, last_modified),
+        or None; with `buffer`, `body` is the number of bytes received into it. A whole
+        object is checked against its ETag where that is an MD5 (digests.py)."""
         if answer is None:
             return None
-        etag, content_range, body, digest = answer
-        if etag != version or not etag:
-            raise errors.ObjectChanged(f"{key}: version {version or '(none listed)'} is now {etag or '(no ETag sent)'}")
+        etag, content_range, body, digest, last_modified = answer
+        self.answer_checks.check(key, version, etag, last_modified)
         received_bytes = body if buffer is not None else len(body)
         check_answer(key, start, end, received_bytes, content_range, object_bytes)
         check_whole_object(key, digest, start, body if buffer is None else memoryview(buffer)[:received_bytes],
@@ -223,35 +238,53 @@ class S3Backend(Backend):
         """_get_blocking's answer, by curl_engine; on a worker thread after all when the
         lean path cannot serve the bucket. (One attempt: BlockingCaller.run retries it.)"""
         transfer = self.lean.transfer(key, start, end, version, buffer)
-        answer = self.lean.answer_of(await self.curl.get(transfer)) if transfer is not None else None
+        answer = None
+        if transfer is not None:
+            hops = 0
+            await self.curl.get(transfer)
+            while (following := self.lean.redirected(transfer, start, end, version, hops)) is not None:
+                transfer, hops = following, hops + 1
+                await self.curl.get(transfer)
+            answer = self.lean.answer_of(transfer)
         if answer is None:
             return await trio.to_thread.run_sync(self._get_blocking, key, start, end, version, buffer, object_bytes,
                                                  limiter=self.caller.limiter)
-        status, etag, content_range, got_bytes, digest = answer
+        status, etag, content_range, got_bytes, digest, last_modified = answer
         if status == 416:
             return None
-        return self._checked(key, start, end, version, (normalise_etag(etag), content_range, got_bytes, digest), buffer,
-                             object_bytes)
+        return self._checked(key, start, end, version,
+                             (normalise_etag(etag), content_range, got_bytes, digest, last_modified), buffer, object_bytes)
 
     def _get_unchecked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
-        """(etag, content_range, bytes), or with `buffer` (etag, content_range, bytes
-        written into it); None when the range starts past the end (416)."""
+        """(etag, content_range, bytes, digest, last_modified), or with `buffer` (etag,
+        content_range, bytes written into it, ...); None when the range starts past the
+        end (416)."""
         if self.lean.usable:
             answer = self.lean.get(key, start, end, version, buffer)
             if answer is not None:
-                status, etag, content_range, body, digest = answer
+                status, etag, content_range, body, digest, last_modified = answer
                 if status == 416:
                     return None
                 if not content_range:  # a server that ignored Range: the range was kept
                     body = _into(buffer, body)
-                return normalise_etag(etag), content_range, body, digest
+                return normalise_etag(etag), content_range, body, digest, last_modified
+        condition = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
+        if versions.kind(version) == versions.LASTMOD:
+            condition = {"IfUnmodifiedSince": versions.lastmod_s(version) + 1}
         try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                              IfMatch=f'"{version}"')
+            response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition)
         except botocore.exceptions.ClientError as exc:
-            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+            metadata = exc.response.get("ResponseMetadata", {})
+            status, location = metadata.get("HTTPStatusCode"), metadata.get("HTTPHeaders", {}).get("location")
+            if status in REDIRECT_STATUSES and location:
+                url = self.client.meta.endpoint_url  # (only its scheme and host matter to urljoin)
+                return self._get_redirected_blocking(redirect_url(url, location), key, start, end, version, buffer)
+            if status == 416:
                 return None
             raise
+        return self._sdk_answer(response, start, end, buffer)
+
+    def _sdk_answer(self, response: dict, start: int, end: int, buffer: Optional[bytearray]) -> tuple:
         body = response["Body"]
         try:
             # Read the whole body here, in the worker: a reset mid-body raises in this
@@ -262,7 +295,47 @@ class S3Backend(Backend):
             body.close()
         digest = s3_etag_digest(response.get("ETag", ""), response.get("ServerSideEncryption"),
                                 response.get("SSECustomerAlgorithm"))
-        return normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data), digest
+        last_modified = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
+        return (normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data), digest,
+                last_modified)
+
+    def _get_redirected_blocking(self, url: str, key: str, start: int, end: int, version: str,
+                                 buffer: Optional[bytearray]):
+        """The SDK path's GET, redirected to `url`: signed again for that host and sent
+        through the client's HTTP session (its proxies and CA bundle), hop by hop."""
+        http_session = self.client._endpoint.http_session
+        headers = self.lean.range_headers(start, end, version)
+        hops = 1
+        self.lean.redirects_count += 1
+        while True:
+            request = botocore.awsrequest.AWSRequest("GET", url, headers=self.lean.signed_for(url, headers))
+            request.stream_output = True
+            response = http_session.send(request.prepare())
+            location = response.headers.get("location")
+            if response.status_code in REDIRECT_STATUSES and location:
+                response.raw.drain_conn()
+                response.raw.release_conn()
+                url = redirect_url(url, location)
+                if hops == REDIRECT_HOPS_MAX:
+                    raise too_many_redirects(url)
+                hops += 1
+                self.lean.redirects_count += 1
+                continue
+            if response.status_code == 416:
+                response.raw.release_conn()
+                return None
+            if response.status_code not in (200, 206):
+                raise botocore.exceptions.ClientError(error_response(response.status_code, response.content), "GetObject")
+            try:
+                data = read_range_body(response.raw, self._config.read_timeout_s, start, end,
+                                       whole_object="content-range" not in response.headers)
+            finally:
+                response.raw.release_conn()
+            headers_in = response.headers
+            digest = s3_etag_digest(headers_in.get("etag", ""), headers_in.get("x-amz-server-side-encryption"),
+                                    headers_in.get("x-amz-server-side-encryption-customer-algorithm"))
+            return (normalise_etag(headers_in.get("etag", "")), headers_in.get("content-range"), _into(buffer, data),
+                    digest, headers_in.get("last-modified"))
 
     # -- contract ---------------------------------------------------------------
     def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
@@ -272,7 +345,7 @@ class S3Backend(Backend):
             if answer is not None:
                 return answer
         response = self._list_blocking(self.client, prefix, token, LIST_PAGE_KEYS_COUNT)
-        objects = [(item["Key"], item["Size"], _mtime_ns(item["LastModified"]), item.get("ETag", ""))
+        objects = [(item["Key"], item["Size"], _mtime_ns(item.get("LastModified")), item.get("ETag", ""))
                    for item in response.get("Contents", ())]
         prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
         truncated = bool(response.get("IsTruncated"))
@@ -284,7 +357,9 @@ class S3Backend(Backend):
             f"LIST {prefix!r}", self._list_page_blocking, prefix, token, abandon_on_cancel=True)
         # (A directory marker object, key == prefix, is among them: the namespace knows it
         # for the directory itself.)
-        objects = [ObjectInfo(key, size, mtime_ns, normalise_etag(etag)) for key, size, mtime_ns, etag in raw_objects]
+        objects = [ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects]
+        for info in objects:
+            self.answer_checks.note_listed(info.version)
         if truncated and not next_token:
             # A silently short directory would be worse than an error.
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
@@ -294,8 +369,8 @@ class S3Backend(Backend):
         self.requests["head"] += 1
         response = await self.caller.call(f"HEAD {key!r}", lambda: self.client.head_object(Bucket=self.bucket, Key=key),
                                           abandon_on_cancel=True)
-        return ObjectInfo(key, response["ContentLength"], _mtime_ns(response["LastModified"]),
-                          normalise_etag(response.get("ETag", "")))
+        mtime_ns = _mtime_ns(response.get("LastModified"))
+        return ObjectInfo(key, response["ContentLength"], mtime_ns, versions.of_s3(response.get("ETag", ""), mtime_ns))
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         return await self._read(key, start, end, version, None, object_bytes)

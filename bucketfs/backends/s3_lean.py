@@ -14,10 +14,15 @@ Invariants:
 - Credentials come from the session on every call (refreshable credentials renew
   themselves); the signature is botocore's S3SigV4Auth's, computed by sigv4.Signer.
 - Any answer other than 200/206/416 (412 included) becomes a botocore ClientError, so
-  S3Backend classifies errors in one place. A redirect or a region error switches
-  this path off for good (`usable = False`) and the client, whose region redirector
-  handles it, serves the rest. So does an HTTP(S)_PROXY that applies to the endpoint
-  (botocore routes through it; a direct connection may not be allowed).
+  S3Backend classifies errors in one place.
+- A redirect with a Location (AIStore's gateways answer object GETs with 307 to the
+  target that holds the object; S3 sends 307 to a new bucket's region) is followed,
+  signed again for its host, at most REDIRECT_HOPS_MAX hops: past that, an error
+  (EIO), never a loop. A redirect without a Location or a region error (S3's 301
+  PermanentRedirect, AuthorizationHeaderMalformed) switches this path off for good
+  (`usable = False`) and the client, whose region redirector handles it, serves the
+  rest. So does an HTTP(S)_PROXY that applies to the endpoint (botocore routes
+  through it; a direct connection may not be allowed).
 - Trust: the CA bundle is botocore's (AWS_CA_BUNDLE, the profile, REQUESTS_CA_BUNDLE).
 """
 
@@ -31,7 +36,7 @@ import re
 import time
 import xml.etree.ElementTree as ElementTree
 from typing import Optional
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, unquote, urlencode, urljoin, urlsplit
 
 import botocore.exceptions
 import botocore.httpsession
@@ -39,6 +44,7 @@ import botocore.utils
 import urllib3
 from botocore.compat import unquote_str
 
+from bucketfs.backends import versions
 from bucketfs.backends.base import body_deadline_s, copy_into, read_body
 from bucketfs.backends.curl_engine import Transfer
 from bucketfs.backends.digests import s3_etag_digest
@@ -51,6 +57,41 @@ _XML_FIELD_RE = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.S) for name in 
 
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+# Statuses that send a request elsewhere, with a Location header.
+REDIRECT_STATUSES = frozenset((301, 302, 303, 307, 308))
+# Hops followed for one request: AIStore takes one (gateway -> target); more is a loop.
+REDIRECT_HOPS_MAX = 4
+
+
+def redirect_url(url: str, location: str) -> str:
+    """Where a redirect from `url` with header `location` sends the request, in the
+    canonical form SigV4 signs: the path as the server wrote it (encoded once), the
+    query's names and values encoded as SigV4 encodes them."""
+    target = urljoin(url, location.strip())
+    base, _, query = target.partition("?")
+    base = base.partition("#")[0]
+    if not query:
+        return base
+    pairs = [item.partition("=") for item in query.partition("#")[0].split("&") if item]
+    return base + "?" + "&".join(f"{quote(unquote(name), safe='-_.~')}={quote(unquote(value), safe='-_.~')}"
+                                 for name, _, value in pairs)
+
+
+def error_response(status: int, body: bytes) -> dict:
+    """A ClientError's response for an error answer: the Code and Message of S3's XML
+    body, else the status as the code."""
+    text = body.decode("utf-8", "replace")
+    code = (_XML_FIELD_RE["Code"].search(text) or [None, str(status)])[1]
+    message = (_XML_FIELD_RE["Message"].search(text) or [None, ""])[1]
+    return {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def too_many_redirects(url: str) -> botocore.exceptions.ClientError:
+    """The error of a request still redirected after REDIRECT_HOPS_MAX hops (EIO)."""
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": "TooManyRedirects", "Message": f"still redirected after {REDIRECT_HOPS_MAX} hops ({url})"},
+         "ResponseMetadata": {"HTTPStatusCode": 310}}, "GetObject")
 
 
 def ca_bundle(session) -> str:
@@ -94,8 +135,15 @@ def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
 
 
 def _mtime_ns(text: str) -> int:
-    when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return (when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000
+    """Nanoseconds since the epoch of a listed LastModified; 0 for a time before the
+    epoch (AIStore lists Go's zero time for objects never read) or none at all."""
+    try:
+        when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except (AttributeError, ValueError):
+        return 0
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max((when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000, 0)
 
 # A ListObjectsV2 page as S3, MinIO, Ceph and rclone write it: flat, unprefixed tags,
 # no CDATA. One regular-expression pass reads it without building ~8 Elements per key.
@@ -181,18 +229,26 @@ class LeanS3:
         self.read_timeout_s = read_timeout_s
         self.signer = Signer(self.region)
         self.usable = True
+        self.redirects_count = 0  # hops followed (every path: S3Backend counts the SDK's here too)
+        # Pools per host: the endpoint's, and those of the hosts redirects lead to
+        # (an AIStore cluster's targets).
         self.pool = urllib3.PoolManager(
-            num_pools=4, maxsize=max_connections_count, block=False, retries=False, ca_certs=ca_bundle(session),
+            num_pools=32, maxsize=max_connections_count, block=False, retries=False, ca_certs=ca_bundle(session),
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
         )
 
-    def _headers(self, url: str, headers: dict) -> dict:
+    def _headers(self, url: str, headers: dict, host: Optional[str] = None) -> dict:
+        """`headers` signed for a GET of `url` on `host` (default: the endpoint's)."""
         if self.unsigned:
             return headers
         credentials = self.session.get_credentials()
         if credentials is None:
             raise botocore.exceptions.NoCredentialsError()
-        return self.signer.sign_get(credentials.get_frozen_credentials(), url, self._host, headers)
+        return self.signer.sign_get(credentials.get_frozen_credentials(), url, host or self._host, headers)
+
+    def signed_for(self, url: str, headers: dict) -> dict:
+        """`headers` signed for a GET of `url` on its own host (a redirect's target)."""
+        return self._headers(url, headers, host_of(url))
 
     def _resolve(self) -> bool:
         if self.base_url is None:
@@ -213,6 +269,7 @@ class LeanS3:
                 # and normalising every URL (~5% of a small-file GET's CPU).
                 self._host_pool = self.pool.connection_from_url(base_url)
                 self._origin_len = len(base_url) - len(urlsplit(base_url).path)
+                self._origin = base_url[:self._origin_len]
             self.base_url = base_url
         return self.usable
 
@@ -221,8 +278,11 @@ class LeanS3:
         # decode_content=False: the stored bytes, as botocore reads them. urllib3 would
         # gunzip an object stored with Content-Encoding: gzip, whose listed size, ranges
         # and ETag are those of the stored bytes (every read of one gave ESTALE or EIO).
-        return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
-                                       preload_content=False, decode_content=False, redirect=False, retries=False)
+        if url.startswith(self._origin) and url[self._origin_len:self._origin_len + 1] == "/":
+            return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
+                                           preload_content=False, decode_content=False, redirect=False, retries=False)
+        return self.pool.urlopen("GET", url, headers=headers, preload_content=False, decode_content=False,
+                                 redirect=False, retries=False)  # (a redirect's target)
 
     def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None,
               byte_range: Optional[tuple] = None) -> Optional[tuple]:
@@ -230,8 +290,22 @@ class LeanS3:
         cannot serve the bucket; a botocore ClientError for any other answer. With
         `buffer`, a ranged body (Content-Range) is received into it and `body` is its length.
         `byte_range` (start, end) of a ranged GET: if the server ignored it (a 200 with
-        no Content-Range), `body` is that range of the whole object, read only so far."""
-        response = self._request(url, self._headers(url, headers))
+        no Content-Range), `body` is that range of the whole object, read only so far.
+        Redirects are followed (module docstring)."""
+        signed, hops = self._headers(url, headers), 0
+        while True:
+            response = self._request(url, signed)
+            location = response.headers.get("Location")
+            if response.status not in REDIRECT_STATUSES or not location:
+                break
+            response.drain_conn()  # (a redirect's body is a few bytes at most)
+            response.release_conn()
+            url = redirect_url(url, location)
+            if hops == REDIRECT_HOPS_MAX:
+                raise too_many_redirects(url)
+            hops += 1
+            self.redirects_count += 1
+            signed = self.signed_for(url, headers)
         expected_bytes = getattr(response, "length_remaining", None) or (len(buffer) if buffer is not None else 0)
         deadline_s = body_deadline_s(self.read_timeout_s, expected_bytes)
         try:
@@ -250,34 +324,34 @@ class LeanS3:
 
     def _refused(self, status: int, body: bytes) -> None:
         """An answer not in the expected statuses: None, having switched this path off
-        (a redirect or a region error), or a botocore ClientError raised."""
-        text = body.decode("utf-8", "replace")
-        code = (_XML_FIELD_RE["Code"].search(text) or [None, str(status)])[1]
+        (a redirect without a Location, or a region error), or a botocore ClientError raised."""
+        response = error_response(status, body)
+        code = response["Error"]["Code"]
         if 300 <= status < 400 or code in ("AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"):
             log.info("lean request path off for this bucket (%s %s); using the SDK client", status, code)
             self.usable = False
             return None
-        message = (_XML_FIELD_RE["Message"].search(text) or [None, ""])[1]
-        raise botocore.exceptions.ClientError(
-            {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "S3")
+        raise botocore.exceptions.ClientError(response, "S3")
 
     def get(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray] = None) -> Optional[tuple]:
-        """(status, etag, content_range or None, body, digest) of a ranged GET pinned to
-        `version` (without Content-Range, the server ignored Range: `body` is the range all
-        the same); with `buffer`, a ranged body is received into it and `body` is its
-        length. `digest`: the MD5 the ETag states of the whole object, if it states one."""
+        """(status, etag, content_range or None, body, digest, last_modified) of a ranged
+        GET pinned to `version` (without Content-Range, the server ignored Range: `body`
+        is the range all the same); with `buffer`, a ranged body is received into it and
+        `body` is its length. `digest`: the MD5 the ETag states of the whole object, if it
+        states one. `last_modified`: the Last-Modified header, or None."""
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        answer = self._send(url, self._range_headers(start, end, version), (200, 206, 416), buffer, (start, end))
+        answer = self._send(url, self.range_headers(start, end, version), (200, 206, 416), buffer, (start, end))
         if answer is None:
             return None
         status, headers, body = answer
-        return status, headers.get("ETag", ""), headers.get("Content-Range"), body, _etag_digest(headers)
+        return (status, headers.get("ETag", ""), headers.get("Content-Range"), body, _etag_digest(headers),
+                headers.get("Last-Modified"))
 
     @staticmethod
-    def _range_headers(start: int, end: int, version: str) -> dict:
-        return {"Range": f"bytes={start}-{end - 1}", "If-Match": f'"{version}"'}
+    def range_headers(start: int, end: int, version: str) -> dict:
+        return {"Range": f"bytes={start}-{end - 1}", **versions.condition_headers(version)}
 
     def transfer(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> Optional[Transfer]:
         """get() as a signed curl_engine.Transfer into `buffer` (len end - start); None
@@ -285,8 +359,22 @@ class LeanS3:
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        return Transfer.ranged(url, self._headers(url, self._range_headers(start, end, version)), buffer, start,
+        return Transfer.ranged(url, self._headers(url, self.range_headers(start, end, version)), buffer, start,
                                self.read_timeout_s)
+
+    def redirected(self, transfer: Transfer, start: int, end: int, version: str, hops: int) -> Optional[Transfer]:
+        """The transfer that follows `transfer`'s answer if it is a redirect (signed
+        for its target; into the same buffer, which a redirect's answer left
+        untouched), else None. `hops`: redirects already followed for this GET."""
+        location = transfer.headers.get("location")
+        if transfer.error is not None or transfer.status not in REDIRECT_STATUSES or not location:
+            return None
+        url = redirect_url(transfer.url, location)
+        if hops >= REDIRECT_HOPS_MAX:
+            raise too_many_redirects(url)
+        self.redirects_count += 1
+        return Transfer.ranged(url, self.signed_for(url, self.range_headers(start, end, version)), transfer.buffer,
+                               start, self.read_timeout_s)
 
     def answer_of(self, transfer: Transfer) -> Optional[tuple]:
         """get()'s answer for a finished transfer (`body`: the bytes received into its
@@ -297,7 +385,7 @@ class LeanS3:
             return self._refused(transfer.status, bytes(transfer.error_body))
         headers = transfer.headers
         return (transfer.status, headers.get("etag", ""), headers.get("content-range"), transfer.received_bytes,
-                _etag_digest(headers))
+                _etag_digest(headers), headers.get("last-modified"))
 
     def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""

@@ -8,6 +8,9 @@ whole chunks it covers are written to disk after it.
 
 Invariants:
 - Chunks are keyed by (key, version): a changed object never reads an old chunk.
+  Objects with no version (a store that states neither ETag nor modification time,
+  versions.UNPINNED) are not kept: a later mount could not tell them from a
+  replacement of the same size.
 - Every stored chunk's CRC-32 is kept in memory and checked on every read from disk:
   a disk that hands back other bytes (a bad sector, a file changed behind our back,
   a crash that kept a chunk's record but not its bytes) costs a GET, never a wrong byte.
@@ -46,6 +49,7 @@ from typing import Optional
 
 import trio
 
+from bucketfs.backends import versions
 from bucketfs.core import cachefiles, cachejournal
 from bucketfs.core import pagecache
 # (module globals, looked up at each call: tests and benchmarks may replace them)
@@ -324,6 +328,8 @@ class DiskCache:
         return os.path.join(self.directory, cachejournal.DATA_DIR_NAME, cachejournal.data_name(entry.entry_no))
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+        if not versions.persistent(version):
+            return await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
         eid = cachejournal.entry_id(key, version)  # (once: a miss stores under it too)
         data = await self._read_disk(eid, start, end, object_bytes)
         if data is not None:
@@ -345,6 +351,8 @@ class DiskCache:
         return data
 
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
+        if not versions.persistent(version):
+            return await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
         eid = cachejournal.entry_id(key, version)
         got = await self._read_disk(eid, start, end, object_bytes, into=buffer)
         if got is not None:

@@ -413,6 +413,7 @@ class Filesystem:
         for op, count in self.backend.requests.items():
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched
+        stats["backend.redirects"] = self.backend.redirects_count
         for path, count in getattr(self.backend, "get_paths", {}).items():
             stats[f"backend.get_path.{path}"] = count
         caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one

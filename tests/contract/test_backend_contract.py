@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 import uuid
 from typing import Callable, Optional
@@ -52,6 +53,9 @@ class ContractTarget:
     inject_transient: Optional[Callable[[str, int, str], None]] = None
     retries_count: Optional[Callable[[], int]] = None
     secrets: tuple = ()  # strings that must never appear in an error message
+    # What the store states of a version (bucketfs/backends/versions.py): "etag" (any
+    # ETag or generation), "lastmod" (no ETag: Last-Modified, to the second).
+    versions: str = "etag"
 
 
 def _closing(stack: contextlib.ExitStack, backend: Backend) -> Backend:
@@ -65,8 +69,8 @@ def _unique_prefix() -> str:
 
 # -- factories ------------------------------------------------------------------
 
-def memory_target(request, stack: contextlib.ExitStack) -> ContractTarget:
-    backend = _closing(stack, MemoryBackend())
+def memory_target(request, stack: contextlib.ExitStack, versions: str = "counter") -> ContractTarget:
+    backend = _closing(stack, MemoryBackend(versions=versions))
 
     def put_many(objects: dict) -> None:
         for key, data in objects.items():
@@ -75,11 +79,13 @@ def memory_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     def put(key: str, data: bytes) -> None:
         backend.put(key, data)
 
-    return ContractTarget("memory", backend, put, _unique_prefix(), put_many=put_many)
+    name = "memory" if versions == "counter" else f"memory-{versions}"
+    return ContractTarget(name, backend, put, _unique_prefix(), put_many=put_many,
+                          versions="lastmod" if versions == "none" else "etag")
 
 
 def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool,
-               curl: bool = True) -> ContractTarget:
+               curl: bool = True, put=None, versions: str = "etag") -> ContractTarget:
     """`curl`: small GETs on curl_engine (else all of them on urllib3 worker threads)."""
     from bucketfs.backends.s3 import S3Backend
     from tests.servers import closed_port_url, inject_s3_failures, without_curl
@@ -92,8 +98,8 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
     backend = make()
     wrong_secret = "wrong-secret-key-0123456789abcdefghijklmn"
     return ContractTarget(
-        name, backend, lambda key, data: server.put(bucket, key, data), _unique_prefix(),
-        put_many=put_many,
+        name, backend, put or (lambda key, data: server.put(bucket, key, data)), _unique_prefix(),
+        put_many=put_many, versions=versions,
         denied_backend=(lambda: make(secret_key=wrong_secret)) if authenticates else None,
         missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
         unreachable_backend=lambda: make(endpoint_url=closed_port_url()),
@@ -108,6 +114,25 @@ def rclone_target(request, stack: contextlib.ExitStack, curl: bool = True) -> Co
     bucket = request.getfixturevalue("s3_bucket")
     return _s3_target("s3-rclone" if curl else "s3-rclone-threads", server, bucket, stack,
                       lambda objects: server.write_files(bucket, objects), authenticates=True, curl=curl)
+
+
+def rclone_other_etags_target(request, stack: contextlib.ExitStack, etags: str) -> ContractTarget:
+    """rclone with ETags that are no MD5s ("xxh3") or none at all ("none"). Without
+    ETags, versions are told apart by Last-Modified: each object is written as a file
+    dated a second after the one before (a real store's later write is later)."""
+    server = request.getfixturevalue("rclone_server_no_etag" if etags == "none" else "rclone_server_xxh3")
+    bucket = server.new_bucket()
+    stack.callback(server.delete_bucket, bucket)
+    clock_s = itertools.count(int(time.time()) - 100_000)
+
+    def put(key: str, data: bytes) -> None:
+        server.write_files(bucket, {key: data}, mtime_s=next(clock_s))
+
+    def put_many(objects: dict) -> None:
+        server.write_files(bucket, objects, mtime_s=next(clock_s))
+
+    return _s3_target(f"s3-rclone-{etags}", server, bucket, stack, put_many, authenticates=True, put=put,
+                      versions="lastmod" if etags == "none" else "etag")
 
 
 def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
@@ -187,6 +212,10 @@ def gcs_emulator_target(request, stack: contextlib.ExitStack) -> ContractTarget:
 
 FACTORIES = {
     "memory": memory_target,
+    "memory-hash": lambda request, stack: memory_target(request, stack, versions="hash"),
+    "memory-none": lambda request, stack: memory_target(request, stack, versions="none"),
+    "s3-rclone-xxh3": lambda request, stack: rclone_other_etags_target(request, stack, "xxh3"),
+    "s3-rclone-no-etag": lambda request, stack: rclone_other_etags_target(request, stack, "none"),
     "s3-rclone": rclone_target,
     "s3-rclone-threads": lambda request, stack: rclone_target(request, stack, curl=False),
     "s3-moto": moto_target,

@@ -114,23 +114,24 @@ def test_rclone_ignores_if_match_so_the_etag_check_catches_it(rclone_server, s3_
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", GET_PATHS)
-def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket, path):
-    """rclone, for an object being rewritten, lists it without an ETag or answers a GET
-    without one, and ignores If-Match: served as is, a new version's bytes came back
-    cut at the old size. Neither is served: both are ObjectChanged (ESTALE)."""
+def test_an_answer_without_an_etag_from_a_store_that_sends_them_is_not_served(rclone_server, s3_bucket, path):
+    """rclone, for an object being rewritten, answers a GET without an ETag and ignores
+    If-Match: served as is, a new version's bytes came back cut at the old size. Once
+    the store has shown that its answers name ETags, such an answer is ObjectChanged
+    (ESTALE). (A store that never sends one on GET is read by If-Match and size:
+    tests/contract/test_s3_compatible_stores.py.)"""
     rclone_server.put(s3_bucket, "k", b"0123456789")
     backend = _backend(rclone_server, s3_bucket, path)
     name = "answer_of" if path == "curl" else "get"  # (the curl path's answer, or urllib3's)
     real_get = getattr(backend.lean, name)
 
     def get_without_etag(*args, **kwargs):
-        status, _etag, content_range, body, digest = real_get(*args, **kwargs)
-        return status, "", content_range, body, digest
+        status, _etag, content_range, body, digest, last_modified = real_get(*args, **kwargs)
+        return status, "", content_range, body, digest, last_modified
 
     async def body():
         version = (await backend.stat("k")).version
-        with pytest.raises(errors.ObjectChanged):
-            await backend.read_range("k", 0, 10, "")  # the listing gave nothing to pin to
+        assert await backend.read_range("k", 0, 10, version) == b"0123456789"
         setattr(backend.lean, name, get_without_etag)
         with pytest.raises(errors.ObjectChanged):
             await backend.read_range("k", 0, 10, version)  # the answer names no version
@@ -146,6 +147,34 @@ def test_a_read_that_cannot_be_verified_is_not_served(rclone_server, s3_bucket, 
         trio.run(body)
     finally:
         trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", GET_PATHS)
+def test_a_store_that_never_sends_an_etag_on_get_is_read_by_if_match_and_size(rclone_server, s3_bucket, path, caplog):
+    rclone_server.put(s3_bucket, "k", b"0123456789")
+    backend = _backend(rclone_server, s3_bucket, path)
+    name = "answer_of" if path == "curl" else "get"
+    real_get = getattr(backend.lean, name)
+
+    def get_without_etag(*args, **kwargs):
+        status, _etag, content_range, body, digest, last_modified = real_get(*args, **kwargs)
+        return status, "", content_range, body, digest, last_modified
+
+    setattr(backend.lean, name, get_without_etag)
+
+    async def body():
+        version = (await backend.stat("k")).version
+        assert await backend.read_range("k", 0, 10, version) == b"0123456789"
+        assert await backend.read_range("k", 2, 4, version) == b"23"
+        with pytest.raises(errors.ObjectChanged):
+            await backend.read_range("k", 0, 5, version, object_bytes=9)
+
+    try:
+        trio.run(body)
+    finally:
+        trio.run(backend.aclose)
+    assert sum("answers GETs without one" in r.message for r in caplog.records) == 1
 
 
 @pytest.mark.timeout(30)
@@ -346,7 +375,7 @@ def _damaging(backend: S3Backend, path: str, damage):
     attempts = [0]
 
     def damaged(*args, **kwargs):
-        status, etag, content_range, body, digest = real(*args, **kwargs)
+        status, etag, content_range, body, digest, last_modified = real(*args, **kwargs)
         attempts[0] += 1
         if path == "curl":
             damage(args[0].buffer, attempts[0])
@@ -356,7 +385,7 @@ def _damaging(backend: S3Backend, path: str, damage):
             body = bytearray(body)
             damage(body, attempts[0])
             body = bytes(body)
-        return status, etag, content_range, body, digest
+        return status, etag, content_range, body, digest, last_modified
 
     setattr(backend.lean, name, damaged)
     return attempts
@@ -406,8 +435,8 @@ def test_a_store_whose_etags_are_not_md5s_is_read_after_one_more_get(rclone_serv
     real = getattr(backend.lean, name)
 
     def other_etag(*args, **kwargs):
-        status, etag, content_range, body, digest = real(*args, **kwargs)
-        return status, etag, content_range, body, digest._replace(expected=bytes(16))
+        status, etag, content_range, body, digest, last_modified = real(*args, **kwargs)
+        return status, etag, content_range, body, digest._replace(expected=bytes(16)), last_modified
 
     async def body():
         info = await backend.stat("k")
