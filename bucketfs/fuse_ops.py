@@ -78,9 +78,14 @@ def fuse_errors(fn):
 
 
 def _invalidate_entries(entries) -> None:
+    """(parent inode, name) entries: the kernel forgets the name; (inode, None): the
+    kernel forgets the directory's cached entries (its pages)."""
     for parent_ino, name in entries:
         try:
-            pyfuse3.invalidate_entry(parent_ino, name)
+            if name is None:
+                pyfuse3.invalidate_inode(parent_ino, attr_only=False)
+            else:
+                pyfuse3.invalidate_entry(parent_ino, name)
         except FileNotFoundError:
             pass  # the kernel had already let go of it
         except OSError as exc:  # e.g. the mount is going away: nothing left to invalidate
@@ -127,15 +132,19 @@ class FuseOperations(pyfuse3.Operations):
         self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if config.immutable else None
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Once mounted: with a TTL, tell the kernel about names that vanished."""
+        """Once mounted: tell the kernel about names that vanished or changed (with a
+        TTL, or in the immutable default after a replaced object was found)."""
         if self._dir_cache is not None:
             self._dir_cache.install()
-        if self._count_lookups:
-            self._ns.on_vanished = self._note_vanished
-            nursery.start_soon(self._invalidate_vanished)
+        self._ns.on_vanished = self._note_vanished
+        nursery.start_soon(self._invalidate_vanished)
 
     def _note_vanished(self, parent_ino: int, name: str) -> None:
         try:
+            if self.config.immutable:
+                # The kernel keeps this directory's entries (DirCacheFlags, KernelOpensDirs):
+                # drop them too, so a readdir lists the new inode.
+                self._vanished_tx.send_nowait((parent_ino, None))
             self._vanished_tx.send_nowait((parent_ino, os.fsencode(name)))
         except trio.WouldBlock:
             self.fs.stats["namespace.invalidations_skipped"] += 1
@@ -153,6 +162,7 @@ class FuseOperations(pyfuse3.Operations):
                     batch.append(self._vanished_rx.receive_nowait())
                 except trio.WouldBlock:
                     break
+            batch = list(dict.fromkeys(batch))  # (a directory's pages once per batch)
             await trio.to_thread.run_sync(_invalidate_entries, batch)
             self.fs.stats["namespace.invalidations"] += len(batch)
 

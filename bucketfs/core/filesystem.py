@@ -203,6 +203,11 @@ class Filesystem:
             raise errors.BucketfsError("is a directory")
         if not self.config.immutable:
             await self.ns.refresh_file(node)
+        elif not self.ns.is_current(node):
+            # Replaced while mounted (a read found it changed, and its directory was
+            # listed again): ESTALE makes the kernel look the name up again and open
+            # the version listed now.
+            raise errors.ObjectChanged(f"{node.path}: replaced since it was looked up")
         key = self.key_prefix + node.path
         fh = next(self._fh_counter)
         # A short shard (a data set's last) whose head the previous shard's window warmed
@@ -251,6 +256,9 @@ class Filesystem:
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
             else:
                 data = await handle.reader.read(off, end)
+        except errors.ObjectChanged:
+            self.ns.relist_after_stale(handle.node)
+            raise
         except errors.TransientError:
             now_s = trio.current_time()
             if now_s - started_trio_s >= self.config.read_timeout_s:

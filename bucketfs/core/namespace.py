@@ -29,6 +29,12 @@ Invariants:
   for in a new listing, so a short negative TTL works inside a longer metadata TTL.
 - A directory dropped while its listing is in flight gets no listing (NotFound):
   children attached to an unreachable node could never be dropped.
+- In the immutable default a directory is listed once, except after a read found
+  one of its objects changed (ESTALE: replaced while mounted): then it is listed
+  again in the background (relist_after_stale), at most once per
+  STALE_RELIST_MIN_INTERVAL_S, so later opens find the new version. The replaced
+  node stays (the kernel and open handles may hold it) but is no longer listed, and
+  names whose node changed are reported through `on_vanished` as with a TTL.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ NAME_MAX_BYTES = 255
 # it under 450) plus the allocator's share; measured as RSS growth per listed object
 # through a real mount (scripts/listing_memory.py).
 LISTED_ENTRY_BYTES = 560
+# A directory re-listed because a read found one of its objects changed is not
+# re-listed for that reason again within this time: a store that keeps answering
+# "changed" (or an object rewritten non-stop) costs a LIST per second, not per read.
+STALE_RELIST_MIN_INTERVAL_S = 1.0
 
 
 class Node:
@@ -150,6 +160,7 @@ class Namespace:
         self._loading: dict = {}  # ino -> _Loading: the listing in flight
         self._load_errors: dict = {}  # ino -> exception of the last failed listing (for its waiters)
         self._warned_keys: set = set()
+        self._stale_relists_s: dict = {}  # directory ino -> when it was last re-listed after a changed object
         self._ahead_limiter = trio.CapacityLimiter(max(1, list_ahead_count))
         self.list_ahead_count = list_ahead_count
         self._nursery: Optional[trio.Nursery] = None
@@ -201,6 +212,33 @@ class Namespace:
         if not self._listed(node):
             raise errors.ObjectChanged(f"{node.path}: changed or gone since it was looked up")
         return node
+
+    def is_current(self, node: Node) -> bool:
+        """Whether `node` is what its directory's listing names now (not replaced by a
+        re-listing since it was looked up)."""
+        return node.ino == ROOT_INO or self._listed(node)
+
+    def relist_after_stale(self, node: Node) -> None:
+        """A read of `node` found its object changed: list its directory again in the
+        background, so that the next open of the name pins the version there now (the
+        open of the replaced node is ESTALE, and the kernel then looks the name up
+        again). With a TTL, opens re-list stale directories anyway."""
+        parent, now_s = node.parent, trio.current_time()
+        if (self._nursery is None or not self.is_current(node) or parent.listing is None
+                or parent.ino in self._loading
+                or now_s - self._stale_relists_s.get(parent.ino, -math.inf) < STALE_RELIST_MIN_INTERVAL_S):
+            return
+        self._stale_relists_s[parent.ino] = now_s
+        self.stats["namespace.stale_relists"] += 1
+        self._nursery.start_soon(self._relist, parent)
+
+    async def _relist(self, node: Node) -> None:
+        if node.ino in self._loading or not self.is_live(node):
+            return  # state re-check: a listing started (or the directory went) while this task was queued
+        try:
+            await self._load(node, demanded=False)
+        except errors.BucketfsError as exc:
+            log.warning("listing %r again after a changed object failed: %s", node.path, exc)
 
     async def listing(self, ino: int, max_age_s: Optional[float] = None) -> Listing:
         """The directory's listing, loaded again if older than the metadata TTL (or `max_age_s`)."""
@@ -300,6 +338,11 @@ class Namespace:
             children[name] = self._child(node, old.get(name), name, False, info)
         if self.tracks_lookups and old:
             self._drop_vanished(node, old, children)
+        elif old and self.on_vanished is not None:  # the immutable default, re-listed after a changed object
+            for name, ino in old.items():
+                kept = children.get(name)
+                if kept is None or kept.ino != ino:
+                    self.on_vanished(node.ino, name)
         dirs_count = sum(1 for child in children.values() if child.is_dir)
         return Listing({name: child.ino for name, child in children.items()}, trio.current_time(), dirs_count)
 
