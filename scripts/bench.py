@@ -5,7 +5,7 @@
     python scripts/bench.py --scale 0.25 --only W1,W3
     python scripts/bench.py --backend gcs        # GCS emulator vs google-cloud-storage, scale 0.15 (~3 min)
 
-Setup: `rclone serve s3` (tests/servers.py) serves the data directory; a proxy
+Setup: `rclone serve s3` (bucketfs/testing/servers.py) serves the data directory; a proxy
 (scripts/latency_proxy.py, its own process) in front of it delays the first byte of
 every response (--latency-ms, default 20) and caps each connection (--conn-mbps,
 default 100 MB/s), so 127.0.0.1 behaves like a remote bucket. bucketfs and the
@@ -50,11 +50,11 @@ code of every workload, cold runs on a fresh mount with the page cache dropped, 
 bucketfs; their columns and bucketfs/alternative ratios are added to the table. Off by
 default.
 
---backend gcs runs the same workloads against gcp-storage-emulator (tests/gcs_server.py)
+--backend gcs runs the same workloads against gcp-storage-emulator (bucketfs/testing/gcs_server.py)
 behind the same proxy, beside direct google-cloud-storage reads (anonymous client on the
 proxy endpoint: ranged `download_as_bytes(raw_download=True)`, delimited `list_blobs`)
 and local disk. The emulator keeps objects in memory, so the data set is uploaded into
-it at startup (bare media uploads, as tests/conftest.py's put_many). It is slow and
+it at startup (bare media uploads, as bucketfs/testing/gcs_server.py's GCSServer.put_many). It is slow and
 serves one request at a time (HTTP/1.0, listen backlog 5), so: the data set defaults
 to --scale 0.15 (see GCSBackend.default_scale); both clients are held to 4 requests in
 flight (`--max-connections 4` for the mount, a blocking 4-connection pool for the
@@ -63,7 +63,7 @@ are not evaluated. The ratios are what count. The proxy counts an object metadat
 (what a stat costs; GCS has no HEAD) as HEAD. The emulator ignores `generation=` and
 `ifGenerationMatch` and sends no x-goog-generation header, where GCS does all three; a
 GCS-like front between the proxy and the emulator (scripts/get_cost.py's
-gcs_like_front: tests/gcs_server.py's GCSLikeAdapter in a child process) answers as GCS
+gcs_like_front: bucketfs/testing/gcs_server.py's GCSLikeAdapter in a child process) answers as GCS
 would, looking the live generation up itself, so each client's read is one request
 through the proxy, as on GCS. (Without it, bucketfs confirmed each read with a metadata
 GET of its own: two round trips per file, 0.5x direct on W2 and W5.)
@@ -438,7 +438,7 @@ class S3Backend(_ProxiedServer):
     @contextlib.contextmanager
     def serve(self) -> Iterator["S3Backend"]:
         from latency_proxy import ProxyProcess
-        from tests.servers import rclone_s3_server
+        from bucketfs.testing.servers import rclone_s3_server
 
         with rclone_s3_server(self.root_dir) as server:
             with ProxyProcess(server.endpoint_url, self.latency_ms, self.conn_mbps,
@@ -597,7 +597,7 @@ class GCSBackend(_ProxiedServer):
     @contextlib.contextmanager
     def serve(self) -> Iterator["GCSBackend"]:
         from get_cost import gcs_like_front
-        from tests.gcs_server import start_gcs_emulator
+        from bucketfs.testing.gcs_server import start_gcs_emulator
 
         with start_gcs_emulator() as server, gcs_like_front(server.endpoint_url) as front_url:
             with _gcs_proxy_process(front_url, self.latency_ms, self.conn_mbps,
@@ -614,7 +614,7 @@ class GCSBackend(_ProxiedServer):
 
     def seed(self, dataset: "Dataset") -> None:
         """Upload the data set into the emulator (not through the proxy): one bare media
-        upload per object over http.client (as tests/conftest.py's put_many), a few in
+        upload per object over http.client (as bucketfs/testing/gcs_server.py's GCSServer.put_many), a few in
         flight; then check the listing has every object at its size."""
         import http.client
 
@@ -925,7 +925,7 @@ class RcloneMount(_MountProcess):
     clean_exit_codes = (0, -signal.SIGTERM)
 
     def argv(self) -> list:
-        from tests.servers import rclone_binary
+        from bucketfs.testing.servers import rclone_binary
 
         config = os.path.join(self.work_dir, "rclone.conf")  # empty: the remote is all on the command line
         open(config, "a").close()
@@ -1227,7 +1227,7 @@ class Bench:
         proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
-            from tests.mounting import daemon_stats
+            from bucketfs.testing.mounting import daemon_stats
             with contextlib.suppress(OSError, ValueError):
                 run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
         elif system == "bucketfs":

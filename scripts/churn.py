@@ -38,7 +38,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
-from tests.mounting import daemon_stats  # noqa: E402
+from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 
 
 def report(label: str, mount, elapsed_s: float | None = None) -> None:
@@ -111,8 +111,8 @@ def main() -> int:
     parser.add_argument("--stress", type=float, metavar="SECONDS", help="check bytes under churn instead (TTL 0)")
     args = parser.parse_args()
 
-    from tests.mounting import bucketfs_mount
-    from tests.servers import rclone_s3_server
+    from bucketfs.testing.mounting import bucketfs_mount
+    from bucketfs.testing.servers import rclone_s3_server
 
     with tempfile.TemporaryDirectory(prefix="bucketfs-churn-") as work:
         work_dir = pathlib.Path(work)

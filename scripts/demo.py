@@ -45,7 +45,7 @@ import traceback
 
 SCRIPTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
-sys.path.insert(0, str(REPO_ROOT))  # tests/servers.py (local S3 server) and tests/e2e/mounting.py
+sys.path.insert(0, str(REPO_ROOT))  # bucketfs/testing/ (local S3 server, mount harness) if bucketfs is not installed
 
 DATASET_PREFIX = "sample/"
 
@@ -89,7 +89,7 @@ def check_requirements(local_server: bool) -> None:
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         raise DemoError("FUSE is not available: install fuse3 (apt-get install fuse3) and make sure /dev/fuse exists")
     if local_server:
-        from tests.servers import rclone_binary
+        from bucketfs.testing.servers import rclone_binary
 
         try:
             rclone_binary()
@@ -158,7 +158,7 @@ def run_loader(name: str, title: str, module, argv, mountpoint: str) -> list:
 def local_bucket(args, work_dir: pathlib.Path):
     """Start rclone serve s3, generate the dataset into a bucket; yield (url, endpoint, env)."""
     import make_sample_dataset
-    from tests.servers import rclone_s3_server
+    from bucketfs.testing.servers import rclone_s3_server
 
     started = time.perf_counter()
     dataset = make_sample_dataset.make_dataset(args.classes, args.per_class, args.shards, args.per_shard, args.size)
@@ -177,7 +177,7 @@ def local_bucket(args, work_dir: pathlib.Path):
 def demo(args, work_dir: pathlib.Path) -> None:
     import train_imagefolder
     import train_webdataset
-    from tests.mounting import MountError, bucketfs_mount
+    from bucketfs.testing.mounting import MountError, bucketfs_mount
 
     check_requirements(local_server=not args.url)
     with contextlib.ExitStack() as stack:

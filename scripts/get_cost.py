@@ -11,7 +11,7 @@ are other processes. Every body is compared with the bytes written.
 
 `--store gcs` does the same for GCSBackend against the GCS emulator, with
 google-cloud-storage's `download_as_bytes` as the direct read. The emulator sends no
-generation header; a GCS-like front in a child process (tests/http_front.py,
+generation header; a GCS-like front in a child process (bucketfs/testing/http_front.py,
 GCSLikeAdapter) adds it, as GCS does, so a read costs one GET and no metadata GET.
 The emulator serves one request at a time: its wall times are not GCS's.
 
@@ -42,9 +42,8 @@ import trio  # noqa: E402
 from bucketfs.backends.gcs import GCSBackend  # noqa: E402
 from bucketfs.backends.s3 import S3Backend  # noqa: E402
 from latency_proxy import ProxyProcess  # noqa: E402 - scripts/ is on the path (this script's directory)
-from tests.conftest import GCSServer  # noqa: E402
-from tests.gcs_server import start_gcs_emulator  # noqa: E402
-from tests.servers import rclone_s3_server, without_curl  # noqa: E402
+from bucketfs.testing.gcs_server import GCSServer, start_gcs_emulator  # noqa: E402
+from bucketfs.testing.servers import rclone_s3_server, without_curl  # noqa: E402
 
 BUCKET = "get-cost"
 
@@ -122,9 +121,9 @@ def run_gcs_library(server, endpoint: str, objects: dict, infos: list, concurren
 
 @contextlib.contextmanager
 def gcs_like_front(upstream_url: str):
-    """tests/http_front.py serving GCSLikeAdapter before the emulator, in a child process
+    """bucketfs/testing/http_front.py serving GCSLikeAdapter before the emulator, in a child process
     (its CPU is not this process's). Yields its URL."""
-    code = ("import sys; from tests.http_front import adapter_front; from tests.gcs_server import GCSLikeAdapter\n"
+    code = ("import sys; from bucketfs.testing.http_front import adapter_front; from bucketfs.testing.gcs_server import GCSLikeAdapter\n"
             f"with adapter_front(GCSLikeAdapter(paging=False), {upstream_url!r}) as url:\n"
             "    print(url, flush=True); sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
 from bucketfs.cli import parse_size  # noqa: E402
-from tests.mounting import daemon_stats  # noqa: E402
+from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 
 OVERHEAD_BYTES = 150 * 10**6  # the README's documented overhead on top of --max-memory
 LARGE_FILE_BYTES = 2 * 1024 * 1024  # whole-object GETs into the block cache
@@ -51,8 +51,8 @@ def main() -> int:
     budget_bytes = parse_size(args.max_memory)
     large_count = 2 * budget_bytes // LARGE_FILE_BYTES
 
-    from tests.mounting import bucketfs_mount
-    from tests.servers import rclone_s3_server
+    from bucketfs.testing.mounting import bucketfs_mount
+    from bucketfs.testing.servers import rclone_s3_server
 
     with tempfile.TemporaryDirectory(prefix="bucketfs-listmem-") as work:
         work_dir = pathlib.Path(work)

@@ -85,8 +85,8 @@ def main() -> int:
                              "buffers of many sizes, the churn that fragments the heap")
     args = parser.parse_args()
 
-    from tests.mounting import bucketfs_mount
-    from tests.servers import rclone_s3_server
+    from bucketfs.testing.mounting import bucketfs_mount
+    from bucketfs.testing.servers import rclone_s3_server
 
     rng = random.Random(1)
     objects = {f"big/f{i:03d}{args.suffix}": rng.randbytes(int(args.object_mb * MiB) + i) for i in range(args.objects)}

@@ -11,7 +11,7 @@ neither pages listings nor honours generation conditions, so a `GCSLikeAdapter`
 makes it page like GCS: "gcs" also answers generation-targeted GETs like GCS
 (404/412, `x-goog-generation`), "gcs-emulator" leaves reads to the raw emulator (the
 backend then checks the generation with a metadata GET). The adapter answers from a
-real HTTP front before the emulator (tests/http_front.py), so small GETs take the
+real HTTP front before the emulator (bucketfs/testing/http_front.py), so small GETs take the
 backend's curl path; "gcs-threads" mounts it on the backend's requests session
 instead, with every GET on the library's path. The emulator has no authentication:
 access cannot be denied.
@@ -88,7 +88,7 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
                curl: bool = True, put=None, versions: str = "etag") -> ContractTarget:
     """`curl`: small GETs on curl_engine (else all of them on urllib3 worker threads)."""
     from bucketfs.backends.s3 import S3Backend
-    from tests.servers import closed_port_url, inject_s3_failures, without_curl
+    from bucketfs.testing.servers import closed_port_url, inject_s3_failures, without_curl
 
     def make(bucket_name: str = bucket, secret_key: Optional[str] = None, **overrides) -> Backend:
         config = server.config(bucket_name, **overrides)
@@ -146,14 +146,14 @@ def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
 
 def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool, curl: bool = True) -> ContractTarget:
     """`curl`: small GETs on curl_engine, the adapter answering from a real HTTP front
-    before the emulator (tests/http_front.py); else every request on the library's
+    before the emulator (bucketfs/testing/http_front.py); else every request on the library's
     session, the adapter mounted on it."""
     import requests
 
     from bucketfs.backends.gcs import GCSBackend
-    from tests.gcs_server import GCSLikeAdapter, closed_port_url, fake_response
-    from tests.http_front import adapter_front
-    from tests.servers import without_curl
+    from bucketfs.testing.gcs_server import GCSLikeAdapter, closed_port_url, fake_response
+    from bucketfs.testing.http_front import adapter_front
+    from bucketfs.testing.servers import without_curl
 
     class FaultyGCSLikeAdapter(GCSLikeAdapter):
         """GCS-like pages (and generations), and transient faults on demand."""

@@ -15,7 +15,7 @@ from bucketfs.backends.curl_engine import CurlEngine
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from tests.contract.test_slow_body import socket_store
-from tests.servers import without_curl
+from bucketfs.testing.servers import without_curl
 
 pytestmark = pytest.mark.timeout(60)
 

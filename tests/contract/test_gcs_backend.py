@@ -31,9 +31,9 @@ import trio
 from bucketfs import errors
 from bucketfs.backends import gcs
 from bucketfs.backends.gcs import GCSBackend
-from tests.gcs_server import GCSLikeAdapter, fake_response
-from tests.http_front import adapter_front
-from tests.servers import without_curl
+from bucketfs.testing.gcs_server import GCSLikeAdapter, fake_response
+from bucketfs.testing.http_front import adapter_front
+from bucketfs.testing.servers import without_curl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +53,7 @@ def make_backend(gcs_server, bucket):
     """`make_backend(adapter=None, bucket_name=None, path="threads", **config_overrides)`;
     closed after the test. `path` "threads": every GET on the library's path, the
     adapter mounted on its session; "curl": small GETs on curl_engine, the adapter
-    answering from a real HTTP front (tests/http_front.py) before the server."""
+    answering from a real HTTP front (bucketfs/testing/http_front.py) before the server."""
     made = []
     with contextlib.ExitStack() as fronts:
 

@@ -17,7 +17,7 @@ import urllib3.exceptions
 
 from bucketfs import errors
 from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
-from tests.servers import inject_s3_failures, without_curl
+from bucketfs.testing.servers import inject_s3_failures, without_curl
 
 pytestmark = pytest.mark.timeout(30)
 GET_PATHS = ["curl", "urllib3"]  # a small GET's two lean paths: curl_engine, or urllib3 on a worker thread

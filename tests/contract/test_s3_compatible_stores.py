@@ -1,7 +1,7 @@
 """The S3-compatible stores users run, as the S3 backend meets them: stores that send
 no ETag or an empty one, ETags that are no MD5s, listed times that are no
 modification times (AIStore), and redirects (AIStore's gateways). Real servers on
-127.0.0.1 (rclone, moto), with the fronts of tests/s3_fronts.py where no server
+127.0.0.1 (rclone, moto), with the fronts of bucketfs/testing/s3_fronts.py where no server
 behaves so by itself. Every GET path is covered: curl_engine, urllib3 on worker
 threads, and the SDK client's ("sdk": the lean path off, as behind a proxy)."""
 
@@ -21,8 +21,8 @@ from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.s3_lean import REDIRECT_HOPS_MAX
-from tests.s3_fronts import RedirectFront, RewritingFront, started
-from tests.servers import closed_port_url, without_curl
+from bucketfs.testing.s3_fronts import RedirectFront, RewritingFront, started
+from bucketfs.testing.servers import closed_port_url, without_curl
 
 pytestmark = pytest.mark.timeout(60)
 ALL_GET_PATHS = ["curl", "urllib3", "sdk"]

@@ -22,7 +22,7 @@ from bucketfs.backends import base
 from bucketfs.backends.gcs import GCSBackend
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
-from tests.servers import without_curl
+from bucketfs.testing.servers import without_curl
 
 pytestmark = pytest.mark.timeout(60)
 

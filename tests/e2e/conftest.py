@@ -22,8 +22,8 @@ import sys
 
 import pytest
 
-from tests.counting_proxy import CountingProxy, counting_proxy
-from tests.mounting import bucketfs_mount
+from bucketfs.testing.counting_proxy import CountingProxy, counting_proxy
+from bucketfs.testing.mounting import bucketfs_mount
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATASET_PREFIX = "datasets/toy/"

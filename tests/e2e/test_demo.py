@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT
-from tests.mounting import force_unmount
+from bucketfs.testing.mounting import force_unmount
 
 CLASSES, PER_CLASS, SHARDS, PER_SHARD = 2, 10, 2, 10
 

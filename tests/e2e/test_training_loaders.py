@@ -22,7 +22,7 @@ import sys
 import pytest
 
 from tests.e2e.conftest import REPO_ROOT
-from tests.mounting import daemon_stats, fuse_requests_waiting, wait_for
+from bucketfs.testing.mounting import daemon_stats, fuse_requests_waiting, wait_for
 
 try:  # a missing dependency fails every test via conftest's autouse fixture, with the install line
     import torch

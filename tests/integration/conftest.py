@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.mounting import Mount, force_unmount, server_env
+from bucketfs.testing.mounting import Mount, force_unmount, server_env
 
 _USE_SERVER_ENDPOINT = object()
 

@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from bucketfs import errors, mount as bucketfs_mount
-from tests.mounting import MOUNT_DEADLINE_S, assert_one_line_error, mount_cmd, run_cli, server_env, wait_for
-from tests.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
+from bucketfs.testing.mounting import MOUNT_DEADLINE_S, assert_one_line_error, mount_cmd, run_cli, server_env, wait_for
+from bucketfs.testing.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
 
 pytestmark = pytest.mark.integration
 FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40)

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from tests.fault_proxy import fault_proxy
+from bucketfs.testing.fault_proxy import fault_proxy
 from tests.integration.test_flaky_store import Readers, check_whole_files, drop_page_cache
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from tests.fault_proxy import FAULT_KINDS, fault_proxy
+from bucketfs.testing.fault_proxy import FAULT_KINDS, fault_proxy
 
 pytestmark = pytest.mark.integration
 

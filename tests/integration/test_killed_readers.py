@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from tests.fault_proxy import fault_proxy
-from tests.mounting import wait_for
+from bucketfs.testing.fault_proxy import fault_proxy
+from bucketfs.testing.mounting import wait_for
 
 pytestmark = pytest.mark.integration
 

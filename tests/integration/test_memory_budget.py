@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.mounting import wait_for
+from bucketfs.testing.mounting import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from bucketfs import errors
-from tests.gcs_server import closed_port_url
-from tests.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
+from bucketfs.testing.gcs_server import closed_port_url
+from bucketfs.testing.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_one_line_error, assert_special_names_read_back, assert_tree_copies_out, run_cli,
                             server_env, special_name_objects)
 

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 from bucketfs import errors
-from tests.mounting import MOUNT_DEADLINE_S, assert_one_line_error, bucketfs_cmd, daemon_stats, mount_cmd, run_cli, server_env
-from tests.servers import free_port
+from bucketfs.testing.mounting import MOUNT_DEADLINE_S, assert_one_line_error, bucketfs_cmd, daemon_stats, mount_cmd, run_cli, server_env
+from bucketfs.testing.servers import free_port
 
 pytestmark = pytest.mark.integration
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

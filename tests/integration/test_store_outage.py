@@ -21,9 +21,8 @@ import time
 import pytest
 
 from bucketfs.core.filesystem import KERNEL_RETRY_WINDOW_S
-from tests.conftest import GCSServer
-from tests.gcs_server import start_gcs_emulator
-from tests.servers import rclone_s3_server
+from bucketfs.testing.gcs_server import GCSServer, start_gcs_emulator
+from bucketfs.testing.servers import rclone_s3_server
 
 pytestmark = pytest.mark.integration
 

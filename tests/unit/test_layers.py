@@ -1,15 +1,17 @@
 """The architecture's import rules, checked on the source with `ast`.
 
 Layers import only downward: errors/config <- backends <- core <- fuse adapter <-
-mount/cli. The core never imports pyfuse3 or a cloud SDK; only backends import SDKs.
+mount/cli <- testing. The core never imports pyfuse3 or a cloud SDK; only backends
+(and testing, which seeds servers) import SDKs. scripts/ never imports tests/.
 """
 
 import ast
 import pathlib
 
-PKG = pathlib.Path(__file__).resolve().parents[2] / "bucketfs"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PKG = REPO / "bucketfs"
 SDKS = ("boto3", "botocore", "google", "pyfuse3")
-RANK = {"errors": 0, "config": 0, "allocator": 0, "backends": 1, "core": 2, "fuse_ops": 3, "fuse_dircache": 3, "fuse_noopendir": 3, "metrics": 3, "mountpoints": 4, "mount": 4, "cli": 5, "daemon": 5, "fstab": 5, "__main__": 5, "__init__": 0}
+RANK = {"errors": 0, "config": 0, "allocator": 0, "backends": 1, "core": 2, "fuse_ops": 3, "fuse_dircache": 3, "fuse_noopendir": 3, "metrics": 3, "mountpoints": 4, "mount": 4, "cli": 5, "daemon": 5, "fstab": 5, "__main__": 5, "__init__": 0, "testing": 6}
 
 
 def imports(path: pathlib.Path):
@@ -47,7 +49,7 @@ def test_only_backends_import_cloud_sdks_and_only_the_adapter_and_mount_import_p
         for name in imports(path):
             root = name.split(".")[0]
             if root in ("boto3", "botocore", "google"):
-                assert where == "backends", f"{path.relative_to(PKG)} imports {name}"
+                assert where in ("backends", "testing"), f"{path.relative_to(PKG)} imports {name}"
             if root == "pyfuse3":
                 assert where in ("fuse_ops", "fuse_dircache", "fuse_noopendir", "mount"), f"{path.relative_to(PKG)} imports {name}"
 
@@ -56,3 +58,14 @@ def test_core_imports_no_sdk_and_no_fuse():
     for path in (PKG / "core").rglob("*.py"):
         for name in imports(path):
             assert name.split(".")[0] not in SDKS, f"{path.name} imports {name}"
+
+
+def test_scripts_import_no_tests():
+    """scripts/ uses the shared servers, proxies and mount harness from bucketfs.testing,
+    never from tests/ (which holds the tests and their pytest fixtures)."""
+    scripts = REPO / "scripts"
+    paths = list(scripts.rglob("*.py"))
+    assert paths
+    for path in paths:
+        for name in imports(path):
+            assert name.split(".")[0] != "tests", f"{path.relative_to(REPO)} imports {name}"

@@ -8,7 +8,7 @@ both paths, over a real socket.
 
 An adapter's ConnectionError becomes a connection closed without an answer (what a
 reset looks like to a client); a body shorter than the Content-Length an adapter set
-is sent as it is, and the connection closed. The server is tests/counting_proxy.py's,
+is sent as it is, and the connection closed. The server is bucketfs/testing/counting_proxy.py's,
 with its answer taken from the adapter instead of relayed.
 """
 
@@ -19,7 +19,7 @@ from typing import Iterator
 
 import requests
 
-from tests.counting_proxy import CountingProxy
+from bucketfs.testing.counting_proxy import CountingProxy
 
 
 def _raw_body(response: requests.Response) -> bytes:

@@ -22,7 +22,7 @@ Asked for by name only (`kinds`), not among FAULT_KINDS:
 MD5 of the bytes, computed before any damage), which the GCS emulator leaves out.
 `delay_s` holds every GET that long first (a slow store, faults or not).
 Everything else is relayed unchanged, and every request is counted, by
-tests/counting_proxy.py.
+bucketfs/testing/counting_proxy.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Iterator
 
 import google_crc32c
 
-from tests.counting_proxy import CountingProxy
+from bucketfs.testing.counting_proxy import CountingProxy
 
 FAULT_KINDS = ("slowdown", "internal", "reset-mid-body", "cut-mid-body", "reset-before-answer", "stall")
 _ERROR_ANSWERS = {

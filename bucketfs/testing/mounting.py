@@ -27,7 +27,7 @@ import pytest
 
 from bucketfs.metrics import STATS_FILE_NAME
 from bucketfs.mountpoints import fusectl_dir
-from tests.servers import _die_with_parent
+from bucketfs.testing.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
 EXIT_DEADLINE_S = 15.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import io
 import json
 import os
@@ -39,7 +40,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs.config import BucketURL, Config
-from tests.servers import _die_with_parent, _stop
+from bucketfs.testing.servers import _die_with_parent, _stop
 
 # `gcp-storage-emulator ARGS`, minus one cost: on every write the emulator
 # re-serialises ALL its metadata as indented JSON (O(n^2): 2,500 uploads take ~80 s).
@@ -110,6 +111,75 @@ class GCSEmulator:
 
     def close(self) -> None:
         self.client.close()
+
+
+_BOUNDARY = b"bucketfs-test-boundary-7d1e0c4b"
+_MULTIPART_TYPE = f"multipart/related; boundary={_BOUNDARY.decode()}"
+
+
+class GCSServer:
+    """The GCS emulator as the mount and contract fixtures see a server.
+
+    Same shape as bucketfs.testing.servers.S3Server where they overlap (`scheme`,
+    `endpoint_url`, `env()`, `new_bucket()`, `put()`, `config()`), plus
+    `put_many()`, a bulk seeding path: one bare upload per object over
+    http.client, ~4x faster than the client library's multipart upload
+    (2,500 objects: ~2 s instead of ~8 s; the emulator serves one request at a
+    time, so uploading in parallel does not help).
+    """
+
+    scheme = "gs"
+
+    def __init__(self, emulator: GCSEmulator):
+        self.emulator = emulator
+        self.endpoint_url = emulator.endpoint_url
+        self.client = emulator.client
+        self._netloc = urllib.parse.urlsplit(emulator.endpoint_url).netloc
+
+    def env(self) -> dict:
+        """Environment for a subprocess: no credentials needed (an http:// endpoint is
+        an emulator, and the backend talks to it anonymously)."""
+        return {}
+
+    def new_bucket(self) -> str:
+        return self.emulator.new_bucket()
+
+    def put(self, bucket: str, key: str, data: bytes, content_encoding: Optional[str] = None) -> int:
+        """Upload one object through the client library; returns its generation."""
+        return self.emulator.put(bucket, key, data, content_encoding=content_encoding)
+
+    def delete(self, bucket: str, key: str) -> None:
+        self.emulator.delete(bucket, key)
+
+    def put_many(self, bucket: str, objects: dict) -> None:
+        """Upload `{key: bytes}` fast (plain objects: no Content-Encoding)."""
+        for key, data in objects.items():
+            if data:
+                path = f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(key, safe='')}"
+                content_type = "application/octet-stream"
+            else:
+                # The emulator fails a media upload of an empty body (it reads no body
+                # as None and drops the connection); a multipart upload carries it.
+                # (Multipart for everything would cost ~1 s per 24 MiB in its parser.)
+                meta = json.dumps({"name": key, "contentType": "application/octet-stream"}).encode()
+                path, content_type = f"/upload/storage/v1/b/{bucket}/o?uploadType=multipart", _MULTIPART_TYPE
+                data = b"".join([
+                    b"--", _BOUNDARY, b"\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n", meta,
+                    b"\r\n--", _BOUNDARY, b"\r\nContent-Type: application/octet-stream\r\n\r\n",
+                    b"\r\n--", _BOUNDARY, b"--\r\n",
+                ])
+            connection = http.client.HTTPConnection(self._netloc, timeout=30.0)
+            try:
+                connection.request("POST", path, body=data, headers={"Content-Type": content_type})
+                response = connection.getresponse()
+                response.read()
+            finally:
+                connection.close()  # the emulator speaks HTTP/1.0: one request per connection
+            if response.status != 200:
+                raise RuntimeError(f"seeding {key!r} into {bucket}: HTTP {response.status}")
+
+    def config(self, bucket: str, prefix: str = "", **overrides):
+        return self.emulator.config(bucket, prefix, **overrides)
 
 
 def closed_port_url() -> str:

@@ -7,7 +7,7 @@ store for, from outside the mount, e.g. "the second epoch made no GETs".
 
 Responses are read whole and re-sent with a Content-Length: fine for test datasets of
 a few MB, not a general-purpose proxy. A subclass may answer otherwise (`answer`:
-tests/fault_proxy.py breaks some answers).
+bucketfs/testing/fault_proxy.py breaks some answers).
 """
 
 from __future__ import annotations

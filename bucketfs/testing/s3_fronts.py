@@ -1,6 +1,6 @@
 """HTTP fronts before a local S3 server that answer as other S3-compatible stores do.
 
-Each is a CountingProxy (tests/counting_proxy.py): it relays requests to the real
+Each is a CountingProxy (bucketfs/testing/counting_proxy.py): it relays requests to the real
 server (rclone or moto) with their Host header unchanged, so signatures verify, and
 changes the answers:
 - RewritingFront: no ETag at all, in listings (`<ETag>` elements) or answers (ETag
@@ -18,7 +18,7 @@ import contextlib
 import re
 from typing import Iterator, Optional
 
-from tests.counting_proxy import CountingProxy
+from bucketfs.testing.counting_proxy import CountingProxy
 
 _ETAG_ELEMENT_RE = re.compile(rb"<ETag>[^<]*</ETag>")
 _LAST_MODIFIED_RE = re.compile(rb"<LastModified>[^<]*</LastModified>")
