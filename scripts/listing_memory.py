@@ -31,7 +31,7 @@ import time
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
+from bench.procs import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
 from bucketfs.cli import parse_size  # noqa: E402
 from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 

@@ -35,7 +35,7 @@ import time
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
+from bench.procs import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
 from bucketfs.core.memory import DEMAND_WAIT_MAX_S  # noqa: E402
 
 MiB = 1024 * 1024

@@ -1,0 +1,18 @@
+"""The benchmark behind `python scripts/bench.py` (scripts/bench.py documents the
+command, its setup and its workloads), as a package by concern:
+
+- common: paths, units and limits, the digest, the log line
+- datasets: the generated data set, its manifest, the verifier of every byte read
+- stores: the emulated remote stores (S3 via rclone, GCS via its emulator) behind the
+  latency proxy, and the direct SDK clients that are the baseline
+- procs: processes and the machine: CPU, memory, the page cache, the mount table
+- systems: the mounts under test: bucketfs and, with --alternatives, rclone mount and s3fs
+- readers: reading primitives shared by the workloads (threads, streams, ranged GETs)
+- runner: `Bench`: one measured run (costs, verification, watchdog), cold starts
+- workloads: W1-W5
+- report: targets, the result and cost tables, what the emulation allows, the summary
+- wds: the webdataset child process (its own process, so torch stays out of the bench)
+- cli: options and main()
+
+Other scripts import helpers from here (e.g. `from bench.procs import proc_status_kib`).
+"""

@@ -1,0 +1,128 @@
+"""Processes and the machine: the page cache, CPU seconds (a process's, this one's,
+everyone else's, the hypervisor's steal), memory (VmRSS, VmHWM; a sampler of a
+daemon's peak) and the mount table."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuCensus:
+    """CPU seconds of every process on the machine, split into this benchmark's (this
+    process and its descendants: daemon, proxy, server, webdataset workers) and the
+    others' (a shared machine: other people's tests). Exited processes are missed."""
+
+    def __init__(self):
+        self.me = os.getpid()
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.snapshot = self._take()
+
+    def _take(self) -> dict:
+        procs = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            procs[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self.tick)
+        return procs
+
+    def others_s(self) -> float:
+        """Others' CPU seconds since the last call."""
+        now = self._take()
+        ours = {self.me}
+        changed = True
+        while changed:  # descendants of this process, whatever their depth
+            changed = False
+            for pid, (ppid, _) in now.items():
+                if ppid in ours and pid not in ours:
+                    ours.add(pid)
+                    changed = True
+        total = 0.0
+        for pid, (_ppid, cpu) in now.items():
+            if pid not in ours and pid != 2 and _ppid != 2:  # kthreadd's children are kernel threads
+                total += cpu - self.snapshot.get(pid, (0, 0.0))[1]
+        self.snapshot = now
+        return max(total, 0.0)
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """Busy and idle CPU seconds of the whole machine since boot (/proc/stat; idle includes iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), idle / os.sysconf("SC_CLK_TCK")
+
+
+def steal_s() -> float:
+    """CPU seconds the hypervisor gave other guests while this VM wanted them (all CPUs,
+    `steal` in /proc/stat): a slow host that no process here accounts for."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
+def self_cpu_s() -> float:
+    """This process's CPU seconds, with its children that were waited for (webdataset runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def proc_status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def is_mounted(path: str) -> bool:
+    """From the mount table, without touching the mount (a hung daemon cannot block this)."""
+    path = os.path.realpath(path)
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+class RssSampler:
+    """Samples a process's VmRSS every 50 ms in a thread; peak in bytes."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05):
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self.peak_bytes = max(self.peak_bytes, proc_status_kib(self.pid, "VmRSS") * 1024)
+            self._stop.wait(self.interval_s)

@@ -1,0 +1,216 @@
+"""`Bench`: the systems compared (bucketfs, direct SDK reads, local disk, alternative
+mounts), a cold start of each, and `measure()`, one run of a workload on a system with
+its costs around it (the proxy's requests and bytes, the CPU of the daemon, client,
+proxy, server and of other processes), a watchdog for hangs and the verification."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+from .common import MB, RUN_TIMEOUT_S, SYSTEMS, log
+from .datasets import Dataset, Verifier
+from .procs import CpuCensus, drop_caches, proc_cpu_s, self_cpu_s, steal_s
+from .report import Report
+from .systems import ALTERNATIVE_MOUNTS, Mount, _empty_disk_cache, _option_value
+from .workloads import Workloads
+
+
+@dataclasses.dataclass
+class Row:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool
+    target: str = ""
+    values: dict = dataclasses.field(default_factory=dict)
+    met: Optional[bool] = None
+
+
+class Bench(Workloads, Report):
+    """One benchmark over a data set and a store: the systems it compares, the rows of the
+    result and every run's costs. The workloads (W1-W5) and the report are its mixins."""
+
+    def __init__(self, args, dataset: Dataset, backend, work_dir: str):
+        self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
+        self.rows: dict = {}
+        self.runs: list = []
+        self.failures: list = []
+        self.mountpoint = os.path.join(work_dir, "mnt")
+        os.makedirs(self.mountpoint)
+        self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir,
+                           [*backend.mount_extra_args, *shlex.split(args.mount_args)])
+        self.cache_dir = _option_value(shlex.split(args.mount_args), "--cache-dir")
+        self.local_root = str(dataset.bucket_dir)
+        self.alt_mounts: dict = {}  # system -> its _MountProcess
+        self.alt_notes: list = []
+        for cls in ALTERNATIVE_MOUNTS if args.alternatives else ():
+            missing = cls.missing()
+            if missing:
+                self.alt_notes.append(missing)
+                continue
+            alt_mountpoint = os.path.join(work_dir, f"{cls.name}-mnt")
+            os.makedirs(alt_mountpoint)
+            self.alt_mounts[cls.name] = cls(backend, dataset.bucket, alt_mountpoint, work_dir)
+        self.systems = SYSTEMS + tuple(self.alt_mounts)
+        self.dropped_ok = True
+        self.census = CpuCensus()
+
+    # -- bookkeeping ------------------------------------------------------------
+    def row(self, key, label, unit, higher_is_better, target="") -> Row:
+        if key not in self.rows:
+            self.rows[key] = Row(key, label, unit, higher_is_better, target)
+        return self.rows[key]
+
+    def record(self, key: str, system: str, value) -> None:
+        self.rows[key].values[system] = value
+
+    def cold(self, system: str) -> None:
+        """Drop the page cache; a fresh mount for bucketfs; server metadata primed for remote runs."""
+        self.mount.stop()  # also before other systems: a mount's background work (listing ahead) must not overlap them
+        for alt in self.alt_mounts.values():
+            alt.stop()
+        if system != "local":
+            # All of them, not only the run's: bucketfs lists sibling directories ahead.
+            self.backend.prime(self.ds.bucket, ["shards/", "imagefolder/", "flat/", "tree/"])
+        self.dropped_ok = drop_caches() and self.dropped_ok
+        if system == "bucketfs":
+            if self.cache_dir:
+                _empty_disk_cache(self.cache_dir)
+            self.mount.start()
+        elif system in self.alt_mounts:
+            self.alt_mounts[system].start()
+
+    def root(self, system: str) -> str:
+        if system in self.alt_mounts:
+            return self.alt_mounts[system].mountpoint
+        return self.mountpoint if system == "bucketfs" else self.local_root
+
+    def stop_mounts(self) -> None:
+        self.mount.stop()
+        for alt in self.alt_mounts.values():
+            alt.stop()
+
+    def measure(self, label: str, system: str, fn: Callable[[Verifier], dict]) -> dict:
+        """Run fn(verifier) once, with the proxy's, the daemon's and our own costs around it."""
+        verifier = Verifier(self.ds)
+        remote = system != "local"
+        self.backend.mark(f"start {label} [{system}]")
+        before = self.backend.stats() if remote else None
+        daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
+        alt = self.alt_mounts.get(system)
+        if alt is not None:
+            daemon_before = proc_cpu_s(alt.pid)
+            alt.label += ("; " if alt.label else "") + label
+        self_before = self_cpu_s()
+        steal_before = steal_s()
+        self.census.others_s()
+        server_before = self.backend.server_cpu_s()
+        proxy_before = self.backend.proxy_cpu_s()
+        if system == "bucketfs":
+            self.mount.label += ("; " if self.mount.label else "") + label
+        profiler = self._start_profiler(label) if system == "bucketfs" and self.args.py_spy else None
+        watchdog = threading.Timer(RUN_TIMEOUT_S, self._hung, args=(label, system, verifier))
+        watchdog.daemon = True
+        watchdog.start()
+        t0 = time.perf_counter()
+        try:
+            result = fn(verifier) or {}
+        except Exception as exc:  # noqa: BLE001 - reported as a failed run
+            verifier.fail(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}")
+            result = {}
+        finally:
+            watchdog.cancel()
+        wall_s = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            try:
+                profiler.wait(30)
+            except subprocess.TimeoutExpired:
+                profiler.kill()
+                profiler.wait()
+        run = {"run": label, "system": system, "wall_s": round(wall_s, 4), **result}
+        run["client_cpu_s"] = round(self_cpu_s() - self_before, 3)
+        run["server_cpu_s"] = round(self.backend.server_cpu_s() - server_before, 3)
+        proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
+        if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
+            run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
+            from bucketfs.testing.mounting import daemon_stats
+            with contextlib.suppress(OSError, ValueError):
+                run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
+        elif system == "bucketfs":
+            verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
+        elif alt is not None and alt.proc is not None and alt.proc.poll() is None:
+            run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - daemon_before, 3)
+        elif alt is not None:
+            verifier.fail(f"{alt.title} died during the run: {alt._tail(800)}")
+        # CPU used by processes that are not part of this benchmark (a shared machine): noise.
+        run["foreign_cpu_s"] = round(self.census.others_s(), 2)
+        run["steal_s"] = round(steal_s() - steal_before, 2)
+        if remote:
+            after = self.backend.stats()
+            requests = collections.Counter(after["requests"])
+            requests.subtract(before["requests"])
+            statuses = collections.Counter(after["statuses"])
+            statuses.subtract(before["statuses"])
+            run["requests"] = {k: v for k, v in sorted(requests.items()) if v}
+            run["statuses"] = {k: v for k, v in sorted(statuses.items()) if v}
+            run["fetched_bytes"] = after["body_bytes_down"] - before["body_bytes_down"]
+            run["proxy_cpu_s"] = round(proxy_cpu_s, 3)
+        run["errors"] = verifier.errors[:5]
+        run["error_count"] = len(verifier.errors)
+        self.runs.append(run)
+        summary = " ".join(f"{k}={v}" for k, v in result.items() if k not in ("errors",))
+        extra = ""
+        if remote:
+            extra = f" | requests {run['requests']} fetched {run['fetched_bytes'] / MB:.1f} MB"
+            if run.get("daemon_cpu_s") is not None:
+                extra += f" daemon_cpu {run['daemon_cpu_s']:.2f}s"
+            extra += f" proxy_cpu {run['proxy_cpu_s']:.2f}s"
+        log(f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"
+            + (f" (other processes: {run['foreign_cpu_s']:.1f} CPU s)" if run["foreign_cpu_s"] >= 0.5 else "")
+            + (f" (host steal: {run['steal_s']:.1f} CPU s)" if run["steal_s"] >= 0.5 else ""))
+        if verifier.errors:
+            self.failures.append(f"{label} [{system}]: {len(verifier.errors)} error(s), first: {verifier.errors[0]}")
+            print(f"\n!!!!!!!! FAIL {label} [{system}]: {len(verifier.errors)} error(s)", flush=True)
+            for e in verifier.errors[:5]:
+                print(f"!!!!!!!!   {e}", flush=True)
+            print(flush=True)
+            run["failed"] = True
+        return run
+
+    def _start_profiler(self, label: str) -> Optional[subprocess.Popen]:
+        """py-spy on the daemon for one run: collapsed stacks (flamegraph.pl input) in --py-spy DIR."""
+        self.args.py_spy.mkdir(parents=True, exist_ok=True)
+        name = "".join(c if c.isalnum() else "-" for c in label.lower())
+        out = self.args.py_spy / f"{len(self.runs):02d}-{name}.txt"
+        try:
+            proc = subprocess.Popen(["py-spy", "record", "-p", str(self.mount.pid), "-o", str(out), "--format", "raw",
+                                     "-r", "100", "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError as exc:
+            log(f"  py-spy not started ({exc}): pip install py-spy")
+            return None
+        time.sleep(0.5)  # py-spy attaches in ~0.1 s; the first samples of the run are not worth racing for
+        return proc
+
+    def _hung(self, label, system, verifier) -> None:
+        verifier.fail(f"no result after {RUN_TIMEOUT_S:.0f}s: hung; aborting")
+        log(f"  {label} [{system}]: no result after {RUN_TIMEOUT_S:.0f}s; aborting the run")
+        if system == "bucketfs":
+            self.mount.abort()
+        elif system in self.alt_mounts:
+            self.alt_mounts[system].abort()
+
+    def max_memory_bytes(self) -> int:
+        from bucketfs.cli import parse_size
+
+        return parse_size(self.args.max_memory)
