@@ -2,7 +2,7 @@
 
 import sys
 
-from bucketfs.cli import main
+from bucketfs.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -122,7 +122,7 @@ def shard_spec(shard_dir: str) -> str:
 
 def bucket_requests(mountpoint: str):
     """Requests the mount has sent to the bucket so far (from `bucketfs stats`), or None."""
-    proc = subprocess.run([sys.executable, "-m", "bucketfs.cli", "stats", mountpoint, "--json"],
+    proc = subprocess.run([sys.executable, "-m", "bucketfs", "stats", mountpoint, "--json"],
                           capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
     if proc.returncode != 0:
         return None
@@ -220,7 +220,7 @@ def demo(args, work_dir: pathlib.Path) -> None:
         for name, label, samples, seconds, rate, requests in rows:
             print(f"{name:<12} {label:<24} "
                   f"{samples:>8} {seconds:>8.2f} {rate:>10.0f} {'n/a' if requests is None else requests:>16}")
-        stats = subprocess.run([sys.executable, "-m", "bucketfs.cli", "stats", mountpoint],
+        stats = subprocess.run([sys.executable, "-m", "bucketfs", "stats", mountpoint],
                                capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
         if stats.returncode == 0:
             print(f"\nbucketfs stats {mountpoint}:\n{stats.stdout.rstrip()}")

@@ -4,7 +4,7 @@
 Why: an ImageFolder sample is one GET, and on a machine whose cores are busy the
 daemon's CPU per GET sets the files/s. This measures it apart from FUSE and the
 loaders: `S3Backend.read_range` of ~100 KB objects from trio tasks, N at once, on the
-curl engine (backends/curl_engine.py) and on urllib3 worker threads, and boto3's
+curl engine (backends/http/curl.py) and on urllib3 worker threads, and boto3's
 get_object on a thread pool of the same size, against `rclone serve s3` behind
 scripts/latency_proxy.py. CPU is this process's (getrusage): the server and the proxy
 are other processes. Every body is compared with the bytes written.

@@ -32,7 +32,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.procs import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
-from bucketfs.cli import parse_size  # noqa: E402
+from bucketfs.app.cli import parse_size  # noqa: E402
 from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 
 OVERHEAD_BYTES = 150 * 10**6  # the README's documented overhead on top of --max-memory

@@ -25,4 +25,4 @@ else
     "$PYTHON" -m pip install -q --upgrade pip
 fi
 "${PIP[@]}" -e ".[test]"
-echo "setup done: $("$PYTHON" -m bucketfs.cli --version)"
+echo "setup done: $("$PYTHON" -m bucketfs --version)"

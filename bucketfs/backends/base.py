@@ -258,7 +258,7 @@ class BlockingCaller:
 
     async def run(self, what: str, attempt_fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
         """`await attempt_fn(*args, **kwargs)` in a slot, with call()'s retries and
-        classification: for calls that do not block (curl_engine's transfers)."""
+        classification: for calls that do not block (http/curl.py's transfers)."""
         attempt = 0
         while True:
             try:

@@ -45,9 +45,9 @@ from google.cloud import storage
 from bucketfs import errors
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     gone_message, lists_entries, read_range_body)
-from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
+from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ class GCSBackend(Backend):
         return self._downloads is not None and self._downloads.usable
 
     async def _fetch_curl(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]):
-        """read_range's `fetch` on curl_engine: (data, served generation, looked up), or
+        """read_range's `fetch` on http/curl.py: (data, served generation, looked up), or
         None past the end. One attempt (BlockingCaller.run retries it), with one new
         token after a 401, as the library's authorized session does."""
         downloads, into = self._downloads, bytearray(end - start)

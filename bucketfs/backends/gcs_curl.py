@@ -1,6 +1,6 @@
-"""GCS media downloads as curl_engine transfers: the GCS backend's small GETs.
+"""GCS media downloads as http/curl.py transfers: the GCS backend's small GETs.
 
-Why: as for S3 (curl_engine's docstring), a small file's GET through requests and
+Why: as for S3 (http/curl.py's docstring), a small file's GET through requests and
 google-auth on a worker thread costs several times the CPU of one on the curl
 thread, and the daemon's CPU per file is the ceiling of an ImageFolder epoch.
 
@@ -31,7 +31,7 @@ from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from bucketfs.backends.curl_engine import Transfer
+from bucketfs.backends.http.curl import Transfer
 
 _PLACEHOLDER_KEY = "bucketfs-placeholder"
 

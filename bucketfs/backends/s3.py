@@ -46,8 +46,8 @@ from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
                                     copy_into, gone_message, lists_entries, read_range_body)
-from bucketfs.backends.curl_engine import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.digests import EtagChecks, check_whole_object, s3_etag_digest
+from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.s3_lean import (REDIRECT_HOPS_MAX, REDIRECT_STATUSES, LeanS3, ca_bundle, error_response,
                                        redirect_url, too_many_redirects)
 from bucketfs.config import Config
@@ -235,7 +235,7 @@ class S3Backend(Backend):
 
     async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,
                         object_bytes: Optional[int]):
-        """_get_blocking's answer, by curl_engine; on a worker thread after all when the
+        """_get_blocking's answer, by http/curl.py; on a worker thread after all when the
         lean path cannot serve the bucket. (One attempt: BlockingCaller.run retries it.)"""
         transfer = self.lean.transfer(key, start, end, version, buffer)
         answer = None

@@ -46,9 +46,9 @@ from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
 from bucketfs.backends.base import body_deadline_s, copy_into, read_body
-from bucketfs.backends.curl_engine import Transfer
 from bucketfs.backends.digests import s3_etag_digest
-from bucketfs.backends.sigv4 import Signer, host_of
+from bucketfs.backends.http.curl import Transfer
+from bucketfs.backends.http.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def parse_list_page(body: bytes) -> tuple:
 
 
 def _etag_digest(headers):
-    """s3_etag_digest of an answer's headers (urllib3's, or curl_engine's lower-case dict)."""
+    """s3_etag_digest of an answer's headers (urllib3's, or http/curl.py's lower-case dict)."""
     return s3_etag_digest(headers.get("etag", ""), headers.get("x-amz-server-side-encryption"),
                           headers.get("x-amz-server-side-encryption-customer-algorithm"))
 
@@ -354,7 +354,7 @@ class LeanS3:
         return {"Range": f"bytes={start}-{end - 1}", **versions.condition_headers(version)}
 
     def transfer(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> Optional[Transfer]:
-        """get() as a signed curl_engine.Transfer into `buffer` (len end - start); None
+        """get() as a signed curl.Transfer into `buffer` (len end - start); None
         if this path cannot serve the bucket. Its answer: answer_of(transfer)."""
         if not self._resolve():
             return None

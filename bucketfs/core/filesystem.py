@@ -39,11 +39,11 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.blockcache import BlockCache
-from bucketfs.core.diskcache import DiskCache
 from bucketfs.core.memory import MemoryBudget
 from bucketfs.core.namespace import ROOT_INO, Namespace, Node
 from bucketfs.core.prefetch import HandleReader, Prefetcher, directory_of
 from bucketfs.core.stats import Stats
+from bucketfs.diskcache.cache import DiskCache
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 The GCS tests shape the emulator's answers with adapters (GCSLikeAdapter: pages and
 generations as GCS serves them; fault adapters). Mounted on the backend's requests
 session they reach only the library's path; the backend's small GETs go through
-curl_engine, which speaks HTTP itself. Served by this front, the same adapters answer
-both paths, over a real socket.
+backends/http/curl.py, which speaks HTTP itself. Served by this front, the same
+adapters answer both paths, over a real socket.
 
 An adapter's ConnectionError becomes a connection closed without an answer (what a
 reset looks like to a client); a body shorter than the Content-Length an adapter set

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from bucketfs.metrics import STATS_FILE_NAME
-from bucketfs.mountpoints import fusectl_dir
+from bucketfs.app.mountpoints import fusectl_dir
 from bucketfs.testing.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -38,7 +38,7 @@ class MountError(RuntimeError):
 
 
 def bucketfs_cmd(*args) -> list:
-    return [sys.executable, "-m", "bucketfs.cli", *args]
+    return [sys.executable, "-m", "bucketfs", *args]
 
 
 def mount_cmd(url: str, mountpoint, *args, endpoint_url=None) -> list:

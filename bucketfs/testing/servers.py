@@ -354,8 +354,8 @@ def without_curl(backend):
 
 
 def _inject_curl_failures(engine, remaining: list, kind: str) -> None:
-    """The same faults for S3Backend's small GETs (curl_engine): the transfer ends as
-    curl would end it, without reaching the server."""
+    """The same faults for S3Backend's small GETs (backends/http/curl.py): the
+    transfer ends as curl would end it, without reaching the server."""
     real_get = engine.get
 
     async def get(transfer):

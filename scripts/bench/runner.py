@@ -211,6 +211,6 @@ class Bench(Workloads, Report):
             self.alt_mounts[system].abort()
 
     def max_memory_bytes(self) -> int:
-        from bucketfs.cli import parse_size
+        from bucketfs.app.cli import parse_size
 
         return parse_size(self.args.max_memory)

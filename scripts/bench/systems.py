@@ -136,7 +136,7 @@ class Mount(_MountProcess):
         self.max_memory, self.extra_args = max_memory, list(extra_args)
 
     def argv(self) -> list:
-        return [sys.executable, "-m", "bucketfs.cli", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
+        return [sys.executable, "-m", "bucketfs", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
                 "-f", "--max-memory", self.max_memory, *self.extra_args]
 
     def env(self) -> dict:

@@ -86,7 +86,7 @@ def memory_target(request, stack: contextlib.ExitStack, versions: str = "counter
 
 def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool,
                curl: bool = True, put=None, versions: str = "etag") -> ContractTarget:
-    """`curl`: small GETs on curl_engine (else all of them on urllib3 worker threads)."""
+    """`curl`: small GETs on the curl engine (else all of them on urllib3 worker threads)."""
     from bucketfs.backends.s3 import S3Backend
     from bucketfs.testing.servers import closed_port_url, inject_s3_failures, without_curl
 
@@ -145,7 +145,7 @@ def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
 
 
 def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool, curl: bool = True) -> ContractTarget:
-    """`curl`: small GETs on curl_engine, the adapter answering from a real HTTP front
+    """`curl`: small GETs on the curl engine, the adapter answering from a real HTTP front
     before the emulator (bucketfs/testing/http_front.py); else every request on the library's
     session, the adapter mounted on it."""
     import requests

@@ -44,7 +44,7 @@ def bucket(gcs_server) -> str:
 
 
 # The two ways a GET goes: the library's requests session on a worker thread, or
-# curl_engine (small GETs, when pycurl is there).
+# the curl engine (backends/http/curl.py; small GETs, when pycurl is there).
 GET_PATHS = ["threads", "curl"]
 
 
@@ -52,7 +52,7 @@ GET_PATHS = ["threads", "curl"]
 def make_backend(gcs_server, bucket):
     """`make_backend(adapter=None, bucket_name=None, path="threads", **config_overrides)`;
     closed after the test. `path` "threads": every GET on the library's path, the
-    adapter mounted on its session; "curl": small GETs on curl_engine, the adapter
+    adapter mounted on its session; "curl": small GETs on the curl engine, the adapter
     answering from a real HTTP front (bucketfs/testing/http_front.py) before the server."""
     made = []
     with contextlib.ExitStack() as fronts:

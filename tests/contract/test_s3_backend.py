@@ -20,7 +20,7 @@ from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
 from bucketfs.testing.servers import inject_s3_failures, without_curl
 
 pytestmark = pytest.mark.timeout(30)
-GET_PATHS = ["curl", "urllib3"]  # a small GET's two lean paths: curl_engine, or urllib3 on a worker thread
+GET_PATHS = ["curl", "urllib3"]  # a small GET's two lean paths: the curl engine, or urllib3 on a worker thread
 
 
 def _backend(server, bucket: str, path: str, **config) -> S3Backend:

@@ -2,7 +2,7 @@
 no ETag or an empty one, ETags that are no MD5s, listed times that are no
 modification times (AIStore), and redirects (AIStore's gateways). Real servers on
 127.0.0.1 (rclone, moto), with the fronts of bucketfs/testing/s3_fronts.py where no server
-behaves so by itself. Every GET path is covered: curl_engine, urllib3 on worker
+behaves so by itself. Every GET path is covered: the curl engine, urllib3 on worker
 threads, and the SDK client's ("sdk": the lean path off, as behind a proxy)."""
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def _config(scheme: str, endpoint: str) -> Config:
 
 
 def _backend(kind: str, endpoint: str):
-    """s3-curl, gcs-curl: small GETs on curl_engine; s3-lean(-into): on urllib3 threads;
+    """s3-curl, gcs-curl: small GETs on the curl engine; s3-lean(-into): on urllib3 threads;
     s3-sdk: the boto3 client; gcs-threads: the library's session on threads."""
     if kind.startswith("gcs"):
         backend = GCSBackend(_config("gs", endpoint))

@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from bucketfs import errors, mount as bucketfs_mount
+from bucketfs import errors
+from bucketfs.app import mount as bucketfs_mount
 from bucketfs.testing.mounting import MOUNT_DEADLINE_S, assert_one_line_error, mount_cmd, run_cli, server_env, wait_for
 from bucketfs.testing.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
 

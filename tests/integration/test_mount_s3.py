@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from bucketfs.core import pagecache
+from bucketfs.diskcache import pagecache
 from bucketfs.testing.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
                             assert_special_names_read_back, assert_tree_copies_out, mount_cmd, server_env, special_name_objects,
                             wait_for)

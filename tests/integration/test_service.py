@@ -103,7 +103,7 @@ def fstab_helper():
 
 def mounts_on(path: str) -> list:
     """(source, fstype) of every mount on `path`, as /proc/self/mountinfo has them."""
-    from bucketfs.mountpoints import _unescape_mountinfo
+    from bucketfs.app.mountpoints import _unescape_mountinfo
     found = []
     with open("/proc/self/mountinfo") as f:
         for line in f:

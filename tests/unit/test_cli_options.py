@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from bucketfs import cli, daemon, errors
+from bucketfs import errors
+from bucketfs.app import cli, daemon
 from bucketfs.config import parse_bucket_url
 
 MISSING_MOUNTPOINT = "/nonexistent/bucketfs-test-mountpoint"
@@ -138,7 +139,7 @@ def test_an_odd_answer_from_the_default_endpoint_does_not_blame_an_option_the_us
 
 
 def test_fstab_options_mount8_adds_and_lists_inside_values_are_understood():
-    from bucketfs.fstab import options_to_argv
+    from bucketfs.app.fstab import options_to_argv
     # mount(8) passes `rw` for a `defaults` line; bucketfs sets default_permissions itself.
     assert options_to_argv("rw,default_permissions,_netdev,nofail") == []
     assert options_to_argv("shard_globs=*.tar:*.tgz,max_memory=2G") == ["--shard-globs", "*.tar,*.tgz", "--max-memory", "2G"]
@@ -146,7 +147,7 @@ def test_fstab_options_mount8_adds_and_lists_inside_values_are_understood():
 
 def test_allow_other_as_a_user_needs_user_allow_other_in_fuse_conf(tmp_path, monkeypatch):
     # fusermount3 refuses it; a daemonised mount would only have said "mount failed".
-    from bucketfs import mountpoints
+    from bucketfs.app import mountpoints
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     conf = tmp_path / "fuse.conf"
     conf.write_text("# user_allow_other\nmount_max = 1000\n")
@@ -214,7 +215,7 @@ def test_log_file_is_watched_for_rotation(tmp_path):
     ("max_memory", ["max_memory=VALUE"]),
 ])
 def test_fstab_options_are_refused_in_fstab_form(options, fragments):
-    from bucketfs.fstab import options_to_argv
+    from bucketfs.app.fstab import options_to_argv
     with pytest.raises(errors.UserError) as refused:
         options_to_argv(options)
     assert refused.value.exit_code == errors.EXIT_USAGE and "--" not in str(refused.value).split("(")[0]
@@ -223,7 +224,7 @@ def test_fstab_options_are_refused_in_fstab_form(options, fragments):
 
 
 def test_the_fstab_helper_refuses_foreground_in_one_line(capsys):
-    from bucketfs import fstab
+    from bucketfs.app import fstab
     assert fstab.main(["s3://bkt/x", "/nonexistent", "-o", "ro,foreground"]) == errors.EXIT_USAGE
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("bucketfs: fstab option 'foreground'")
@@ -236,7 +237,7 @@ def test_the_fstab_helper_refuses_foreground_in_one_line(capsys):
     ("s3://bkt/é", "s3://bkt/\\303\\251"),  # pyfuse3 passes options as ASCII
 ])
 def test_the_fsname_is_the_url_escaped_for_libfuse(url, fsname):
-    from bucketfs.mount import fuse_option_value
+    from bucketfs.app.mount import fuse_option_value
     assert fuse_option_value(url) == fsname
 
 
@@ -326,7 +327,7 @@ def test_check_validates_without_mounting(capsys):
 
 def test_a_cache_dir_that_is_a_file_says_so(capsys, monkeypatch, tmp_path):
     """It said 'File exists' (of a makedirs)."""
-    from bucketfs import mountpoints
+    from bucketfs.app import mountpoints
     monkeypatch.setattr(mountpoints, "check_fuse_available", lambda: None)
     (tmp_path / "mp").mkdir()
     (tmp_path / "afile").write_text("x")

@@ -16,9 +16,9 @@ import pytest
 import trio
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core import cachejournal, diskcache, pagecache
-from bucketfs.core.cachedir import claim_dir
-from bucketfs.core.diskcache import WRITE_FAILURES_MAX, DiskCache
+from bucketfs.diskcache import cache as disk_cache, journal, pagecache
+from bucketfs.diskcache.cache import WRITE_FAILURES_MAX, DiskCache
+from bucketfs.diskcache.directory import claim_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
 from tests.unit.helpers import make_config, read_all, resolve
@@ -172,7 +172,7 @@ def test_hits_go_to_a_thread_where_reads_cannot_promise_not_to_wait(tmp_path, mo
 @needs_no_wait
 def test_a_large_hit_is_never_read_on_the_loop(tmp_path):
     """Past LOOP_READ_MAX_BYTES a hit's copy and CRC would hold every other request."""
-    big = {"big/a.bin": blob(3 * diskcache.LOOP_READ_MAX_BYTES + 5, 7)}
+    big = {"big/a.bin": blob(3 * disk_cache.LOOP_READ_MAX_BYTES + 5, 7)}
     backend = MemoryBackend(big)
     mount_epoch(backend, tmp_path, big, small_file_bytes=8 * MiB)
     gets, stats = mount_epoch(backend, tmp_path, big, small_file_bytes=8 * MiB)
@@ -348,7 +348,7 @@ def mount_epoch(backend, tmp_path, files=FILES, **overrides):
 
 @pytest.mark.parametrize("load_block_bytes", [8 * MiB, 97])  # 97: every record straddles a block
 def test_a_later_mount_reads_what_an_earlier_one_stored(tmp_path, monkeypatch, load_block_bytes):
-    monkeypatch.setattr(cachejournal, "LOAD_BLOCK_BYTES", load_block_bytes)
+    monkeypatch.setattr(journal, "LOAD_BLOCK_BYTES", load_block_bytes)
     backend = MemoryBackend(FILES)
     first_gets, _ = mount_epoch(backend, tmp_path)
     gets, stats = mount_epoch(backend, tmp_path)  # a new Filesystem and DiskCache on the same directory
@@ -449,18 +449,18 @@ def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path)
 
 
 @pytest.mark.parametrize("tear", [
-    cachejournal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
+    journal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
     b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
-    cachejournal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
+    journal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
 ])
 def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path, monkeypatch, tear):
     """A crash mid-append: the next mount loads what came before, cuts the tear, and
     appends after it (a third mount finds those too)."""
-    monkeypatch.setattr(cachejournal, "LOAD_BLOCK_BYTES", 1000)
+    monkeypatch.setattr(journal, "LOAD_BLOCK_BYTES", 1000)
     backend = MemoryBackend(FILES)
     mount_epoch(backend, tmp_path)
-    journal = tmp_path / "cache" / "journal"
-    with open(journal, "ab") as f:
+    journal_path = tmp_path / "cache" / "journal"
+    with open(journal_path, "ab") as f:
         f.write(tear)
     gets, stats = mount_epoch(backend, tmp_path)
     assert gets == 0
@@ -479,7 +479,7 @@ def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
     async def body(fs):
         await fs.backend.wait_idle()  # the evictions done at start
         return fs.backend.stored_bytes, [key for key in files
-                                         if cachejournal.entry_id(key, backend._info[key].version) in fs.backend._entries]
+                                         if journal.entry_id(key, backend._info[key].version) in fs.backend._entries]
 
     stored_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
     assert 0 < stored_bytes <= 1 * MiB and len(kept) == 3  # the last stored (in the journal's order)
@@ -519,13 +519,13 @@ def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(t
         return fs.budget.disk_index_bytes, fs.budget.capacity_bytes, fs.budget.budget_bytes
 
     index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
-    definitions_bytes = sum(len(cachejournal.entry_record(1, key, backend._info[key].version, len(data)))
+    definitions_bytes = sum(len(journal.entry_record(1, key, backend._info[key].version, len(data)))
                             for key, data in FILES.items())
     # (a byte of bitmap a chunk for objects past INT_BITMAP_CHUNKS_MAX chunks)
     bitmap_bytes = sum(n for n in (-(-len(data) // (64 * 1024)) for data in FILES.values())
-                       if n > cachejournal.INT_BITMAP_CHUNKS_MAX)
+                       if n > journal.INT_BITMAP_CHUNKS_MAX)
     assert bitmap_bytes  # (shards/a.tar)
-    assert index_bytes == len(FILES) * cachejournal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count + bitmap_bytes
+    assert index_bytes == len(FILES) * journal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count + bitmap_bytes
     assert capacity_bytes == budget_bytes - index_bytes
 
 
@@ -533,7 +533,7 @@ def test_the_journal_is_rewritten_while_mounted_and_stays_bounded(tmp_path, monk
     """A cache smaller than the data set evicts on every epoch, and each eviction
     leaves dead records: the journal is rewritten from the index while mounted, and
     the next mount still finds every object that was kept."""
-    monkeypatch.setattr(cachejournal, "COMPACT_MIN_BYTES", 4096)
+    monkeypatch.setattr(journal, "COMPACT_MIN_BYTES", 4096)
     files = {f"f/{i:03d}": blob(70_000 + i, i) for i in range(120)}  # 8.4 MB through a 1 MiB cache
     backend = MemoryBackend(files)
 
@@ -543,7 +543,7 @@ def test_the_journal_is_rewritten_while_mounted_and_stays_bounded(tmp_path, monk
             await fs.backend.wait_idle()
             forget_memory(fs)
         cache = fs.backend
-        kept = [key for key in files if cachejournal.entry_id(key, backend._info[key].version) in cache._entries]
+        kept = [key for key in files if journal.entry_id(key, backend._info[key].version) in cache._entries]
         return fs.stats.snapshot(), cache._journal.size_bytes, cache._live_record_bytes, kept
 
     stats, journal_bytes, live_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
@@ -604,10 +604,10 @@ def test_an_entry_number_defined_as_two_objects_is_dropped_at_load(tmp_path):
     info = {key: backend._info[key] for key in SAME_SIZE}
     (tmp_path / "data").mkdir()
     with open(tmp_path / "journal", "wb") as f:
-        f.write(cachejournal.MAGIC + cachejournal._HEADER.pack(64 * 1024))
+        f.write(journal.MAGIC + journal._HEADER.pack(64 * 1024))
         for key in ("s/f1", "s/f3"):  # entry 1 = f1, then entry 1 = f3 (the other writer)
-            f.write(cachejournal.entry_record(1, key, info[key].version, 4096))
-            f.write(cachejournal.chunks_record(1, [(0, zlib.crc32(SAME_SIZE["s/f3"]))]))
+            f.write(journal.entry_record(1, key, info[key].version, 4096))
+            f.write(journal.chunks_record(1, [(0, zlib.crc32(SAME_SIZE["s/f3"]))]))
     (tmp_path / "data" / f"{1:012d}").write_bytes(SAME_SIZE["s/f3"])
 
     async def main():
@@ -674,14 +674,14 @@ def test_a_full_disk_never_refuses_the_mount(tiny_disk):
         return stats.snapshot()
 
     trio.run(epoch_on, kept)
-    journal = kept / "journal"
-    good_bytes = journal.stat().st_size
-    with open(journal, "ab") as f:
-        f.write(cachejournal.chunks_record(1, [(0, 1)])[:-3])  # a crash mid-append
+    journal_path = kept / "journal"
+    good_bytes = journal_path.stat().st_size
+    with open(journal_path, "ab") as f:
+        f.write(journal.chunks_record(1, [(0, 1)])[:-3])  # a crash mid-append
     fill(tiny_disk)
     gets = backend.requests["get"]
     stats = trio.run(epoch_on, kept)
-    assert journal.stat().st_size == good_bytes  # the tear cut in place
+    assert journal_path.stat().st_size == good_bytes  # the tear cut in place
     assert stats["disk_cache.hits"] == len(files) and backend.requests["get"] == gets
     stats = trio.run(epoch_on, new, lambda cache: cache._journal.broken or pytest.fail("expected a broken journal"))
     assert stats.get("disk_cache.hits", 0) == 0 and stats.get("disk_cache.write_errors", 0) == 0
@@ -698,10 +698,10 @@ def test_a_journal_rewrite_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
     def failing_fsync(fd):
         raise OSError(errno.EIO, "I/O error")
     monkeypatch.setattr(os, "fsync", failing_fsync)
-    journal = cachejournal.Journal(os.open(tmp_path / "cache", os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
+    opened = journal.Journal(os.open(tmp_path / "cache", os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
     with pytest.raises(OSError):
-        journal.compact(())
-    os.close(journal.dir_fd)
+        opened.compact(())
+    os.close(opened.dir_fd)
     assert sorted(os.listdir(tmp_path / "cache")) == ["data", "journal"]
 
 
@@ -709,10 +709,10 @@ def write_journal(directory, entries_count: int, chunk_bytes: int = 64 * 1024) -
     """What an earlier mount left: `entries_count` objects of two chunks each (110 KB)."""
     (directory / "data").mkdir(parents=True, exist_ok=True)
     with open(directory / "journal", "wb") as f:
-        f.write(cachejournal.MAGIC + cachejournal._HEADER.pack(chunk_bytes))
+        f.write(journal.MAGIC + journal._HEADER.pack(chunk_bytes))
         for no in range(1, entries_count + 1):
-            f.write(cachejournal.entry_record(no, f"train/{no:06d}.JPEG", "0123456789abcdef", 110_000))
-            f.write(cachejournal.chunks_record(no, [(0, 1), (1, 2)]))
+            f.write(journal.entry_record(no, f"train/{no:06d}.JPEG", "0123456789abcdef", 110_000))
+            f.write(journal.chunks_record(no, [(0, 1), (1, 2)]))
             (directory / "data" / f"{no:012d}").write_bytes(b"")
 
 
@@ -740,7 +740,7 @@ def test_a_smaller_cache_size_evicts_at_load_in_one_pass_and_deletes_with_one_wo
     assert tasks_at_load <= 3 and tasks_mounted <= 3  # (the delete worker, orphan removal, read-ahead)
     assert 0 < kept < 3000 and cache.stats.snapshot()["disk_cache.evictions"] == 3000
     assert not os.listdir(tmp_path / "data")
-    loaded = cachejournal.Journal(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
+    loaded = journal.Journal(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
     os.close(loaded.dir_fd)
     assert not loaded.entries  # (the deletes are journaled)
 
@@ -750,12 +750,12 @@ def test_bytes_waiting_for_the_disk_are_held_within_the_memory_budget(tmp_path, 
     --max-memory (past it they are not stored), not held beside it."""
     files = {f"img/{i:03d}.bin": blob(2 * MiB, i) for i in range(24)}  # 48 MiB through a 16 MiB budget
     disk_free = threading.Event()
-    real_write_chunks = diskcache._write_chunks
+    real_write_chunks = disk_cache._write_chunks
 
     def slow_write(*args):
         disk_free.wait(30)
         return real_write_chunks(*args)
-    monkeypatch.setattr(diskcache, "_write_chunks", slow_write)
+    monkeypatch.setattr(disk_cache, "_write_chunks", slow_write)
     backend = MemoryBackend(files)
     peaks = {"pending": 0, "over": 0}
 
@@ -799,7 +799,7 @@ def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small
     quadratic (loading a 64 GiB object's records took 8.5 s, 128 GiB four times
     that). Now each chunk costs the same: 256 GiB (4 M chunks) in a few seconds."""
     chunk_bytes = 64 * 1024
-    entry = cachejournal.Entry(1, 256 << 30, chunk_bytes, b"")
+    entry = journal.Entry(1, 256 << 30, chunk_bytes, b"")
     chunks_count = len(entry.crcs)
     deadline_s = time.monotonic() + 30
     for i in range(chunks_count):
@@ -811,8 +811,8 @@ def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small
         assert entry.has(i, i + 128)
     assert time.monotonic() < deadline_s
     for chunks in (3, 1000):  # (an int bitmap, a bytearray one)
-        part = cachejournal.Entry(2, chunks * chunk_bytes - 7, chunk_bytes, b"")
+        part = journal.Entry(2, chunks * chunk_bytes - 7, chunk_bytes, b"")
         for i in (1, chunks - 1):
             part.add(i, i + 10, chunk_bytes)
         assert (part.has(0, 2), part.has(1, 2), part.has(chunks - 1, chunks)) == (False, True, True)
-        assert part.records() == cachejournal.chunks_record(2, [(1, 11), (chunks - 1, chunks + 9)])
+        assert part.records() == journal.chunks_record(2, [(1, 11), (chunks - 1, chunks + 9)])

@@ -9,8 +9,8 @@ import pyfuse3
 import pytest
 import trio
 
-from bucketfs import fuse_dircache
-from bucketfs.fuse_dircache import FILE_INFO_OFFSET, DirCacheFlags, FlagLayout, layout_for, libfuse_version
+from bucketfs.fuse import dircache
+from bucketfs.fuse.dircache import FILE_INFO_OFFSET, DirCacheFlags, FlagLayout, layout_for, libfuse_version
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -115,7 +115,7 @@ def test_a_larger_fuse_file_info_moves_the_inode(monkeypatch):
 
 
 def test_an_unknown_libfuse_switches_the_flags_off_before_any_request(monkeypatch):
-    monkeypatch.setattr(fuse_dircache, "libfuse_version", lambda: (3, 14, 1))
+    monkeypatch.setattr(dircache, "libfuse_version", lambda: (3, 14, 1))
     stats = collections.Counter()
     flags = DirCacheFlags(stats)
     c = container(3)
@@ -130,6 +130,6 @@ def test_an_opendir_the_wrapper_did_not_see_switches_the_flags_off():
     request: that is reported (not silently skipped on every OPENDIR)."""
     stats = collections.Counter()
     flags = DirCacheFlags(stats)
-    assert fuse_dircache._request.get() is None
+    assert dircache._request.get() is None
     assert flags.mark(1) is False
     assert not flags.enabled and stats["namespace.kernel_dir_cache_off"] == 1

@@ -11,11 +11,11 @@ import pytest
 
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.fuse_noopendir import (
+from bucketfs.fuse.noopendir import (
     _READDIRPLUS_C, LOWLEVEL_OPS, OPS_OFFSET_MAX_BYTES, POINTER_BYTES, PYFUSE3_OPS,
     TOKEN_REQ_OFFSET, KernelOpensDirs, code_ranges, find_ops_table,
 )
-from bucketfs.fuse_ops import FuseOperations
+from bucketfs.fuse.ops import FuseOperations
 from tests.unit.helpers import resolve, run_fs
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.fuse_ops import FuseOperations
+from bucketfs.fuse.ops import FuseOperations
 from tests.unit.helpers import resolve, run_fs
 
 

@@ -17,7 +17,7 @@ import trio.testing
 from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.core.diskcache import DiskCache
+from bucketfs.diskcache.cache import DiskCache
 from tests.unit.helpers import read_all, resolve, run_fs
 
 MiB = 1024 * 1024

@@ -8,7 +8,7 @@ import botocore.awsrequest
 import pytest
 from botocore.credentials import Credentials
 
-from bucketfs.backends.sigv4 import Signer, host_of
+from bucketfs.backends.http.sigv4 import Signer, host_of
 
 KEYS = ["shards/shard-000.tar", "a b/c+d.jpg", "ünï/日本語 😀.txt", "100%/x~y", "q?a=b&c", "semi;colon", "dq\"uote"]
 BASES = ["http://127.0.0.1:9000/bucket/", "https://bucket.s3.eu-west-1.amazonaws.com/",

@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
-from bucketfs import cli, errors, mountpoints
+from bucketfs import errors
+from bucketfs.app import cli, mountpoints
 
 # Options mount(8), systemd or fstab conventions pass along that mean nothing to us.
 # `rw` among them: mount(8) adds it to every line without `ro` (`defaults`), and the

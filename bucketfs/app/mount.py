@@ -2,7 +2,7 @@
 
 Invariants:
 - Everything that can be checked before attaching the mount is checked first
-  (mountpoint, /dev/fuse, fusermount3: bucketfs.mountpoints; then the bucket), so a
+  (mountpoint, /dev/fuse, fusermount3: mountpoints.py; then the bucket), so a
   bad input leaves nothing mounted.
 - `on_ready` is called only once the mount answers a stat from another thread.
 - SIGTERM/SIGINT end the FUSE loop; the mount is then detached (lazily if busy:
@@ -30,10 +30,10 @@ import trio
 
 from bucketfs import allocator, errors
 from bucketfs.backends import make_backend
-from bucketfs.core.cachedir import CacheDir, claim_dir
+from bucketfs.diskcache.directory import CacheDir, claim_dir
 from bucketfs.core.filesystem import Filesystem
-from bucketfs.fuse_ops import FuseOperations
-from bucketfs.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_entry, unmount
+from bucketfs.fuse.ops import FuseOperations
+from bucketfs.app.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_entry, unmount
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Skip OPENDIR and RELEASEDIR in the immutable default: the kernel opens directories itself.
 
-With FOPEN_CACHE_DIR (fuse_dircache) a directory read again costs no READDIR, but
+With FOPEN_CACHE_DIR (dircache.py) a directory read again costs no READDIR, but
 every opendir() still cost an OPENDIR and a RELEASEDIR round trip through pyfuse3:
 402 of them for a cached walk of 200 folders, a third of its time. Answering OPENDIR
 with ENOSYS makes the kernel stop sending both for the mount (its `no_opendir`), and
@@ -19,7 +19,7 @@ Nothing here is assumed unchecked. The session comes from the OPENDIR request
 is recognised by its contents: at one offset near the session's start, the 44 slots
 of libfuse 3's `fuse_lowlevel_ops` must hold exactly pyfuse3 3.x's pattern (33
 handlers inside pyfuse3's own code, 11 NULL). Anything else and nothing is written:
-OPENDIR is answered as before (fuse_dircache's flags). Only listings that never
+OPENDIR is answered as before (dircache.py's flags). Only listings that never
 change may be kept this way, so a --metadata-ttl mount never uses it.
 """
 
@@ -120,7 +120,7 @@ class KernelOpensDirs:
     def skips_opendir(self, request_of: Callable[[], Optional[int]], code: Optional[list] = None) -> bool:
         """Whether to answer this OPENDIR with ENOSYS (and so every later one). The
         first time, `request_of()` gives the OPENDIR's libfuse request pointer (None if
-        fuse_dircache could not read it) and the READDIRPLUS handler is put in place;
+        dircache.py could not read it) and the READDIRPLUS handler is put in place;
         after that the answer is remembered. `code`: where handlers may point (default:
         pyfuse3's executable mappings)."""
         if self.active:

@@ -77,7 +77,8 @@ def check_log_file(path: str) -> None:
 def serve_here(config: Config, on_ready) -> int:
     import trio
 
-    from bucketfs import allocator, mount
+    from bucketfs import allocator
+    from bucketfs.app import mount
 
     allocator.tune()
     trio.run(mount.serve, config, on_ready)

@@ -1,4 +1,4 @@
-"""The FUSE adapter: with fuse_dircache (which sets the OPENDIR reply flags pyfuse3
+"""The FUSE adapter: with dircache.py (which sets the OPENDIR reply flags pyfuse3
 cannot), the only code that speaks pyfuse3.
 
 It turns FUSE requests into core calls and core results into pyfuse3 types, and
@@ -21,8 +21,8 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
-from bucketfs.fuse_dircache import DirCacheFlags
-from bucketfs.fuse_noopendir import KernelOpensDirs
+from bucketfs.fuse.dircache import DirCacheFlags
+from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)

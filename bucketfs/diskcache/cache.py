@@ -21,10 +21,10 @@ Invariants:
   4 KiB), the journal counts too, and least recently used objects are deleted first
   (at load in one pass, while mounted by one delete worker).
 - Bytes waiting to be written are lent by the memory budget (refused: not stored).
-- Kept across mounts: the journal (cachejournal.py) records each object's
+- Kept across mounts: the journal (journal.py) records each object's
   (key, version, size) and its chunks' CRCs, and is loaded at start. A later mount
   finds a chunk only under the version its listing names, so an object changed
-  in between is fetched again. The directory is one mount's at a time (cachedir.py),
+  in between is fetched again. The directory is one mount's at a time (directory.py),
   and every file operation goes through descriptors of it held for the mount's life
   (dir_fd=): a directory deleted under the mount fails writes and misses reads, it
   never writes into the directory a later mount made at the same path.
@@ -50,12 +50,11 @@ from typing import Optional
 import trio
 
 from bucketfs.backends import versions
-from bucketfs.core import cachefiles, cachejournal
-from bucketfs.core import pagecache
+from bucketfs.diskcache import files, journal, pagecache
+from bucketfs.diskcache.directory import NO_SPACE_ERRNOS, dir_error
 # (module globals, looked up at each call: tests and benchmarks may replace them)
-from bucketfs.core.cachefiles import WOULD_BLOCK as _WOULD_BLOCK, delete_files as _delete_files
-from bucketfs.core.cachefiles import read_chunks as _read_chunks, write_chunks as _write_chunks
-from bucketfs.core.cachedir import NO_SPACE_ERRNOS, dir_error
+from bucketfs.diskcache.files import WOULD_BLOCK as _WOULD_BLOCK, delete_files as _delete_files
+from bucketfs.diskcache.files import read_chunks as _read_chunks, write_chunks as _write_chunks
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class DiskCache:
         self._compacting = False
         # A journal's dead records are rewritten away past this much (a small cache
         # must not spend its --cache-size on them: the journal counts).
-        self._compact_min_bytes = min(cachejournal.COMPACT_MIN_BYTES, capacity_bytes // 16)
+        self._compact_min_bytes = min(journal.COMPACT_MIN_BYTES, capacity_bytes // 16)
         self._budget = budget
         self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
         self._charged_index_bytes = 0
@@ -150,7 +149,7 @@ class DiskCache:
         blocks = os.fstat(self._dir_fd).st_blocks + (os.fstat(self._data_fd).st_blocks if self._data_fd is not None else 0)
         self._dirs_disk_bytes = blocks * 512 + self._unit_bytes
 
-    def _disk_bytes(self, entry: cachejournal.Entry) -> int:
+    def _disk_bytes(self, entry: journal.Entry) -> int:
         """The blocks the entry's data file takes: its chunks sit at multiples of the
         chunk size, so each chunk takes its bytes rounded up to the allocation unit
         (one unit more where the chunk size is not a multiple of it)."""
@@ -165,63 +164,63 @@ class DiskCache:
         in the background. Runs before the mount serves."""
         started_s = time.monotonic()
         try:
-            journal = cachejournal.Journal(self._dir_fd, self.chunk_bytes)
+            loaded = journal.Journal(self._dir_fd, self.chunk_bytes)
         except OSError as exc:
             raise dir_error(self.directory, exc) from None
         loaded_bytes = 0
-        for entry_no, entry in journal.entries.items():
+        for entry_no, entry in loaded.entries.items():
             entry.recorded = True
-            self._entries[journal.ids[entry_no]] = entry
+            self._entries[loaded.ids[entry_no]] = entry
             loaded_bytes += entry.stored_bytes
             self._data_disk_bytes += self._disk_bytes(entry)
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
-        journal.entries.clear()  # (the index is _entries now)
-        journal.ids.clear()
+        loaded.entries.clear()  # (the index is _entries now)
+        loaded.ids.clear()
         self._measure_dirs()  # (without the data directory yet: a new one is a block)
-        evicted_count = self._evict_at_load(len(journal._header))
+        evicted_count = self._evict_at_load(len(loaded._header))
         self.stats["disk_cache.loaded_bytes"] = loaded_bytes
         try:
             self._data_fd = self._open_data_dir()
             try:
-                if journal.fresh or evicted_count or journal.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
-                    journal.compact(self._entries.values())  # (the evicted objects' records go)
+                if loaded.fresh or evicted_count or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
+                    loaded.compact(self._entries.values())  # (the evicted objects' records go)
             except OSError as exc:
                 if exc.errno not in NO_SPACE_ERRNOS:
                     raise
                 # (serving what the disk holds; a new journal has nothing to serve)
                 log.warning("disk cache %s: cannot write its journal (%s); this mount stores nothing in it",
                             self.directory, exc.strerror or exc)
-                journal.broken = True
+                loaded.broken = True
                 self._write_failures = WRITE_FAILURES_MAX
-            orphans, highest_no = cachejournal.find_orphans(self._data_fd, (e.entry_no for e in self._entries.values()))
+            orphans, highest_no = journal.find_orphans(self._data_fd, (e.entry_no for e in self._entries.values()))
         except OSError as exc:
             if exc.errno not in NO_SPACE_ERRNOS:
                 raise dir_error(self.directory, exc) from None
             log.warning("disk cache %s: cannot make its data directory (%s); this mount runs without it", self.directory,
                         exc.strerror or exc)
-            journal.broken = True
+            loaded.broken = True
             self._write_failures = WRITE_FAILURES_MAX
             self._entries.clear()
             self._data_disk_bytes = self.index_bytes = self._live_record_bytes = 0
-            return journal
+            return loaded
         # Files past every number the journal knows (a crash before their records):
         # new entries must not take their names while they are being removed.
-        journal.next_entry_no = max(journal.next_entry_no, highest_no + 1)
+        loaded.next_entry_no = max(loaded.next_entry_no, highest_no + 1)
         if orphans:
             self._in_background(self._remove_orphans, orphans)
         if self._entries or orphans:
             log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d evicted, %d stray files to remove) "
                      "in %.2f s", self.directory, len(self._entries), loaded_bytes / 2**20, evicted_count,
                      len(orphans) - evicted_count, time.monotonic() - started_s)
-        return journal
+        return loaded
 
     def _open_data_dir(self) -> int:
         try:
-            os.mkdir(cachejournal.DATA_DIR_NAME, 0o700, dir_fd=self._dir_fd)
+            os.mkdir(journal.DATA_DIR_NAME, 0o700, dir_fd=self._dir_fd)
         except FileExistsError:
             pass
-        fd = os.open(cachejournal.DATA_DIR_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        fd = os.open(journal.DATA_DIR_NAME, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._dir_fd)
         weakref.finalize(self, os.close, fd)
         return fd
 
@@ -238,7 +237,7 @@ class DiskCache:
         return evicted_count
 
     async def _remove_orphans(self, names: list) -> None:
-        removed_count, _ = await trio.to_thread.run_sync(cachefiles.remove_files, self._data_fd, names,
+        removed_count, _ = await trio.to_thread.run_sync(files.remove_files, self._data_fd, names,
                                                          limiter=self._write_limiter)
         log.info("disk cache: removed %d files no entry names", removed_count)
 
@@ -256,11 +255,11 @@ class DiskCache:
                 break
             if entry.stored_bytes != entry.object_bytes:
                 continue  # (a sparse file: reading it whole would fill the page cache with its holes)
-            names.append(cachejournal.data_name(entry.entry_no))
+            names.append(journal.data_name(entry.entry_no))
             total_bytes += entry.stored_bytes
         self.stats["disk_cache.read_ahead_bytes"] = total_bytes
         if names:
-            self.nursery.start_soon(cachefiles.read_ahead, self._data_fd, names, total_bytes)
+            self.nursery.start_soon(files.read_ahead, self._data_fd, names, total_bytes)
 
     def _charge_index(self, force: bool = False) -> None:
         # In steps of a MiB: a store per file must not recompute the budget per file.
@@ -301,7 +300,7 @@ class DiskCache:
             self.stats["disk_cache.misses"] += 1
             return None
         entry, crcs = found
-        name = cachejournal.data_name(entry.entry_no)
+        name = journal.data_name(entry.entry_no)
         try:
             data = _WOULD_BLOCK
             if self._loop_reads and hi - lo <= LOOP_READ_MAX_BYTES:
@@ -325,12 +324,12 @@ class DiskCache:
 
     def _path(self, entry) -> str:
         """(for messages)"""
-        return os.path.join(self.directory, cachejournal.DATA_DIR_NAME, cachejournal.data_name(entry.entry_no))
+        return os.path.join(self.directory, journal.DATA_DIR_NAME, journal.data_name(entry.entry_no))
 
     async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
         if not versions.persistent(version):
             return await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
-        eid = cachejournal.entry_id(key, version)  # (once: a miss stores under it too)
+        eid = journal.entry_id(key, version)  # (once: a miss stores under it too)
         data = await self._read_disk(eid, start, end, object_bytes)
         if data is not None:
             return data
@@ -353,7 +352,7 @@ class DiskCache:
     async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
         if not versions.persistent(version):
             return await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
-        eid = cachejournal.entry_id(key, version)
+        eid = journal.entry_id(key, version)
         got = await self._read_disk(eid, start, end, object_bytes, into=buffer)
         if got is not None:
             return got
@@ -420,15 +419,15 @@ class DiskCache:
         if entry is None:
             entry_no = self._journal.next_entry_no
             self._journal.next_entry_no += 1
-            entry = self._entries[eid] = cachejournal.Entry(entry_no, object_bytes, cb,
-                                                            cachejournal.entry_record(entry_no, key, version, object_bytes))
+            entry = self._entries[eid] = journal.Entry(entry_no, object_bytes, cb,
+                                                       journal.entry_record(entry_no, key, version, object_bytes))
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
             self._charge_index()
         # Two first writes at once both define the entry: harmless, the journal keeps one.
         definition = b"" if entry.recorded else entry.definition
         try:
-            crcs = await trio.to_thread.run_sync(_write_chunks, self._data_fd, cachejournal.data_name(entry.entry_no), lo,
+            crcs = await trio.to_thread.run_sync(_write_chunks, self._data_fd, journal.data_name(entry.entry_no), lo,
                                                  view[lo - start : hi - start], cb, self._journal, entry.entry_no,
                                                  definition, limiter=self._write_limiter)
         except OSError as exc:
@@ -474,14 +473,14 @@ class DiskCache:
         while self.stored_bytes > self.capacity_bytes and self._entries:
             self._evict(next(iter(self._entries)))  # the least recently used
 
-    def _forget(self, entry: cachejournal.Entry) -> None:
+    def _forget(self, entry: journal.Entry) -> None:
         """Take a dropped entry out of the totals."""
         entry.gone = True
         self._data_disk_bytes -= self._disk_bytes(entry)
         self.index_bytes -= entry.index_bytes()
         self._live_record_bytes -= entry.record_bytes()
 
-    def _evict(self, eid: bytes, entry: Optional[cachejournal.Entry] = None) -> None:
+    def _evict(self, eid: bytes, entry: Optional[journal.Entry] = None) -> None:
         """Delete the object's entry (only if it is still `entry`, when given)."""
         if entry is not None and self._entries.get(eid) is not entry:
             return

@@ -18,8 +18,8 @@ from typing import Optional
 
 import trio
 
-from bucketfs.core import cachejournal
-from bucketfs.core import pagecache
+from bucketfs.diskcache import pagecache
+from bucketfs.diskcache.journal import chunks_record, data_name, delete_record
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def write_chunks(data_fd: int, name: str, offset: int, view, chunk_bytes: int, j
         os.close(fd)
     first = offset // chunk_bytes
     crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
-    journal.append(definition + cachejournal.chunks_record(entry_no, crcs.items()))
+    journal.append(definition + chunks_record(entry_no, crcs.items()))
     return crcs
 
 
@@ -61,10 +61,10 @@ def delete_files(data_fd: int, journal, entry_nos: list) -> Optional[OSError]:
     """Delete the entries' files and journal it in one append (a lost record only
     costs a bad read of the missing file at a later mount); the first error other
     than a missing file, if any."""
-    _, first_error = remove_files(data_fd, map(cachejournal.data_name, entry_nos))
+    _, first_error = remove_files(data_fd, map(data_name, entry_nos))
     if not journal.broken:
         try:
-            journal.append(b"".join(map(cachejournal.delete_record, entry_nos)))
+            journal.append(b"".join(map(delete_record, entry_nos)))
         except OSError as exc:
             first_error = first_error or exc
     return first_error

@@ -1,6 +1,7 @@
-"""curl_engine, the path of S3's small GETs, where the shared contract cannot reach:
-cancellation mid-body, a broken server's answers, and the engine's end. Against
-socket servers on 127.0.0.1 that answer as real stores do when they misbehave."""
+"""The curl engine (backends/http/curl.py), the path of S3's small GETs, where the
+shared contract cannot reach: cancellation mid-body, a broken server's answers, and
+the engine's end. Against socket servers on 127.0.0.1 that answer as real stores do
+when they misbehave."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import trio
 
 from bucketfs import errors
-from bucketfs.backends.curl_engine import CurlEngine
+from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from tests.contract.test_slow_body import socket_store

@@ -16,9 +16,10 @@ import re
 import sys
 import urllib.parse
 
-from bucketfs import __version__, backends, daemon, errors, mountpoints
+from bucketfs import __version__, backends, errors
+from bucketfs.app import daemon, mountpoints
 from bucketfs.config import DEFAULT_METRICS_ADDRESS, DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
-from bucketfs.core.cachedir import check_cache_dir
+from bucketfs.diskcache.directory import check_cache_dir
 
 # A number, then K/M/G/T (binary; KiB spelled out too) or B or nothing.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i|ib)?|b)?\s*$", re.I)
@@ -337,7 +338,7 @@ def run_mount(config: Config) -> int:
     if config.log_file:
         daemon.check_log_file(config.log_file)
     if config.foreground:
-        from bucketfs import mount  # imports pyfuse3: only needed for mounting
+        from bucketfs.app import mount  # imports pyfuse3: only needed for mounting
 
         daemon.setup_logging(config, daemon=False)
         return daemon.serve_here(config, on_ready=lambda: mount.sd_notify("READY=1"))
