@@ -43,10 +43,11 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
-                                    gone_message, lists_entries, read_range_body)
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, gone_message, lists_entries
+from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
+from bucketfs.backends.http.body import read_range_body
 from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.config import Config
 

@@ -44,9 +44,10 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends import versions
-from bucketfs.backends.base import (Backend, BlockingCaller, ListPage, ObjectInfo, RetryPolicy, check_answer,
-                                    copy_into, gone_message, lists_entries, read_range_body)
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, gone_message, lists_entries
+from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import EtagChecks, check_whole_object, s3_etag_digest
+from bucketfs.backends.http.body import copy_into, read_range_body
 from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
 from bucketfs.backends.s3_lean import (REDIRECT_HOPS_MAX, REDIRECT_STATUSES, LeanS3, ca_bundle, error_response,
                                        redirect_url, too_many_redirects)

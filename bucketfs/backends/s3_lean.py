@@ -45,8 +45,8 @@ import urllib3
 from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
-from bucketfs.backends.base import body_deadline_s, copy_into, read_body
 from bucketfs.backends.digests import s3_etag_digest
+from bucketfs.backends.http.body import body_deadline_s, copy_into, read_body
 from bucketfs.backends.http.curl import Transfer
 from bucketfs.backends.http.sigv4 import Signer, host_of
 
@@ -108,7 +108,7 @@ def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
     """A response body received straight into `buffer`; its length. urllib3's own
     readinto reads into a temporary bytes object and copies it; the socket reader
     under http.client's response receives into the buffer itself, one receive at a
-    time (readinto1) so that a body trickling in meets `deadline_s` (base.read_body)."""
+    time (readinto1) so that a body trickling in meets `deadline_s` (body.read_body)."""
     raw = getattr(response, "_fp", None)  # http.client's response
     stream = getattr(raw, "fp", None)  # its socket's buffered reader
     length = getattr(response, "length_remaining", None)

@@ -1,6 +1,6 @@
 """A store that sends its body slower than any store does (a byte now and then, never
 silent for a whole read timeout) must not hold a reader past its bound: each attempt
-is cut at its deadline (base.body_deadline_s) and retried, then the read fails.
+is cut at its deadline (body.body_deadline_s) and retried, then the read fails.
 
 The store here is a socket server on 127.0.0.1 that answers every request with a
 206 and trickles the body: the socket read timeout alone never fires on it.
@@ -18,8 +18,8 @@ import pytest
 import trio
 
 from bucketfs import errors
-from bucketfs.backends import base
 from bucketfs.backends.gcs import GCSBackend
+from bucketfs.backends.http import body
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from bucketfs.testing.servers import without_curl
@@ -112,7 +112,7 @@ def _backend(kind: str, endpoint: str):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_trickling_body_ends_in_an_error_within_its_bound(kind, monkeypatch):
     # 2,000 bytes at 2,000 B/s: each attempt gets the read timeout + 1 s.
-    monkeypatch.setattr(base, "MIN_BODY_RATE_BYTES_PER_S", 2000)
+    monkeypatch.setattr(body, "MIN_BODY_RATE_BYTES_PER_S", 2000)
     bound_s = ATTEMPTS_COUNT * (READ_TIMEOUT_S + BODY_BYTES / 2000) + 1.0  # + backoff and slack
     with trickling_store() as (endpoint, answered):
         backend = _backend(kind, endpoint)

@@ -5,7 +5,8 @@ import pytest
 import trio
 
 from bucketfs import errors
-from bucketfs.backends.base import BlockingCaller, RetryPolicy, ShortBody, check_answer
+from bucketfs.backends.base import ShortBody, check_answer
+from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 
 
 def test_an_answer_with_fewer_bytes_than_its_range_is_short():

@@ -5,7 +5,7 @@ backends/http belong to their package's layer):
 errors/config/allocator <- backends <- diskcache <- core <- fuse/metrics <- app <- testing.
 The core and the disk cache never import pyfuse3 or a cloud SDK; only backends (and
 testing, which seeds servers) import SDKs; only fuse/ and app/mount.py import pyfuse3.
-scripts/ never imports tests/.
+backends/http imports no SDK and nothing else of backends. scripts/ never imports tests/.
 """
 
 import ast
@@ -87,6 +87,16 @@ def test_only_backends_import_cloud_sdks_and_only_the_adapter_and_mount_import_p
                 assert where in ("backends", "testing"), f"{rel} imports {name}"
             if root == "pyfuse3":
                 assert where == "fuse" or rel == "app/mount.py", f"{rel} imports {name}"
+
+
+def test_http_plumbing_imports_no_sdk_and_no_other_backend_module():
+    """backends/http moves and signs bytes: the contract, the retries and the stores'
+    SDKs are above it."""
+    for path in (PKG / "backends" / "http").rglob("*.py"):
+        for name in imports(path):
+            assert name.split(".")[0] not in SDKS, f"backends/http/{path.name} imports {name}"
+            if name.startswith("bucketfs.backends"):
+                assert name.startswith("bucketfs.backends.http"), f"backends/http/{path.name} imports {name}"
 
 
 def test_core_and_disk_cache_import_no_sdk_and_no_fuse():

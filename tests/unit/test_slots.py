@@ -7,7 +7,7 @@ import trio.testing
 
 from bucketfs import errors
 from bucketfs.backends import slots
-from bucketfs.backends.base import BlockingCaller, RetryPolicy
+from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.memory import MemoryBackend
 from tests.unit.helpers import read_all, resolve, run_fs
 

@@ -1,7 +1,8 @@
-"""HTTP plumbing the S3 and GCS backends share, under their SDKs: small GETs on
-libcurl's multi interface (curl.py) and the SigV4 signer of S3's lean GETs and
-LISTs (sigv4.py).
+"""HTTP plumbing the S3 and GCS backends share, under their SDKs: receiving bodies
+within a deadline (body.py), small GETs on libcurl's multi interface (curl.py) and
+the SigV4 signer of S3's lean GETs and LISTs (sigv4.py).
 
 These modules move and sign bytes only: retries, version checks and the checks of
-an answer stay with the backends. Nothing here imports a cloud SDK.
+an answer stay with the backends (base.py, calls.py). Nothing here imports a cloud
+SDK or another part of bucketfs.backends.
 """

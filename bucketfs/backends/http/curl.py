@@ -33,7 +33,7 @@ from typing import Optional
 
 import trio
 
-from bucketfs.backends.base import body_deadline_s
+from bucketfs.backends.http.body import body_deadline_s
 
 try:
     import pycurl
