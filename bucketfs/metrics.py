@@ -153,7 +153,7 @@ def format_stats(snapshot: dict) -> str:
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
         f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings"
-        + (f", {get('memory.disk_index_bytes') / mib:.1f} MiB of disk cache index" if get("memory.disk_index_bytes") else "")
+        + (f", {get('memory.disk_index_bytes', 0) / mib:.1f} MiB of disk cache index" if get("memory.disk_index_bytes") else "")
         + f", of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
         *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB "

@@ -151,7 +151,6 @@ class AnswerChecks:
                             "If-Match (which the store may ignore) and the object's size", self.store)
             return
         if what == LASTMOD:
-            answered_s = http_date_s(last_modified)
-            pinned_s = lastmod_s(version)
-            if answered_s is not None and answered_s > pinned_s:
+            answered_s, pinned_s = http_date_s(last_modified), lastmod_s(version)
+            if answered_s is not None and pinned_s is not None and answered_s > pinned_s:
                 raise errors.ObjectChanged(f"{key}: last modified at {pinned_s} when listed, at {answered_s} now")

@@ -96,7 +96,7 @@ class Entry:
     def has(self, first: int, last: int) -> bool:
         """Chunks [first, last) are all on disk."""
         present = self.present
-        if type(present) is int:
+        if isinstance(present, int):
             mask = (1 << (last - first)) - 1
             return (present >> first) & mask == mask
         return present.find(0, first, last) < 0
@@ -105,7 +105,7 @@ class Entry:
         """Mark a chunk stored (its bytes count in stored_bytes once)."""
         self.crcs[chunk] = crc
         present = self.present
-        if type(present) is int:
+        if isinstance(present, int):
             if present >> chunk & 1:
                 return
             self.present = present | 1 << chunk
@@ -118,7 +118,7 @@ class Entry:
     def present_chunks(self) -> list:
         """The indexes of the chunks on disk, in order."""
         present = self.present
-        if type(present) is int:
+        if isinstance(present, int):
             return [i for i in range(len(self.crcs)) if present >> i & 1]
         return list(itertools.compress(range(len(present)), present))
 
@@ -135,7 +135,7 @@ class Entry:
 
     def index_bytes(self) -> int:
         """The memory it takes, as charged to the budget."""
-        bitmap_bytes = 0 if type(self.present) is int else len(self.present)
+        bitmap_bytes = 0 if isinstance(self.present, int) else len(self.present)
         return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs) + bitmap_bytes
 
 
@@ -215,7 +215,7 @@ def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict,
     return at, highest_no, False
 
 
-def _load(dir_fd: int, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> tuple:
+def _load(dir_fd: int, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> Optional[tuple]:
     """Read the journal in the directory `dir_fd` in blocks (a journal of a million
     objects is hundreds of MB: never all of it in memory at once): (the length of its
     good prefix, its total length, the highest entry number seen), or None if it is

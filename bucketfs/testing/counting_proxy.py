@@ -18,7 +18,7 @@ import http.server
 import sys
 import threading
 import urllib.parse
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Optional
 
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 
@@ -50,7 +50,7 @@ class CountingProxy:
         self._lock = threading.Lock()
         self._requests: List[Request] = []
         self._server = _Server(("127.0.0.1", 0), self._handler_class())
-        self._thread = None
+        self._thread: Optional[threading.Thread] = None
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     @property
@@ -89,16 +89,17 @@ class CountingProxy:
             def relay(self) -> tuple:
                 """(response, body) of this request, asked of the upstream server."""
                 body, headers = self.request_body(), self.forwarded_headers()
-                upstream = getattr(self, "_upstream", None)
+                upstream: Optional[http.client.HTTPConnection] = getattr(self, "_upstream", None)
                 if upstream is None:
-                    upstream = self._upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                    host, port = proxy.upstream
+                    upstream = self._upstream = http.client.HTTPConnection(host, port, timeout=60)
                 try:
                     upstream.request(self.command, self.path, body=body, headers=headers)
                     response = upstream.getresponse()
                     return response, response.read()
                 except (OSError, http.client.HTTPException):
                     upstream.close()
-                    self._upstream = None
+                    del self._upstream
                     raise
 
             def send_head(self, response, data: bytes, headers=None) -> None:
@@ -148,7 +149,8 @@ class CountingProxy:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
 
 @contextlib.contextmanager

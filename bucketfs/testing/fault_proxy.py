@@ -56,7 +56,7 @@ class FaultProxy(CountingProxy):
         self.fault_rate, self.stall_s, self.delay_s = fault_rate, stall_s, delay_s
         self.kinds, self.goog_hash = kinds, goog_hash
         self.faulty = threading.Event()  # set: break answers; clear: relay everything
-        self.injected = collections.Counter()  # fault kind -> times injected
+        self.injected: collections.Counter = collections.Counter()  # fault kind -> times injected
         self._rng = random.Random(seed)
         self._draw_lock = threading.Lock()
 

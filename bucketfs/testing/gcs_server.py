@@ -99,7 +99,7 @@ class GCSEmulator:
 
     def config(self, bucket: str, prefix: str = "", **overrides) -> Config:
         """A bucketfs Config pointing at this emulator (no retries wasted by default)."""
-        fields = dict(
+        fields: dict = dict(
             url=BucketURL("gs", bucket, prefix),
             mountpoint="/nonexistent",  # backends never look at it
             endpoint_url=self.endpoint_url,
@@ -238,7 +238,7 @@ def fake_response(request: requests.PreparedRequest, status: int, body: Optional
     response._content = json.dumps(body or {"error": {"code": status, "message": "injected"}}).encode()
     response.raw = io.BytesIO(response._content)  # as a transport's response, it has a raw stream
     response.headers["Content-Type"] = "application/json"
-    response.url = request.url
+    response.url = request.url or ""
     response.request = request
     return response
 

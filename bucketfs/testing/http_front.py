@@ -26,7 +26,7 @@ def _raw_body(response: requests.Response) -> bytes:
     """The body as the adapter's raw stream holds it (never decoded: a gzip-encoded
     object is served as stored)."""
     if response._content is not False:  # an adapter read it and set its own (a cut listing page)
-        return response._content
+        return response._content or b""
     raw = response.raw
     try:
         return raw.read(decode_content=False)
