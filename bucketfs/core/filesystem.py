@@ -11,23 +11,13 @@ Invariants:
   page cache is kept across opens, and a node is one version): a second epoch is
   served from the page cache and must not cost a GET. If the kernel did evict it,
   the first READ fetches it whole.
-- Shard-like files: once a reader's read-ahead window reaches past the shard's
-  end, the window continues into the heads of the next shards in listing order not
-  yet opened in this pass (never a shard another open handle is warming; if another
-  reader opens one first, the next free one; a head whose warming handle was closed,
-  such as the reader's previous shard's, is taken over). Bytes in flight stay one
-  window per reader, across boundaries, so the reader does not stall there. How far
-  it goes is decided at open from what the loader has shown (`_shard_warming`): a shard
-  opened on a warmed head continues at once, through up to SHARD_WARM_TARGETS_MAX
-  shards; one opened cold starts a pass with one shard, once `SHARD_WARM_FRACTION`
-  is read; one opened cold while other heads here are warming (shuffled shards)
-  warms nothing.
+- Shard-like files are read through a `HandleReader` whose read-ahead window warms
+  the heads of the shards after them; the policy is `ShardWarming` (shards.py),
+  told of every open and release.
 """
 
 from __future__ import annotations
 
-import bisect
-import fnmatch
 import itertools
 import logging
 import os
@@ -41,7 +31,8 @@ from bucketfs import errors
 from bucketfs.core.blockcache import BlockCache
 from bucketfs.core.memory import MemoryBudget
 from bucketfs.core.namespace import ROOT_INO, Namespace, Node
-from bucketfs.core.prefetch import HandleReader, Prefetcher, directory_of
+from bucketfs.core.prefetch import HandleReader, Prefetcher
+from bucketfs.core.shards import ShardWarming
 from bucketfs.core.stats import Stats
 from bucketfs.diskcache.cache import DiskCache
 
@@ -50,16 +41,6 @@ log = logging.getLogger(__name__)
 # What makes an open a write. Not O_APPEND: it only places writes, and a read-only
 # open with it reads (as on any read-only file system).
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_CREAT
-# A shard opened cold warms the next one only once this much of it is read: a
-# reader that far in is reading the shard through (a tar is read to its end), while
-# one that looks at a shard's first samples costs no second shard. A shard opened on
-# a warmed head does not wait: with shards under two windows long, waiting here left
-# the connections idle at every boundary (one reader: 448-456 -> 476-507 MB/s, ad hoc).
-SHARD_WARM_FRACTION = 0.25
-# Shards shorter than the window: it continues through several of them (a 128 MiB
-# window over 64 MB shards reaches into the second next one). Bounded per handle.
-SHARD_WARM_TARGETS_MAX = 4
-
 
 # A READ that failed after every retry is sent again by the kernel at once (a failed
 # read-ahead, then the single page the reader waits on): without this, a reader of a
@@ -144,9 +125,7 @@ class Filesystem:
         # Directory inode -> (its listing, its children in order), for readdir_inode.
         # A few: the kernel reads one directory's READDIRs in a row and then keeps them.
         self._dir_children = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
-        self._open_keys: dict = {}  # key -> number of open handles
-        self._shard_pass: dict = {}  # parent ino -> set of shard names opened in this pass
-        self._warmers: dict = {}  # shard key -> fh of the handle whose window warms its head
+        self.shards = ShardWarming(config, self.ns, self.prefetcher, self.stats)
 
     # -- metadata ----------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: str) -> Node:
@@ -192,9 +171,6 @@ class Filesystem:
         self._dir_handles.pop(dh, None)
 
     # -- data --------------------------------------------------------------------
-    def is_shard(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.config.shard_globs)
-
     async def open(self, ino: int, flags: int) -> int:
         if flags & WRITE_FLAGS:
             raise errors.ReadOnly("read-only mount")
@@ -218,19 +194,15 @@ class Filesystem:
                 self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
             self.stats["open.small"] += 1
         else:
-            shard = self.is_shard(node.name)
-            on_progress = None
-            if shard:
-                self._note_shard_open(node)
-                on_progress = self._shard_warming(node, key, fh)
-                self._warmers.pop(key, None)  # its head, if warmed, is this handle's now
+            shard = self.shards.is_shard(node.name)
+            on_progress = self.shards.shard_opened(node, key, fh) if shard else None
             reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
             self.stats["open.large"] += 1
         handle = self._handles[fh] = FileHandle(node, key, reader)
         if reader is None and node.size_bytes:
             self.cache.pin(key, node.version)
             handle.pinned = True
-        self._open_keys[key] = self._open_keys.get(key, 0) + 1
+        self.shards.handle_opened(key)
         return fh
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -299,101 +271,7 @@ class Filesystem:
             self.cache.unpin(handle.key, handle.version)
         if handle.reader is not None:
             handle.reader.close()
-            for key in [key for key, owner in self._warmers.items() if owner == fh]:
-                del self._warmers[key]  # orphaned heads: the next reader's window takes them over
-        left = self._open_keys.get(handle.key, 1) - 1
-        if left:
-            self._open_keys[handle.key] = left
-        else:
-            self._open_keys.pop(handle.key, None)
-
-    # -- shard warming ------------------------------------------------------------
-    def _note_shard_open(self, node: Node) -> None:
-        opened = self._shard_pass.setdefault(node.parent_ino, set())
-        if node.name in opened:
-            opened.clear()  # a shard opened twice: a new pass (epoch) begins
-        opened.add(node.name)
-
-    def _shard_warming(self, node: Node, key: str, fh: int):
-        """How this handle warms the shards after it (its on_progress), decided at open,
-        before its reader takes a warmed head:
-        - opened on a warmed head: the loader goes through the shards in listing order
-          (this one was predicted), so the window runs on at once, through several;
-        - opened cold while heads of other shards here are warming (a live guess:
-          Prefetcher.warming_in): it does not (shards shuffled, say), so this handle
-          warms nothing: the guesses already out are used when their shards come, and
-          more would only hold memory;
-        - opened cold with nothing warming (a pass begins): one shard, once this one is
-          a quarter read.
-        """
-        if self.prefetcher.is_warming(key, node.version):
-            return self._shard_progress(node, fh, 0, SHARD_WARM_TARGETS_MAX)
-        if self.prefetcher.warming_in(directory_of(key)):
-            self.stats["prefetch.warming_skipped"] += 1
-            return None
-        return self._shard_progress(node, fh, int(node.size_bytes * SHARD_WARM_FRACTION), 1)
-
-    def _shard_progress(self, node: Node, fh: int, threshold_bytes: int, targets_max: int):
-        later = self._shards_after(node)  # scanned only as far as the window reaches
-        seen: list = []  # (key, node) of the shards after this one found so far, in listing order
-
-        def on_progress(read_end: int, window_bytes: int) -> None:
-            beyond_bytes = read_end + window_bytes - node.size_bytes
-            if read_end < threshold_bytes or beyond_bytes <= 0:
-                return
-            # A shard opened in this pass (by another reader: its stream reads on from
-            # this head, or has read it already) is not warmed again: the window
-            # continues into the next free shard instead.
-            opened = self._shard_pass.get(node.parent_ino, ())
-            while seen and seen[0][1].name in opened:
-                del seen[0]
-            targets_count = i = 0
-            while beyond_bytes > 0 and targets_count < targets_max:
-                if i == len(seen):
-                    found = next(later, None)
-                    if found is None:
-                        return
-                    seen.append(found)
-                key, shard = seen[i]
-                i += 1
-                if shard.name in opened or key in self._open_keys or self._warmed_by_another(key, shard.version, fh):
-                    continue
-                self._warmers[key] = fh
-                self.prefetcher.warm_head(key, shard.version, shard.size_bytes, beyond_bytes, window_bytes)
-                beyond_bytes -= shard.size_bytes
-                targets_count += 1
-
-        return on_progress
-
-    def _warmed_by_another(self, key: str, version: str, fh: int) -> bool:
-        """Another open handle's window warms this shard: each reader warms its own.
-        A head whose warmer was closed is taken over (counted in this window), not
-        skipped: a reader going through shards in order finds the next one warmed
-        by its previous handle, and skipping it would put two windows in flight."""
-        owner = self._warmers.get(key, fh)
-        return owner != fh and self.prefetcher.is_warming(key, version)
-
-    def _shards_after(self, node: Node):
-        """(key, node) of the shards after `node` in listing order, generated lazily; none
-        past the last (no wrap-around: the next epoch's order is the loader's, often
-        shuffled)."""
-        listing = node.parent.listing
-        if listing is None:
-            return
-        names = listing.names_sorted
-        # From this shard's place on (names are sorted): a shard opening in a 20,000-entry
-        # directory does not match every name against the globs.
-        for name in itertools.islice(names, bisect.bisect_right(names, node.name), None):
-            if self.is_shard(name):
-                try:
-                    nxt = self.ns.node(listing.children[name])
-                except errors.NotFound:
-                    # With --metadata-ttl, a shard of this (older) listing that was replaced
-                    # or deleted since, and dropped: nothing to warm, and warming must
-                    # never fail the READ that runs it (it did: ENOENT).
-                    continue
-                if not nxt.is_dir:
-                    yield self.key_prefix + nxt.path, nxt
+        self.shards.handle_released(handle.key, fh, warmed=handle.reader is not None)
 
     # -- misc ---------------------------------------------------------------------
     async def finish_writes(self) -> None:

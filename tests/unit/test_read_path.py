@@ -1237,7 +1237,7 @@ def test_a_shard_dropped_from_the_listing_is_passed_over_by_warming_not_an_error
 
     async def body(fs):
         first = await resolve(fs, names[0])
-        later = fs._shards_after(first)
+        later = fs.shards.shards_after(first)
         assert next(later)[0] == names[1]
         backend.put(names[2], b"a new version")
         clock.jump(1)  # past the TTL
