@@ -1,5 +1,9 @@
 """The filesystem core: what the FUSE adapter calls, in terms of inodes and handles.
 
+`Filesystem` holds the open file and directory handles and orchestrates open, read
+and release over the components that components.py builds (namespace, block cache,
+prefetcher, shard warming, the disk cache in front of the backend).
+
 Invariants:
 - Read-only: any open for writing raises ReadOnly; nothing here writes to a backend.
 - An open handle is pinned to the version its node had at open; every read of
@@ -28,13 +32,9 @@ import cachetools
 import trio
 
 from bucketfs import errors
-from bucketfs.core.blockcache import BlockCache
-from bucketfs.core.memory import MemoryBudget
-from bucketfs.core.namespace import ROOT_INO, Namespace, Node
-from bucketfs.core.prefetch import HandleReader, Prefetcher
-from bucketfs.core.shards import ShardWarming
-from bucketfs.core.stats import Stats
-from bucketfs.diskcache.cache import DiskCache
+from bucketfs.core.components import build_components
+from bucketfs.core.namespace import ROOT_INO, Node
+from bucketfs.core.prefetch import HandleReader
 
 log = logging.getLogger(__name__)
 
@@ -101,31 +101,31 @@ class DirHandle:
 
 
 class Filesystem:
+    """Inodes and handles: what the FUSE adapter calls. It orchestrates the components that
+    `build_components` (components.py) makes: the namespace answers metadata, the
+    block cache and the prefetcher serve reads, `ShardWarming` decides what a
+    shard reader warms."""
+
     def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
                  disk_cache_dir_fd: Optional[int] = None):
-        """`disk_cache_dir`: a directory of this mount's own for the local disk cache, if
-        any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds (without
-        one, the cache opens the path itself)."""
+        """Builds its components with `build_components` (the arguments are its own)."""
+        parts = build_components(backend, config, nursery, disk_cache_dir, disk_cache_dir_fd)
         self.config = config
-        self.stats = Stats()
-        self.budget = MemoryBudget(config.max_memory_bytes, self.stats)
-        if disk_cache_dir is not None:
-            backend = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, self.stats, nursery,
-                                self.budget, dir_fd=disk_cache_dir_fd)
-        self.backend = backend
+        self.stats = parts.stats
+        self.budget = parts.budget
+        self.backend = parts.backend
+        self.disk_cache = parts.disk_cache
         self.key_prefix = config.url.prefix
-        self.ns = Namespace(backend, self.key_prefix, self.stats, config.metadata_ttl_s, config.list_ahead_count,
-                            time.time_ns(), self.budget, config.negative_ttl_s)
-        self.ns.start_background(nursery)
-        self.cache = BlockCache(backend, self.budget, self.stats, config.block_size_bytes, nursery)
-        self.prefetcher = Prefetcher(backend, self.budget, self.stats, nursery, config.part_size_bytes)
+        self.ns = parts.namespace
+        self.cache = parts.cache
+        self.prefetcher = parts.prefetcher
+        self.shards = parts.shards
         self._handles: dict = {}
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
         # Directory inode -> (its listing, its children in order), for readdir_inode.
         # A few: the kernel reads one directory's READDIRs in a row and then keeps them.
         self._dir_children = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
-        self.shards = ShardWarming(config, self.ns, self.prefetcher, self.stats)
 
     # -- metadata ----------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: str) -> Node:
@@ -278,8 +278,8 @@ class Filesystem:
         """Until the disk cache's background work is done: its queued writes (at most
         PENDING_WRITES_MAX_BYTES; at unmount, bytes already fetched are worth a next
         mount's GET), deletes and a journal rewrite under way."""
-        if isinstance(self.backend, DiskCache):
-            await self.backend.wait_idle()
+        if self.disk_cache is not None:
+            await self.disk_cache.wait_idle()
 
     def snapshot(self) -> dict:
         stats = self.stats.snapshot()
@@ -293,9 +293,9 @@ class Filesystem:
             "namespace.entries": self.ns.entries_count,
             "handles.open": len(self._handles),
         })
-        if isinstance(self.backend, DiskCache):
-            stats["disk_cache.stored_bytes"] = self.backend.stored_bytes
-            stats["disk_cache.capacity_bytes"] = self.backend.capacity_bytes
+        if self.disk_cache is not None:
+            stats["disk_cache.stored_bytes"] = self.disk_cache.stored_bytes
+            stats["disk_cache.capacity_bytes"] = self.disk_cache.capacity_bytes
         for op, count in self.backend.requests.items():
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched

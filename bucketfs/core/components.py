@@ -1,0 +1,68 @@
+"""Building the core: the one place where a mount's components are made and wired.
+
+`build_components` makes, from `Config`, everything `Filesystem` orchestrates: the
+counters, the memory budget, the disk cache in front of the backend (with
+--cache-dir), the namespace, the block cache, the prefetcher and the shard-warming
+policy. `Filesystem.__init__` calls it, so the mount (bucketfs/app/mount.py) and the
+unit tests build a filesystem the same way.
+
+Invariants:
+- Nothing else in bucketfs constructs these components for a mount.
+- One `Stats` and one `MemoryBudget` are shared by every component: the budget
+  covers all the memory that grows with the data (docs/design.md).
+- With a disk cache, it wraps the backend before any other component is given the
+  backend: every read goes through it.
+- The namespace's background work (list-ahead) is started here, in `nursery`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import trio
+
+from bucketfs.core.blockcache import BlockCache
+from bucketfs.core.memory import MemoryBudget
+from bucketfs.core.namespace import Namespace
+from bucketfs.core.prefetch import Prefetcher
+from bucketfs.core.shards import ShardWarming
+from bucketfs.core.stats import Stats
+from bucketfs.diskcache.cache import DiskCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+    """What a `Filesystem` is made of. `backend` is what the components read
+    through: `disk_cache` when there is one, else the backend given."""
+
+    stats: Stats
+    budget: MemoryBudget
+    backend: object
+    disk_cache: Optional[DiskCache]
+    namespace: Namespace
+    cache: BlockCache
+    prefetcher: Prefetcher
+    shards: ShardWarming
+
+
+def build_components(backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
+                     disk_cache_dir_fd: Optional[int] = None) -> Components:
+    """The components of a filesystem on `backend`, sized by `config`, their background
+    tasks in `nursery`. `disk_cache_dir`: a directory of this mount's own for the local
+    disk cache, if any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds
+    (without one, the cache opens the path itself)."""
+    stats = Stats()
+    budget = MemoryBudget(config.max_memory_bytes, stats)
+    disk_cache = None
+    if disk_cache_dir is not None:
+        backend = disk_cache = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, stats,
+                                         nursery, budget, dir_fd=disk_cache_dir_fd)
+    namespace = Namespace(backend, config.url.prefix, stats, config.metadata_ttl_s, config.list_ahead_count,
+                          time.time_ns(), budget, config.negative_ttl_s)
+    namespace.start_background(nursery)
+    cache = BlockCache(backend, budget, stats, config.block_size_bytes, nursery)
+    prefetcher = Prefetcher(backend, budget, stats, nursery, config.part_size_bytes)
+    shards = ShardWarming(config, namespace, prefetcher, stats)
+    return Components(stats, budget, backend, disk_cache, namespace, cache, prefetcher, shards)
