@@ -273,6 +273,54 @@ class Filesystem:
             handle.reader.close()
         self.shards.handle_released(handle.key, fh, warmed=handle.reader is not None)
 
+    # -- the kernel's references and vanished names (with a TTL) ------------------
+    @property
+    def tracks_lookups(self) -> bool:
+        """Whether the namespace drops vanished nodes once the kernel lets go of them
+        (with a TTL): then every entry reply must be noted (`note_lookup`) and every
+        FORGET passed on (`forget`). Never in the immutable default."""
+        return self.ns.tracks_lookups
+
+    def note_lookup(self, node: Node) -> None:
+        """The kernel was handed `node` in an entry reply (lookup, READDIRPLUS)."""
+        self.ns.note_lookup(node)
+
+    def forget(self, ino: int, count: int) -> None:
+        """The kernel dropped `count` references to `ino`."""
+        self.ns.forget(ino, count)
+
+    def current(self, node: Node) -> Optional[Node]:
+        """The node now listed under `node`'s name (itself, a newer version, or None if
+        the name is gone)."""
+        return self.ns.current(node)
+
+    def watch_vanished(self, callback) -> None:
+        """Call `callback(parent_ino, name)` for each name that vanished or changed while
+        the kernel may still hold it, so the adapter can ask the kernel to let go."""
+        self.ns.on_vanished = callback
+
+    # -- counters and sizes ---------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to the counter `name` (the stats file and the metrics show it)."""
+        self.stats[name] += n
+
+    def uncount(self, name: str) -> None:
+        """Take one back from the counter `name`; one taken back to zero is removed, as
+        if never counted."""
+        self.stats[name] -= 1
+        if not self.stats[name]:
+            del self.stats[name]
+
+    @property
+    def entries_count(self) -> int:
+        """Live nodes: files and directories listed so far."""
+        return self.ns.entries_count
+
+    @property
+    def listed_file_bytes(self) -> int:
+        """The sizes of the files listed so far (what statfs reports as used)."""
+        return self.ns.listed_file_bytes
+
     # -- misc ---------------------------------------------------------------------
     async def finish_writes(self) -> None:
         """Until the disk cache's background work is done: its queued writes (at most

@@ -56,21 +56,21 @@ def fuse_errors(fn):
 
     @functools.wraps(fn)
     async def wrapper(self, *args):
-        self.fs.stats[op_key] += 1
+        self.fs.count(op_key)
         try:
             return await fn(self, *args)
         except pyfuse3.FUSEError as exc:
             if exc.errno != errno.ENOSYS:  # "not implemented, stop asking": no error
-                self.fs.stats[f"errors.{errno.errorcode.get(exc.errno, exc.errno)}"] += 1
+                self.fs.count(f"errors.{errno.errorcode.get(exc.errno, exc.errno)}")
             raise
         except errors.BucketfsError as exc:
             code = errno_for(exc)
-            self.fs.stats[f"errors.{errno.errorcode.get(code, code)}"] += 1
+            self.fs.count(f"errors.{errno.errorcode.get(code, code)}")
             if code not in (errno.ENOENT, errno.EROFS):
                 log.warning("%s%r failed: %s: %s", fn.__name__, args[:2], type(exc).__name__, exc)
             raise pyfuse3.FUSEError(code) from None
         except Exception:  # noqa: BLE001 - the daemon must never die on one request
-            self.fs.stats["errors.EIO"] += 1
+            self.fs.count("errors.EIO")
             log.exception("unexpected error in %s%r", fn.__name__, args[:2])
             raise pyfuse3.FUSEError(errno.EIO) from None
 
@@ -94,7 +94,7 @@ def _invalidate_entries(entries) -> None:
 
 def _read_only(name):
     async def handler(self, *args, **kwargs):
-        self.fs.stats["errors.EROFS"] += 1
+        self.fs.count("errors.EROFS")
         raise pyfuse3.FUSEError(errno.EROFS)
 
     handler.__name__ = name
@@ -120,8 +120,7 @@ class FuseOperations(pyfuse3.Operations):
         self._attrs_cache = {} if config.immutable else None
         # With a TTL, the namespace drops vanished nodes once the kernel lets go of
         # them: it needs every entry reply counted (lookup, READDIRPLUS) and every FORGET.
-        self._ns = fs.ns
-        self._count_lookups = fs.ns.tracks_lookups
+        self._count_lookups = fs.tracks_lookups
         self._vanished_tx, self._vanished_rx = trio.open_memory_channel(INVALIDATIONS_QUEUED_MAX_COUNT)
         self._stats_name = os.fsencode(STATS_FILE_NAME)
         self._stats_fhs = itertools.count(STATS_FH_FIRST)
@@ -136,7 +135,7 @@ class FuseOperations(pyfuse3.Operations):
         TTL, or in the immutable default after a replaced object was found)."""
         if self._dir_cache is not None:
             self._dir_cache.install()
-        self._ns.on_vanished = self._note_vanished
+        self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
 
     def _note_vanished(self, parent_ino: int, name: str) -> None:
@@ -147,7 +146,7 @@ class FuseOperations(pyfuse3.Operations):
                 self._vanished_tx.send_nowait((parent_ino, None))
             self._vanished_tx.send_nowait((parent_ino, os.fsencode(name)))
         except trio.WouldBlock:
-            self.fs.stats["namespace.invalidations_skipped"] += 1
+            self.fs.count("namespace.invalidations_skipped")
 
     async def _invalidate_vanished(self) -> None:
         """Invalidate vanished names in the kernel, so it FORGETs their inodes and the
@@ -164,7 +163,7 @@ class FuseOperations(pyfuse3.Operations):
                     break
             batch = list(dict.fromkeys(batch))  # (a directory's pages once per batch)
             await trio.to_thread.run_sync(_invalidate_entries, batch)
-            self.fs.stats["namespace.invalidations"] += len(batch)
+            self.fs.count("namespace.invalidations", len(batch))
 
     def _attrs(self, node) -> pyfuse3.EntryAttributes:
         if self._attrs_cache is not None:
@@ -210,7 +209,7 @@ class FuseOperations(pyfuse3.Operations):
             attrs.entry_timeout = self.negative_timeout_s
             return attrs
         if self._count_lookups:
-            self._ns.note_lookup(node)
+            self.fs.note_lookup(node)
         return self._attrs(node)
 
     @fuse_errors
@@ -223,10 +222,7 @@ class FuseOperations(pyfuse3.Operations):
     def _uncount(self, op: str) -> None:
         # Reading the counters is not the mount's work: `stats` between two epochs
         # would otherwise show OPEN, READ and RELEASE in a warm epoch that had none.
-        key = f"fuse.{op}"
-        self.fs.stats[key] -= 1
-        if not self.fs.stats[key]:
-            del self.fs.stats[key]  # (as if never asked: no "open 0")
+        self.fs.uncount(f"fuse.{op}")  # (to zero: as if never asked, no "open 0")
 
     def _stats_attrs(self) -> pyfuse3.EntryAttributes:
         # Size 0, as /proc's files: read until EOF (direct I/O, so the kernel does not
@@ -271,13 +267,13 @@ class FuseOperations(pyfuse3.Operations):
                 # Re-listed since this handle's snapshot? Send what the name is now (a
                 # rewritten file's new node: the old one may be dropped, and its number
                 # must not reach the kernel again), or skip a name that is gone.
-                node = self._ns.current(node)
+                node = self.fs.current(node)
                 if node is None:
                     continue
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), i):
                 return
             if counting and child:
-                self._ns.note_lookup(node)  # a READDIRPLUS entry counts as a lookup
+                self.fs.note_lookup(node)  # a READDIRPLUS entry counts as a lookup
 
     @fuse_errors
     async def releasedir(self, fh):
@@ -290,9 +286,9 @@ class FuseOperations(pyfuse3.Operations):
         stat.f_frsize = 4096
         # Used: the files listed so far; free: none (read-only). df hides a file system of
         # 0 blocks as a pseudo one, and `df /mnt/data` is how users check a mount is up.
-        stat.f_blocks = -(-self.fs.ns.listed_file_bytes // stat.f_frsize)
+        stat.f_blocks = -(-self.fs.listed_file_bytes // stat.f_frsize)
         stat.f_bfree = stat.f_bavail = 0
-        stat.f_files = self.fs.ns.entries_count
+        stat.f_files = self.fs.entries_count
         stat.f_ffree = stat.f_favail = 0
         stat.f_namemax = 255
         return stat
@@ -306,11 +302,11 @@ class FuseOperations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         # ENOSYS: the kernel answers every later call itself ("not supported"), where
         # each `ls -l` entry cost two round trips (ACLs, security label). Counted to show it.
-        self.fs.stats["fuse.getxattr"] += 1
+        self.fs.count("fuse.getxattr")
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def listxattr(self, inode, ctx):
-        self.fs.stats["fuse.listxattr"] += 1
+        self.fs.count("fuse.listxattr")
         raise pyfuse3.FUSEError(errno.ENOSYS)
 
     # -- data ----------------------------------------------------------------
@@ -354,7 +350,7 @@ class FuseOperations(pyfuse3.Operations):
         try:
             for ino, count in inode_list:
                 if ino != STATS_INODE:
-                    self._ns.forget(ino, count)
+                    self.fs.forget(ino, count)
         except Exception:  # noqa: BLE001 - the daemon must never die on one request
             log.exception("forget failed")
 

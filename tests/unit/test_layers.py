@@ -6,6 +6,8 @@ errors/config/allocator <- backends <- diskcache <- core <- fuse/metrics <- app 
 The core and the disk cache never import pyfuse3 or a cloud SDK; only backends (and
 testing, which seeds servers) import SDKs; only fuse/ and app/mount.py import pyfuse3.
 backends/http imports no SDK and nothing else of backends. scripts/ never imports tests/.
+The FUSE adapter (fuse/) reaches the core only through `Filesystem`'s methods and
+properties, never its components (`fs.ns`, `fs.cache`, ...).
 """
 
 import ast
@@ -115,3 +117,72 @@ def test_scripts_import_no_tests():
     for path in paths:
         for name in imports(path):
             assert name.split(".")[0] != "tests", f"{path.relative_to(REPO)} imports {name}"
+
+
+# The FUSE adapter reaches the core only through `Filesystem`'s methods and properties
+# (lookup, open, read, note_lookup, forget, watch_vanished, count, ...), never the
+# components behind it, and imports from the core only these names.
+CORE_PARTS = {"ns", "cache", "prefetcher", "budget", "shards", "backend", "disk_cache"}
+CORE_NAMES_FOR_FUSE = {"bucketfs.core.filesystem": {"Filesystem", "DOT_NAMES", "ROOT_INO"}}
+
+
+def adapter_problems(source: str):
+    """(problems, fs_accesses_count) of one fuse/ module: a reach past `Filesystem`
+    (`fs.ns`, `self.fs.cache`, a private attribute, `fs.stats` other than handed as
+    an argument to the objects that count into it) or an import from the core other
+    than CORE_NAMES_FOR_FUSE."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    problems, accesses = [], 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            problems += [f"import {a.name}" for a in node.names if a.name.startswith("bucketfs.core")]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names = {a.name for a in node.names}
+            if node.level == 0 and module == "bucketfs" and "core" in names:
+                problems.append("from bucketfs import core")
+            elif node.level == 0 and module.startswith("bucketfs.core"):
+                if not names <= CORE_NAMES_FOR_FUSE.get(module, set()):
+                    problems.append(f"from {module} import {', '.join(sorted(names))}")
+            elif node.level > 1 and (module == "core" or module.startswith("core.")):
+                problems.append(f"from {'.' * node.level}{module} import ...")
+        elif isinstance(node, ast.Attribute):
+            value = node.value
+            if not ((isinstance(value, ast.Name) and value.id == "fs")
+                    or (isinstance(value, ast.Attribute) and value.attr == "fs")):
+                continue
+            accesses += 1
+            if node.attr in CORE_PARTS or node.attr.startswith("_"):
+                problems.append(f"line {node.lineno}: fs.{node.attr}")
+            elif node.attr == "stats":
+                parent = parents.get(node)
+                if not (isinstance(parent, ast.Call) and node in parent.args):
+                    problems.append(f"line {node.lineno}: fs.stats used other than as an argument (use fs.count)")
+    return problems, accesses
+
+
+def test_the_fuse_adapter_reaches_the_core_only_through_the_filesystem():
+    accesses_total = 0
+    for path in (PKG / "fuse").rglob("*.py"):
+        problems, accesses = adapter_problems(path.read_text())
+        assert not problems, f"fuse/{path.name}: {problems}"
+        accesses_total += accesses
+    assert accesses_total > 10, "the adapter holds the filesystem as `fs` or `self.fs`: the check must see it"
+
+
+def test_the_adapter_check_catches_a_reach_past_the_filesystem():
+    bad = (
+        "from bucketfs.core.namespace import Namespace\n"
+        "from bucketfs.core.filesystem import Filesystem, FileHandle\n"
+        "def f(self, fs):\n"
+        "    self.fs.ns.forget(1, 1)\n"
+        "    fs.cache.evict(1)\n"
+        "    self.fs._handles.clear()\n"
+        "    self.fs.stats['x'] += 1\n"
+        "    fs.count('x')\n"
+        "    Counter(fs.stats)\n"
+    )
+    problems, accesses = adapter_problems(bad)
+    assert len(problems) == 6, problems
+    assert accesses == 6
