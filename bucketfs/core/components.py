@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import trio
 
@@ -39,7 +39,7 @@ class Components:
 
     stats: Stats
     budget: MemoryBudget
-    backend: object
+    backend: Any  # a Backend, or the DiskCache that forwards to one
     disk_cache: Optional[DiskCache]
     namespace: Namespace
     cache: BlockCache
@@ -47,8 +47,13 @@ class Components:
     shards: ShardWarming
 
 
-def build_components(backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
-                     disk_cache_dir_fd: Optional[int] = None) -> Components:
+def build_components(
+    backend,
+    config,
+    nursery: trio.Nursery,
+    disk_cache_dir: Optional[str] = None,
+    disk_cache_dir_fd: Optional[int] = None,
+) -> Components:
     """The components of a filesystem on `backend`, sized by `config`, their background
     tasks in `nursery`. `disk_cache_dir`: a directory of this mount's own for the local
     disk cache, if any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds
@@ -57,10 +62,26 @@ def build_components(backend, config, nursery: trio.Nursery, disk_cache_dir: Opt
     budget = MemoryBudget(config.max_memory_bytes, stats)
     disk_cache = None
     if disk_cache_dir is not None:
-        backend = disk_cache = DiskCache(backend, disk_cache_dir, config.cache_size_bytes, config.block_size_bytes, stats,
-                                         nursery, budget, dir_fd=disk_cache_dir_fd)
-    namespace = Namespace(backend, config.url.prefix, stats, config.metadata_ttl_s, config.list_ahead_count,
-                          time.time_ns(), budget, config.negative_ttl_s)
+        backend = disk_cache = DiskCache(
+            backend,
+            disk_cache_dir,
+            config.cache_size_bytes,
+            config.block_size_bytes,
+            stats,
+            nursery,
+            budget,
+            dir_fd=disk_cache_dir_fd,
+        )
+    namespace = Namespace(
+        backend,
+        config.url.prefix,
+        stats,
+        config.metadata_ttl_s,
+        config.list_ahead_count,
+        time.time_ns(),
+        budget,
+        config.negative_ttl_s,
+    )
     namespace.start_background(nursery)
     cache = BlockCache(backend, budget, stats, config.block_size_bytes, nursery)
     prefetcher = Prefetcher(backend, budget, stats, nursery, config.part_size_bytes)
