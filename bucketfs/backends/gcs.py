@@ -21,6 +21,9 @@ Invariants:
   carries (connect, read) timeouts. `requests` counts the calls the core made,
   by type (retries of one call are in `caller.retries_count`); it and
   `bytes_fetched` are touched only on the trio thread.
+- GETs go through one transport (gcs_transport.py: libcurl for small GETs and the
+  library's session for larger ones, or the library's alone), chosen once when the
+  client is built and logged; LISTs and metadata GETs go through the library.
 - Credentials are never logged.
 """
 
@@ -33,7 +36,6 @@ import threading
 from typing import Optional
 
 import google.auth.exceptions
-import google_crc32c
 import requests
 import requests.adapters
 import trio
@@ -43,12 +45,12 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, gone_message, lists_entries
+from bucketfs.backends.base import Backend, ListPage, ObjectInfo, gone_message, lists_entries
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
-from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
-from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path, refused, served_generation
-from bucketfs.backends.http.body import read_range_body
-from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
+from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path
+from bucketfs.backends.gcs_transport import CurlGets, GCSTransport, LibraryGets
+from bucketfs.backends.gcs_transport import crc32c_of as _crc32c_of  # noqa: F401 - (tests import it from here)
+from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -97,12 +99,6 @@ def classify(exc: BaseException) -> errors.BucketfsError:
     return errors.BackendError(message)
 
 
-def _crc32c_of(data) -> bytes:
-    """CRC32C as GCS states it (4 bytes, big-endian), by google-crc32c (the library's
-    own dependency; C where it has wheels), which takes bytes only."""
-    return google_crc32c.value(bytes(data)).to_bytes(4, "big")
-
-
 def _is_storage_404(exc: Optional[BaseException]) -> bool:
     """A 404 from a storage API: GCS's JSON error, or the empty body of emulators
     (gcp-storage-emulator). A web server's page is neither."""
@@ -143,6 +139,7 @@ class GCSBackend(Backend):
         self._config = config
         self._bucket_name = config.url.bucket
         self._timeout_s = (config.connect_timeout_s, config.read_timeout_s)
+        self.read_timeout_s = config.read_timeout_s
         policy = RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s)
         self.caller = BlockingCaller(config.max_connections_count, policy, classify)
         self._client_lock = threading.Lock()
@@ -154,6 +151,8 @@ class GCSBackend(Backend):
         self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
                                ca_bundle_path()) if CurlEngine.available() else None
         self._downloads: Optional[CurlDownloads] = None
+        # Chosen once the client is built (_get_bucket): what it allows decides.
+        self.transport: Optional[GCSTransport] = None
 
     # -- client (built lazily in a worker thread: ADC discovery may block) ----
     def _endpoint_url(self) -> Optional[str]:
@@ -205,8 +204,26 @@ class GCSBackend(Backend):
                 bucket = client.bucket(self._bucket_name)
                 if self.curl is not None:
                     self._downloads = CurlDownloads(client, bucket, self._config.read_timeout_s)
+                if self.transport is None:
+                    self.transport = self.choose_transport()
+                    off = self._downloads.off_reason if self._downloads is not None else ""
+                    log.info("gs://%s: %s%s", self._bucket_name, self.transport.describe(), f" ({off})" if off else "")
                 self._bucket = bucket
             return self._bucket
+
+    def choose_transport(self) -> GCSTransport:
+        """The transport for what this host and client allow (gcs_transport.py): the curl
+        engine where there is one and the client's session allows it."""
+        if self.curl is not None and self._downloads is not None and self._downloads.usable:
+            return CurlGets(self, self.curl, self._downloads)
+        return LibraryGets(self)
+
+    async def transport_ready(self) -> GCSTransport:
+        """The transport, the client built first if it is not yet (on a thread: ADC
+        discovery may block)."""
+        if self.transport is None:
+            await self.caller.call("GCS client", self._get_bucket)
+        return self.transport
 
     def session(self) -> requests.Session:
         """The shared HTTP session (tests mount fault-injecting adapters on it). Blocks."""
@@ -242,52 +259,10 @@ class GCSBackend(Backend):
         if end <= start:
             return b""
         generation = int(version)
-
-        def fetch():
-            bucket = self._get_bucket()
-            # generation= makes GCS serve exactly that generation (404 once it is gone).
-            blob = storage.Blob(key, bucket, generation=generation)
-            url = blob._get_download_url(bucket.client, if_generation_match=generation)
-            # One request on the client's own authorized session, without the
-            # library's download machinery (most of the daemon's CPU per small file).
-            # Accept-Encoding: gzip with an undecoded read is the raw download: an
-            # object stored gzip-encoded comes back as stored, at its listed size.
-            response = bucket.client._http.request(
-                "GET", url, headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "gzip"},  # inclusive end
-                stream=True, timeout=self._timeout_s)
-            try:
-                if response.status_code == 416:
-                    return None  # start >= size of whichever generation was served
-                if response.status_code not in (200, 206):
-                    raise gexc.from_http_response(response)
-                content_range = response.headers.get("Content-Range")
-                data = read_range_body(response.raw, self._config.read_timeout_s, start, end,
-                                       whole_object=response.status_code == 200 and content_range is None)
-                served = response.headers.get("x-goog-generation")
-                goog_hash = response.headers.get("x-goog-hash")
-            finally:
-                response.close()  # (its connection back to the pool, for the metadata GET)
-            if served:
-                served_generation, looked_up = int(served), False
-            else:
-                # An endpoint that names no generation: ask the live one after the
-                # download, here, so that a short body of the pinned generation is
-                # retried like any other. Generations only grow: if the live one is the
-                # pinned one now, the download served the pinned one.
-                served_generation, looked_up = self._reload_blocking(key).generation, True
-            if served_generation == generation:
-                check_answer(key, start, end, len(data), content_range, object_bytes)
-                check_whole_object(key, gcs_hash_digest(goog_hash, _crc32c_of), start, data, object_bytes, content_range)
-            return data, served_generation, looked_up
-
         self.requests["get"] += 1
         try:
-            if self.curl is not None and end - start <= SMALL_GET_MAX_BYTES and await self._curl_usable():
-                self.get_paths["curl"] += 1
-                result = await self.caller.run(f"GET {key}", self._fetch_curl, key, start, end, generation, object_bytes)
-            else:
-                self.get_paths["threads"] += 1
-                result = await self.caller.call(f"GET {key}", fetch)
+            transport = self.transport or await self.transport_ready()
+            result = await transport.get(key, start, end, generation, object_bytes)
         except errors.NotFound:  # the GET's 404, or the metadata GET's (gone since)
             raise await self._gone_error(key, version) from None
         if result is None:
@@ -302,41 +277,6 @@ class GCSBackend(Backend):
             raise errors.ObjectChanged(f"{key}: generation {version} is now {served_generation}")
         self.bytes_fetched += len(data)
         return data
-
-    async def _curl_usable(self) -> bool:
-        if self._bucket is None:  # the client first (on a thread: ADC discovery may block)
-            await self.caller.call("GCS client", self._get_bucket)
-        return self._downloads is not None and self._downloads.usable
-
-    async def _fetch_curl(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]):
-        """read_range's `fetch` on http/curl.py: (data, served generation, looked up), or
-        None past the end. One attempt (BlockingCaller.run retries it), with one new
-        token after a 401, as the library's authorized session does."""
-        downloads, into = self._downloads, bytearray(end - start)
-        for refreshed in (False, True):
-            if downloads.needs_token():
-                await trio.to_thread.run_sync(downloads.refresh_blocking, limiter=self.caller.limiter)
-            transfer = await self.curl.get(downloads.transfer(key, start, end, generation, into))
-            if transfer.error is not None:
-                raise transfer.error
-            if transfer.status != 401 or downloads.anonymous or refreshed:
-                break
-            await trio.to_thread.run_sync(downloads.refresh_blocking, True, limiter=self.caller.limiter)
-        if transfer.status == 416:
-            return None  # start >= size of whichever generation was served
-        if transfer.status not in (200, 206):
-            raise refused(transfer)
-        served, looked_up = served_generation(transfer), False
-        if served is None:  # (see fetch)
-            blob = await trio.to_thread.run_sync(self._reload_blocking, key, limiter=self.caller.limiter)
-            served, looked_up = blob.generation, True
-        del into[transfer.received_bytes:]  # (a range past the object's end: its shorter answer)
-        if served == generation:
-            content_range = transfer.headers.get("content-range")
-            check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
-            check_whole_object(key, gcs_hash_digest(transfer.headers.get("x-goog-hash"), _crc32c_of), start, into,
-                               object_bytes, content_range)
-        return into, served, looked_up
 
     async def _gone_error(self, key: str, version: str) -> errors.BucketfsError:
         """A generation-targeted GET gave 404: the object is gone or was replaced."""

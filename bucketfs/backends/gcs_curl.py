@@ -13,7 +13,8 @@ generation checks and the fall-back to the library stay in gcs.py.
 When it is not used (`usable` false): an mTLS session (its client certificate lives
 in the library's adapter), or a proxy configured for the endpoint (requests honours
 HTTP(S)_PROXY; a direct connection may not be allowed). Then every GET takes the
-library's path, as without pycurl.
+library's path, as without pycurl (gcs_transport.py's LibraryGets), and `off_reason`
+says why.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ class CurlDownloads:
         self.read_timeout_s = read_timeout_s
         self._refresh_lock = threading.Lock()
         scheme = self.base_url.partition(":")[0]
-        self.usable = not getattr(client._http, "is_mtls", False) and not requests.utils.get_environ_proxies(
-            self.base_url).get(scheme)
+        if getattr(client._http, "is_mtls", False):
+            self.off_reason = "an mTLS session: its client certificate is the library's"
+        elif requests.utils.get_environ_proxies(self.base_url).get(scheme):
+            self.off_reason = f"a proxy is set for {self.base_url.split('/')[2]}"
+        else:
+            self.off_reason = ""
+        self.usable = not self.off_reason
 
     def url(self, key: str, generation: int) -> str:
         # quote(safe=""): "/" in a name is part of it (the library's own quoting; "~" stays).

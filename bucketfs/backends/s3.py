@@ -16,8 +16,12 @@ GetObject. Invariants:
   served as is it cut a new version at the old size.
 - ETags are normalised (quotes stripped): LIST answers them unquoted on some
   servers, HEAD and GET always quote them.
-- Redirects with a Location are followed on every GET path, signed again for the
-  new host (s3_lean.py); the SDK's path sends the hop through the client's own HTTP
+- GETs and LISTs go through one transport (s3_transport.py: libcurl and urllib3, urllib3
+  alone, or the SDK client), chosen when the backend is built and logged; the only
+  switch at run time is the lean path's refusal (a region error), which swaps to the
+  SDK client for good, logged. HEADs and the probe always use the client.
+- Redirects with a Location are followed on every transport, signed again for the
+  new host (s3_lean.py); the SDK's sends the hop through the client's own HTTP
   session (its proxies, its CA bundle).
 - `requests` counts the calls the core made, by type; retries of one call are
   counted in `caller.retries_count`. Both are touched only on the trio thread.
@@ -27,14 +31,13 @@ GetObject. Invariants:
 
 from __future__ import annotations
 
-import datetime
 import http.client
 import logging
 import re
+import threading
 from typing import Optional
 
 import boto3
-import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 import botocore.utils
@@ -46,23 +49,20 @@ from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, gone_message, lists_entries
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
-from bucketfs.backends.digests import EtagChecks, check_whole_object, s3_etag_digest
-from bucketfs.backends.http.body import copy_into, read_range_body
-from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, CurlEngine
-from bucketfs.backends.s3_lean import (REDIRECT_HOPS_MAX, REDIRECT_STATUSES, LeanS3, ca_bundle, error_response,
-                                       redirect_url, too_many_redirects)
+from bucketfs.backends.digests import EtagChecks, check_whole_object
+from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.s3_lean import LeanS3, ca_bundle
+from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
+from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
 
-LIST_PAGE_KEYS_COUNT = 1000  # the S3 maximum: one page answers a whole typical directory
 # check_bucket must answer within ~30 s even when packets to the endpoint are dropped:
 # 3 attempts x 5 s connect timeout, plus backoff.
 PROBE_ATTEMPTS_COUNT = 3
 PROBE_CONNECT_TIMEOUT_S = 5.0
 PROBE_READ_TIMEOUT_S = 10.0
-
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
@@ -124,23 +124,6 @@ def classify(exc: BaseException) -> errors.BucketfsError:
     return errors.BackendError(_scrub(f"{type(exc).__name__}: {exc}"))
 
 
-def _into(buffer: Optional[bytearray], data: bytes):
-    """`data` itself, or with a buffer: copied into it, and its length."""
-    return data if buffer is None else copy_into(buffer, data)
-
-
-def normalise_etag(etag: str) -> str:
-    return etag.strip('"') if etag else ""
-
-
-def _mtime_ns(when: Optional[datetime.datetime]) -> int:
-    # Integer arithmetic: a float timestamp * 1e9 loses the low bits of a nanosecond count.
-    # A time before the epoch (AIStore's zero time for objects never read) or none: 0.
-    if when is None:
-        return 0
-    return max((when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000, 0)
-
-
 def check_region(region: str) -> None:
     """botocore's own rule for a region name, not a copy of it."""
     try:
@@ -166,12 +149,13 @@ class S3Backend(Backend):
             raise errors.AccessDenied(str(exc)) from None
         except ValueError as exc:  # "Invalid endpoint": the CLI's usage error
             raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
+        self.read_timeout_s = config.read_timeout_s
         self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
-                               config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
-        # Without pycurl there is no engine, and while the lean path is off for the
-        # bucket (a proxy, a redirect) it is not used: then every GET runs on a thread.
+                           config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
+        self.lean.resolve_early()  # (no request: where it resolves, what the transport can be)
+        # The curl engine, where pycurl is installed and the lean path serves the bucket.
         self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
-                               ca_bundle(self._session)) if CurlEngine.available() else None
+                               ca_bundle(self._session)) if CurlEngine.available() and self.lean.usable else None
         self.etag_checks = EtagChecks()
         self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
@@ -179,6 +163,31 @@ class S3Backend(Backend):
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
             classify,
         )
+        self.sdk = Sdk(self)
+        self._swap_lock = threading.Lock()
+        self.transport: S3Transport = self.choose_transport()
+        log.info("s3://%s: %s%s", self.bucket, self.transport.describe(),
+                 f" ({self.lean.off_reason})" if self.lean.off_reason else "")
+
+    def choose_transport(self) -> S3Transport:
+        """The transport for what this host and endpoint allow (s3_transport.py): the
+        curl engine where there is one, the lean path where it serves the bucket."""
+        if not self.lean.usable:
+            return self.sdk
+        if self.curl is not None:
+            return CurlLean(self, self.curl)
+        return UrllibLean(self)
+
+    def swap_to_sdk(self) -> Sdk:
+        """The one switch at run time: the lean path was refused (a region error, a
+        redirect without a Location): every GET and LIST goes through the SDK client
+        from now on, whose region redirector handles it. Logged once. Any thread."""
+        with self._swap_lock:
+            if self.transport is not self.sdk:
+                log.info("s3://%s: %s; GETs and LISTs go through the SDK client from now on", self.bucket,
+                         self.lean.off_reason or "the lean path is off")
+                self.transport = self.sdk
+        return self.sdk
 
     @property
     def redirects_count(self) -> int:
@@ -203,7 +212,8 @@ class S3Backend(Backend):
         return self._session.client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
 
     # -- blocking bodies, run in worker threads --------------------------------
-    def _list_blocking(self, client, prefix: str, token: Optional[str], max_keys: int) -> dict:
+    def list_objects_blocking(self, client, prefix: str, token: Optional[str], max_keys: int) -> dict:
+        """One ListObjectsV2 through `client` (the transport's, or the probe's own)."""
         kwargs = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/", "MaxKeys": max_keys}
         if token:
             kwargs["ContinuationToken"] = token
@@ -211,19 +221,12 @@ class S3Backend(Backend):
         # (including characters XML 1.0 cannot carry) round-trips exactly.
         return client.list_objects_v2(**kwargs)
 
-    def _get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray],
-                      object_bytes: Optional[int]):
-        """The bytes, or with `buffer` the number of bytes written into it; None when the
-        range starts past the end (416). Checked here, in the worker, where a short
-        answer is retried (check_answer)."""
-        return self._checked(key, start, end, version, self._get_unchecked_blocking(key, start, end, version, buffer),
-                             buffer, object_bytes)
-
-    def _checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple],
-                 buffer: Optional[bytearray], object_bytes: Optional[int]):
-        """_get_blocking's answer from (etag, content_range, body, digest, last_modified),
-        or None; with `buffer`, `body` is the number of bytes received into it. A whole
-        object is checked against its ETag where that is an MD5 (digests.py)."""
+    def checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple],
+                buffer: Optional[bytearray], object_bytes: Optional[int]):
+        """A transport's GET answer (etag, content_range, body, digest, last_modified), or
+        None (416), checked: the bytes, or with `buffer` the number received into it
+        (`body` is that number then); None for a 416. A whole object is checked against
+        its ETag where that is an MD5 (digests.py)."""
         if answer is None:
             return None
         etag, content_range, body, digest, last_modified = answer
@@ -234,124 +237,11 @@ class S3Backend(Backend):
                            object_bytes, content_range, self.etag_checks)
         return body
 
-    async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,
-                        object_bytes: Optional[int]):
-        """_get_blocking's answer, by http/curl.py; on a worker thread after all when the
-        lean path cannot serve the bucket. (One attempt: BlockingCaller.run retries it.)"""
-        transfer = self.lean.transfer(key, start, end, version, buffer)
-        answer = None
-        if transfer is not None:
-            hops = 0
-            await self.curl.get(transfer)
-            while (following := self.lean.redirected(transfer, start, end, version, hops)) is not None:
-                transfer, hops = following, hops + 1
-                await self.curl.get(transfer)
-            answer = self.lean.answer_of(transfer)
-        if answer is None:
-            return await trio.to_thread.run_sync(self._get_blocking, key, start, end, version, buffer, object_bytes,
-                                                 limiter=self.caller.limiter)
-        status, etag, content_range, got_bytes, digest, last_modified = answer
-        if status == 416:
-            return None
-        return self._checked(key, start, end, version,
-                             (normalise_etag(etag), content_range, got_bytes, digest, last_modified), buffer, object_bytes)
-
-    def _get_unchecked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
-        """(etag, content_range, bytes, digest, last_modified), or with `buffer` (etag,
-        content_range, bytes written into it, ...); None when the range starts past the
-        end (416)."""
-        if self.lean.usable:
-            answer = self.lean.get(key, start, end, version, buffer)
-            if answer is not None:
-                status, etag, content_range, body, digest, last_modified = answer
-                if status == 416:
-                    return None
-                if not content_range:  # a server that ignored Range: the range was kept
-                    body = _into(buffer, body)
-                return normalise_etag(etag), content_range, body, digest, last_modified
-        condition = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
-        if versions.kind(version) == versions.LASTMOD:
-            condition = {"IfUnmodifiedSince": versions.lastmod_s(version) + 1}
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition)
-        except botocore.exceptions.ClientError as exc:
-            metadata = exc.response.get("ResponseMetadata", {})
-            status, location = metadata.get("HTTPStatusCode"), metadata.get("HTTPHeaders", {}).get("location")
-            if status in REDIRECT_STATUSES and location:
-                url = self.client.meta.endpoint_url  # (only its scheme and host matter to urljoin)
-                return self._get_redirected_blocking(redirect_url(url, location), key, start, end, version, buffer)
-            if status == 416:
-                return None
-            raise
-        return self._sdk_answer(response, start, end, buffer)
-
-    def _sdk_answer(self, response: dict, start: int, end: int, buffer: Optional[bytearray]) -> tuple:
-        body = response["Body"]
-        try:
-            # Read the whole body here, in the worker: a reset mid-body raises in this
-            # thread and BlockingCaller repeats the whole request.
-            data = read_range_body(body._raw_stream, self._config.read_timeout_s, start, end,
-                                   whole_object=not response.get("ContentRange"))
-        finally:
-            body.close()
-        digest = s3_etag_digest(response.get("ETag", ""), response.get("ServerSideEncryption"),
-                                response.get("SSECustomerAlgorithm"))
-        last_modified = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
-        return (normalise_etag(response.get("ETag", "")), response.get("ContentRange"), _into(buffer, data), digest,
-                last_modified)
-
-    def _get_redirected_blocking(self, url: str, key: str, start: int, end: int, version: str,
-                                 buffer: Optional[bytearray]):
-        """The SDK path's GET, redirected to `url`: signed again for that host and sent
-        through the client's HTTP session (its proxies and CA bundle), hop by hop."""
-        http_session = self.client._endpoint.http_session
-        headers = self.lean.range_headers(start, end, version)
-        hops = 1
-        self.lean.redirects_count += 1
-        while True:
-            request = botocore.awsrequest.AWSRequest("GET", url, headers=self.lean.signed_for(url, headers))
-            request.stream_output = True
-            response = http_session.send(request.prepare())
-            location = response.headers.get("location")
-            if response.status_code in REDIRECT_STATUSES and location:
-                response.raw.drain_conn()
-                response.raw.release_conn()
-                url = redirect_url(url, location)
-                if hops == REDIRECT_HOPS_MAX:
-                    raise too_many_redirects(url)
-                hops += 1
-                self.lean.redirects_count += 1
-                continue
-            if response.status_code == 416:
-                response.raw.release_conn()
-                return None
-            if response.status_code not in (200, 206):
-                raise botocore.exceptions.ClientError(error_response(response.status_code, response.content), "GetObject")
-            try:
-                data = read_range_body(response.raw, self._config.read_timeout_s, start, end,
-                                       whole_object="content-range" not in response.headers)
-            finally:
-                response.raw.release_conn()
-            headers_in = response.headers
-            digest = s3_etag_digest(headers_in.get("etag", ""), headers_in.get("x-amz-server-side-encryption"),
-                                    headers_in.get("x-amz-server-side-encryption-customer-algorithm"))
-            return (normalise_etag(headers_in.get("etag", "")), headers_in.get("content-range"), _into(buffer, data),
-                    digest, headers_in.get("last-modified"))
+    def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
+        """One attempt, on the transport of the moment (a retry after a swap takes the SDK's)."""
+        return self.transport.list_blocking(prefix, token)
 
     # -- contract ---------------------------------------------------------------
-    def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
-        """(objects [(key, size, mtime_ns, etag)], prefixes, next_token, truncated)."""
-        if self.lean.usable:
-            answer = self.lean.list(prefix, token, LIST_PAGE_KEYS_COUNT)
-            if answer is not None:
-                return answer
-        response = self._list_blocking(self.client, prefix, token, LIST_PAGE_KEYS_COUNT)
-        objects = [(item["Key"], item["Size"], _mtime_ns(item.get("LastModified")), item.get("ETag", ""))
-                   for item in response.get("Contents", ())]
-        prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
-        truncated = bool(response.get("IsTruncated"))
-        return objects, prefixes, response.get("NextContinuationToken") if truncated else None, truncated
-
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         self.requests["list"] += 1
         raw_objects, prefixes, next_token, truncated = await self.caller.call(
@@ -393,14 +283,9 @@ class S3Backend(Backend):
         # is still receiving stay counted in the memory budget until it returns (a dropped
         # read-ahead part waits for them), and nothing writes into a buffer after its part
         # has let go of it.
-        what = f"GET {key!r} [{start}, {end})"
         try:
-            if self.curl is not None and self.lean.usable and end - start <= SMALL_GET_MAX_BYTES:
-                self.get_paths["curl"] += 1
-                got_bytes = await self.caller.run(what, self._get_curl, key, start, end, version, into, object_bytes)
-            else:
-                self.get_paths["threads"] += 1
-                got_bytes = await self.caller.call(what, self._get_blocking, key, start, end, version, into, object_bytes)
+            got_bytes = await self.transport.get(f"GET {key!r} [{start}, {end})", key, start, end, version, into,
+                                                 object_bytes)
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
         if got_bytes is None:
@@ -424,7 +309,8 @@ class S3Backend(Backend):
                                               policy.max_delay_s), classify)
         try:
             # Two keys: the first may be the prefix's own directory marker.
-            response = await probe.call(f"probe LIST {prefix!r}", self._list_blocking, probe_client, prefix, None, 2)
+            response = await probe.call(f"probe LIST {prefix!r}", self.list_objects_blocking, probe_client, prefix,
+                                        None, 2)
         except errors.TransientError as exc:
             if isinstance(exc.__cause__, botocore.exceptions.SSLError):
                 raise errors.EndpointUnreachable(f"{exc} (a certificate signed by a private CA? "

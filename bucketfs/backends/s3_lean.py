@@ -20,9 +20,11 @@ Invariants:
   signed again for its host, at most REDIRECT_HOPS_MAX hops: past that, an error
   (EIO), never a loop. A redirect without a Location or a region error (S3's 301
   PermanentRedirect, AuthorizationHeaderMalformed) switches this path off for good
-  (`usable = False`) and the client, whose region redirector handles it, serves the
-  rest. So does an HTTP(S)_PROXY that applies to the endpoint (botocore routes
-  through it; a direct connection may not be allowed).
+  (`usable = False`, `off_reason` says why): the backend then swaps its transport to
+  the SDK client, whose region redirector handles it (s3_transport.py). An
+  HTTP(S)_PROXY that applies to the endpoint (botocore routes through it; a direct
+  connection may not be allowed) keeps this path off from the start: resolved when
+  the backend is built, so that it chooses its transport once.
 - Trust: the CA bundle is botocore's (AWS_CA_BUNDLE, the profile, REQUESTS_CA_BUNDLE).
 """
 
@@ -42,6 +44,7 @@ import botocore.exceptions
 import botocore.httpsession
 import botocore.utils
 import urllib3
+from botocore import UNSIGNED
 from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
@@ -229,6 +232,7 @@ class LeanS3:
         self.read_timeout_s = read_timeout_s
         self.signer = Signer(self.region)
         self.usable = True
+        self.off_reason = ""  # why `usable` turned false (logged by the backend's transport swap)
         self.redirects_count = 0  # hops followed (every path: S3Backend counts the SDK's here too)
         # Pools per host: the endpoint's, and those of the hosts redirects lead to
         # (an AIStore cluster's targets).
@@ -250,19 +254,43 @@ class LeanS3:
         """`headers` signed for a GET of `url` on its own host (a redirect's target)."""
         return self._headers(url, headers, host_of(url))
 
+    def resolve_early(self) -> None:
+        """Resolve the path when the backend is built, to choose its transport from it.
+        Where that raises (a bucket name botocore refuses), it stays unresolved: the
+        first request resolves it on a worker thread, where the error is classified
+        like any other."""
+        try:
+            self._resolve()
+        except Exception as exc:  # noqa: BLE001 - raised again, classified, by the first request
+            log.debug("lean path not resolved at start (%s: %s)", type(exc).__name__, exc)
+
+    def _presigned_url(self) -> str:
+        """A presigned GET of a dummy key: the endpoint, addressing style and region as
+        botocore resolves them. Unsigned (a choose-signer hook that answers presigns
+        only; bucketfs presigns nothing else): only its URL is used, so no credentials
+        are fetched for it (an assumed role's would be, over the network)."""
+        def unsigned(context=None, **_kwargs):
+            return UNSIGNED if context and context.get("is_presign_request") else None
+
+        events = self.client.meta.events
+        events.register_first("choose-signer.s3.GetObject", unsigned, unique_id="bucketfs-unsigned-presign")
+        return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY},
+                                                  ExpiresIn=60)
+
     def _resolve(self) -> bool:
         if self.base_url is None:
-            # Worker threads call this at once on first use: everything is set before
-            # base_url, whose value says "resolved" to the others.
-            url = self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60)
+            # Where resolve_early could not, worker threads call this at once on first
+            # use: everything is set before base_url, whose value says "resolved" to the others.
+            url = self._presigned_url()
             base_url = url.split("?", 1)[0][: -len(_DUMMY_KEY)]
             self._host = host_of(base_url)
             if not base_url.endswith("/"):
+                self.off_reason = f"the endpoint's object URLs ({base_url}) cannot be extended"
                 self.usable = False
             elif botocore.utils.get_environ_proxies(base_url).get(urlsplit(base_url).scheme):
                 # botocore sends this endpoint's requests through HTTP(S)_PROXY; so must we,
                 # and the client does that already: a direct connection may not be allowed.
-                log.info("a proxy is set for %s: requests go through the SDK client", self._host)
+                self.off_reason = f"a proxy is set for {self._host}"
                 self.usable = False
             else:
                 # One host: its connection pool directly, without PoolManager parsing
@@ -328,7 +356,7 @@ class LeanS3:
         response = error_response(status, body)
         code = response["Error"]["Code"]
         if 300 <= status < 400 or code in ("AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"):
-            log.info("lean request path off for this bucket (%s %s); using the SDK client", status, code)
+            self.off_reason = f"the lean path was refused with {status} {code}"
             self.usable = False
             return None
         raise botocore.exceptions.ClientError(response, "S3")

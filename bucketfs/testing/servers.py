@@ -346,10 +346,22 @@ def _inject_lean_failures(lean, op: str, remaining: list, kind: str) -> None:
 
 def without_curl(backend):
     """`backend` (an S3Backend or GCSBackend) with every GET on its thread path, as
-    without pycurl: the tests of that path."""
+    without pycurl: the tests of that path. Its transport is chosen again, without the
+    curl engine (a GCSBackend's, where its client is built already; else when it is)."""
     if backend.curl is not None:
         backend.curl.close()
         backend.curl = None
+    if backend.transport is not None:
+        backend.transport = backend.choose_transport()
+    return backend
+
+
+def sdk_only(backend):
+    """`backend` (an S3Backend) with every GET and LIST through the SDK client, as behind
+    a proxy (the lean path off): the tests of that transport."""
+    without_curl(backend)
+    backend.lean.usable = False
+    backend.transport = backend.choose_transport()
     return backend
 
 

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import gzip
 import io
+import logging
 import random
 import socket
 import time
@@ -468,7 +469,7 @@ def test_curl_path_asks_for_the_same_url_as_the_library(make_backend, key):
     from google.cloud import storage
 
     backend = make_backend(path="curl")
-    trio.run(backend._curl_usable)
+    assert trio.run(backend.transport_ready).name == "curl"
     library_url = storage.Blob(key, backend._bucket, generation=7)._get_download_url(backend._client, if_generation_match=7)
     assert backend._downloads.url(key, 7) == library_url
 
@@ -521,7 +522,7 @@ def test_curl_path_sends_a_fresh_token_and_renews_it_once_after_a_401(make_backe
 
     async def main():
         info = await backend.stat("k")
-        await backend._curl_usable()
+        assert (await backend.transport_ready()).name == "curl"
         backend._downloads.credentials, backend._downloads.anonymous = credentials, False
         adapter.accepted = "token-1"
         got = {}
@@ -542,3 +543,26 @@ def test_curl_path_sends_a_fresh_token_and_renews_it_once_after_a_401(make_backe
         assert backend.get_paths["curl"] == 10 and not backend.get_paths["threads"]
 
     trio.run(main)
+
+
+def test_the_transport_is_chosen_once_the_client_is_built_and_logged(make_backend, monkeypatch, caplog):
+    """Small GETs on libcurl where the session allows it; behind a proxy for the
+    endpoint (requests would route through it), every GET on the library's session."""
+    caplog.set_level(logging.INFO, logger="bucketfs.backends.gcs")
+    backend = make_backend(path="curl")
+    assert backend.transport is None  # (the client is built at the first request: ADC may block)
+    backend.session()
+    assert backend.transport.name == "curl"
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    proxied = make_backend(path="curl")
+    proxied.session()
+    assert proxied.transport.name == "library"
+    lines = [r.message for r in caplog.records if "GETs:" in r.message]
+    assert len(lines) == 2
+    assert lines[0].endswith("GETs: libcurl for <= 2 MiB, the library's requests session (worker threads) for "
+                             "larger; LISTs: google-cloud-storage (worker threads)")
+    assert "GETs: the library's requests session (worker threads); LISTs: google-cloud-storage (worker threads) " \
+           "(a proxy is set for 127.0.0.1:" in lines[1]

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import datetime
 import http.client
+import logging
 import pathlib
 
+import boto3
 import botocore.credentials
 import botocore.exceptions
 import botocore.session
-import boto3
 import pytest
 import trio
 import urllib3.exceptions
 
 from bucketfs import errors
-from bucketfs.backends.s3 import S3Backend, _mtime_ns, classify, normalise_etag
-from bucketfs.testing.servers import inject_s3_failures, without_curl
+from bucketfs.backends.s3 import S3Backend, classify
+from bucketfs.backends.s3_lean import LeanS3
+from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
+from bucketfs.backends.s3_transport import normalise_etag
+from bucketfs.testing.servers import inject_s3_failures, sdk_only, without_curl
 
 pytestmark = pytest.mark.timeout(30)
 GET_PATHS = ["curl", "urllib3"]  # a small GET's two lean paths: the curl engine, or urllib3 on a worker thread
@@ -201,7 +205,8 @@ def test_a_416_for_a_range_inside_the_pinned_object_is_an_error_not_eof(rclone_s
     reported as a changed object (ESTALE), though nothing changed."""
     rclone_server.put(s3_bucket, "k", b"0123456789" * 10)
     backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
-    backend.lean.usable = lean
+    if not lean:
+        sdk_only(backend)
 
     async def body():
         info = await backend.stat("k")
@@ -345,11 +350,13 @@ def test_an_object_stored_gzip_encoded_reads_as_its_stored_bytes(moto_server):
 
 
 def test_the_lean_path_is_resolved_before_it_says_so(moto_server):
-    """Worker threads resolve it at once on first use: one that sees base_url set must
-    find the connection pool set too (6 of 320 first GETs raised AttributeError)."""
+    """Where it could not be resolved when the backend was built, worker threads resolve
+    it at once on first use: one that sees base_url set must find the connection pool
+    set too (6 of 320 first GETs raised AttributeError)."""
     bucket = moto_server.new_bucket()
     backend = S3Backend(moto_server.config(bucket), session=moto_server.session())
-    lean = backend.lean
+    assert backend.lean.base_url is not None  # (resolved when built: the transport is chosen from it)
+    lean = LeanS3(backend.client, backend._session, bucket, 4, 1.0, 1.0, False)  # one not resolved yet
     real_pool_for = lean.pool.connection_from_url
     seen = []
 
@@ -362,6 +369,7 @@ def test_the_lean_path_is_resolved_before_it_says_so(moto_server):
         assert lean._resolve()
         assert seen == [None] and lean.base_url is not None
     finally:
+        lean.close()
         trio.run(backend.aclose)
         moto_server.delete_bucket(bucket)
 
@@ -450,3 +458,26 @@ def test_a_store_whose_etags_are_not_md5s_is_read_after_one_more_get(rclone_serv
         trio.run(body)
     finally:
         trio.run(backend.aclose)
+
+
+def test_the_transport_is_chosen_when_the_backend_is_built_and_logged(rclone_server, s3_bucket, monkeypatch, caplog):
+    """From what the host and the endpoint allow, with no request: libcurl and urllib3
+    where pycurl is there, urllib3 alone without it, the SDK client behind a proxy."""
+    caplog.set_level(logging.INFO, logger="bucketfs.backends.s3")
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    backend = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+    assert backend.transport.name == "curl"
+    assert without_curl(backend).transport.name == "urllib3"
+    trio.run(backend.aclose)
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    proxied = S3Backend(rclone_server.config(s3_bucket), session=rclone_server.session())
+    assert proxied.transport.name == "sdk" and proxied.curl is None
+    trio.run(proxied.aclose)
+    host = rclone_server.endpoint_url.split("/")[2]
+    assert [r.message for r in caplog.records if "GETs:" in r.message] == [
+        f"s3://{s3_bucket}: GETs: libcurl for <= 2 MiB, urllib3 (worker threads) for larger; LISTs: urllib3",
+        f"s3://{s3_bucket}: GETs: the SDK client (boto3, worker threads); LISTs: the SDK client "
+        f"(a proxy is set for {host})",
+    ]

@@ -21,8 +21,9 @@ from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.backends.s3_lean import REDIRECT_HOPS_MAX
+from bucketfs.testing.counting_proxy import CountingProxy
 from bucketfs.testing.s3_fronts import RedirectFront, RewritingFront, started
-from bucketfs.testing.servers import closed_port_url, without_curl
+from bucketfs.testing.servers import closed_port_url, sdk_only, without_curl
 
 pytestmark = pytest.mark.timeout(60)
 ALL_GET_PATHS = ["curl", "urllib3", "sdk"]
@@ -42,10 +43,11 @@ def _tree() -> dict:
 def _backend(server, bucket: str, path: str, endpoint_url=None):
     config = server.config(bucket, **({"endpoint_url": endpoint_url} if endpoint_url else {}))
     backend = S3Backend(config, session=server.session())
-    if path != "curl":
+    if path == "urllib3":
         backend = without_curl(backend)
     if path == "sdk":
-        backend.lean.usable = False
+        backend = sdk_only(backend)
+    assert backend.transport.name == path
     try:
         yield backend
     finally:
@@ -202,8 +204,7 @@ def test_redirected_gets_are_followed_and_signed_again_for_their_host(rclone_ser
         assert front.redirects_sent == TREE_GETS_COUNT
         assert backend.redirects_count == front.redirects_sent
         assert backend.caller.retries_count == 0
-        if path != "sdk":
-            assert backend.lean.usable  # redirects do not switch the lean path off
+        assert backend.transport.name == path  # redirects do not switch the lean path off
 
 
 def test_a_redirect_followed_with_the_first_signature_is_refused_by_the_store(rclone_server):
@@ -263,3 +264,55 @@ def test_a_redirect_to_an_unreachable_host_fails_within_the_retry_budget(rclone_
             _backend(server, bucket, path, endpoint_url=front.url) as backend:
         trio.run(body, backend)
         assert backend.caller.retries_count == backend.caller.policy.attempts_count - 1
+
+
+class _LeanRefusingFront(CountingProxy):
+    """Answers every request the SDK client did not send (no botocore User-Agent) with
+    400 AuthorizationHeaderMalformed, as S3 answers a request signed for the wrong
+    region; relays the SDK's."""
+
+    def __init__(self, upstream_url: str):
+        super().__init__(upstream_url)
+        self.refused_count = 0
+
+    def answer(self, handler) -> None:
+        if "botocore" in handler.headers.get("User-Agent", "").lower():
+            super().answer(handler)
+            return
+        self.refused_count += 1
+        handler.request_body()
+        body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AuthorizationHeaderMalformed</Code>"
+                b"<Message>the region is wrong</Message></Error>")
+        handler.send_answer_head(400, "Bad Request", [("Content-Type", "application/xml")], len(body))
+        handler.wfile.write(body)
+
+
+@pytest.mark.parametrize("path", ["curl", "urllib3"])
+def test_a_region_error_swaps_the_lean_transport_to_the_sdk_for_good(rclone_server, path, caplog):
+    """The one switch at run time: the lean path refused with a region error. The GET
+    (or LIST) that met it is served through the SDK client, and so is every later one;
+    said once in the log."""
+    server = rclone_server
+    bucket = server.new_bucket()
+    server.write_files(bucket, {"d/a.bin": b"a" * 1000, "d/b.bin": b"b" * 3000})
+    caplog.set_level(logging.INFO, logger="bucketfs.backends.s3")
+
+    async def body(backend):
+        info = await backend.stat("d/a.bin")  # (HEADs always go through the client)
+        assert backend.transport.name == path
+        assert await backend.read_range("d/a.bin", 0, 1000, info.version, object_bytes=1000) == b"a" * 1000
+        assert backend.transport.name == "sdk" and not backend.lean.usable
+        page = await backend.list_page("d/")
+        assert [listed.key for listed in page.objects] == ["d/a.bin", "d/b.bin"]
+        b = page.objects[1]
+        assert await backend.read_range(b.key, 100, 200, b.version, object_bytes=3000) == b"b" * 100
+
+    with started(_LeanRefusingFront(server.endpoint_url)) as front, \
+            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+        trio.run(body, backend)
+        assert front.refused_count == 1  # only the first lean request: none after the swap
+        assert backend.caller.retries_count == 0
+        assert dict(backend.get_paths) == ({"curl": 1, "threads": 1} if path == "curl" else {"threads": 2})
+    swaps = [r.message for r in caplog.records if "from now on" in r.message]
+    assert swaps == [f"s3://{bucket}: the lean path was refused with 400 AuthorizationHeaderMalformed; "
+                     "GETs and LISTs go through the SDK client from now on"]

@@ -22,7 +22,7 @@ from bucketfs.backends.gcs import GCSBackend
 from bucketfs.backends.http import body
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
-from bucketfs.testing.servers import without_curl
+from bucketfs.testing.servers import sdk_only, without_curl
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,8 @@ def _backend(kind: str, endpoint: str):
     session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
                                     region_name="us-east-1")
     backend = S3Backend(_config("s3", endpoint), session=session)
-    backend.lean.usable = kind != "s3-sdk"
+    if kind == "s3-sdk":
+        return sdk_only(backend)
     return backend if kind == "s3-curl" else without_curl(backend)
 
 
