@@ -2,9 +2,12 @@
 after the kernel's page cache let go of them (a data set larger than RAM) reads the
 disk, not the bucket.
 
-It sits in front of the backend and speaks its read interface: a read whose chunks
-are all on disk is answered from there; any other read goes to the store, and the
-whole chunks it covers are written to disk after it.
+It sits in front of the backend and speaks the Backend contract (backends/base.py),
+every name of it defined here, explicitly: a read whose chunks are all on disk is
+answered from there; any other read goes to the store, and the whole chunks it covers
+are written to disk after it; listings, metadata, the probe and the counters are the
+store's. There is no attribute forwarding: a method added to the contract fails
+tests/unit/test_disk_cache.py until it is handled here, rather than bypassing the cache.
 
 Invariants:
 - Chunks are keyed by (key, version): a changed object never reads an old chunk.
@@ -78,7 +81,8 @@ READ_AHEAD_MEMORY_FRACTION = 0.5
 
 
 class DiskCache:
-    """A backend in front of `inner` whose reads are kept in `directory`."""
+    """A backend in front of `inner` whose reads are kept in `directory`. Not a subclass
+    of Backend: nothing of the contract is inherited, each name is defined here."""
 
     def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery,
                  budget=None, dir_fd: Optional[int] = None):
@@ -91,7 +95,6 @@ class DiskCache:
         self.chunk_bytes = chunk_bytes
         self.stats = stats
         self.nursery = nursery
-        self.receives_into = inner.receives_into
         self._entries: collections.OrderedDict = collections.OrderedDict()  # entry_id(key, version) -> Entry, LRU first
         self._data_disk_bytes = 0  # what the data files take on disk (see _disk_bytes)
         self._dirs_disk_bytes = 0  # and the directories (_measure_dirs)
@@ -267,9 +270,51 @@ class DiskCache:
             self._charged_index_bytes = self.index_bytes
             self._budget.charge_disk_index(self.index_bytes)
 
-    def __getattr__(self, name):
-        # requests, bytes_fetched, caller, list_page, stat, check_bucket...: the store's.
-        return getattr(self.inner, name)
+    # -- the rest of the Backend contract: the store's -----------------------------
+    @property
+    def receives_into(self) -> bool:
+        """read_range_into receives into the caller's buffer where the store's does
+        (a hit is read into it from disk either way)."""
+        return self.inner.receives_into
+
+    @property
+    def requests(self):
+        """The store's requests by type (a hit is none)."""
+        return self.inner.requests
+
+    @property
+    def bytes_fetched(self) -> int:
+        """The store's payload bytes (read from disk: disk_cache.read_bytes in the stats)."""
+        return self.inner.bytes_fetched
+
+    @property
+    def get_paths(self):
+        return self.inner.get_paths
+
+    @property
+    def redirects_count(self) -> int:
+        return self.inner.redirects_count
+
+    @property
+    def caller(self):
+        """The store's BlockingCaller (retries, slots, failures), which the stats read;
+        None for a backend without one (not part of the contract)."""
+        return getattr(self.inner, "caller", None)
+
+    async def list_page(self, prefix: str, token: Optional[str] = None):
+        return await self.inner.list_page(prefix, token)  # (listings are the namespace's to cache)
+
+    async def stat(self, key: str):
+        return await self.inner.stat(key)
+
+    async def check_bucket(self, prefix: str) -> bool:
+        return await self.inner.check_bucket(prefix)
+
+    async def confirm_past_end(self, key: str, version: str, start: int) -> bytes:
+        return await self.inner.confirm_past_end(key, version, start)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
     # -- reads -------------------------------------------------------------------
     def _span(self, start: int, end: int, object_bytes: Optional[int]):

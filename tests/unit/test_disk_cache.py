@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import threading
 import time
+import types
 import zlib
 
 import pytest
 import trio
 
+from bucketfs.backends.base import Backend
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.diskcache import cache as disk_cache, journal, pagecache
 from bucketfs.diskcache.cache import WRITE_FAILURES_MAX, DiskCache
@@ -816,3 +818,65 @@ def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small
             part.add(i, i + 10, chunk_bytes)
         assert (part.has(0, 2), part.has(1, 2), part.has(chunks - 1, chunks)) == (False, True, True)
         assert part.records() == journal.chunks_record(2, [(1, 11), (chunks - 1, chunks + 9)])
+
+
+def contract_names(backend_class=Backend) -> set:
+    """Every public name of a backend contract: its methods and class attributes, and
+    the attributes its __init__ sets (requests, bytes_fetched, get_paths)."""
+    instance_attributes = types.SimpleNamespace()
+    backend_class.__init__(instance_attributes)
+    return {name for name in dir(backend_class) if not name.startswith("_")} | set(vars(instance_attributes))
+
+
+def test_the_disk_cache_defines_every_name_of_the_backend_contract_itself():
+    """An explicit wrapper: a name of the contract it did not define would reach the
+    store past the cache (as a forwarding __getattr__ let every new method do)."""
+    names = contract_names()
+    assert {"list_page", "stat", "read_range", "read_range_into", "check_bucket", "aclose", "confirm_past_end",
+            "receives_into", "redirects_count", "requests", "bytes_fetched", "get_paths"} <= names
+    assert sorted(names - set(vars(DiskCache))) == []
+    assert "__getattr__" not in vars(DiskCache) and DiskCache.__mro__ == (DiskCache, object)
+
+
+def test_a_new_contract_method_fails_the_check_until_the_wrapper_defines_it():
+    class GrownBackend(Backend):
+        extra_count = 0
+
+        async def list_versions(self, key: str) -> list:
+            return []
+
+    assert contract_names(GrownBackend) - set(vars(DiskCache)) == {"extra_count", "list_versions"}
+
+
+def test_what_the_disk_cache_does_not_keep_is_the_stores(tmp_path):
+    """Listings, metadata, the probe, a 416's confirmation and closing go to the store;
+    the counters the stats read are the store's."""
+    backend = MemoryBackend({"d/a.bin": b"0123456789"})
+    closed = []
+
+    async def aclose():
+        closed.append(True)
+
+    backend.aclose = aclose
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
+            page = await cache.list_page("d/")
+            info = page.objects[0]
+            assert (await cache.stat("d/a.bin")) == info
+            assert await cache.check_bucket("d/")
+            assert await cache.confirm_past_end("d/a.bin", info.version, 10) == b""
+            assert await cache.read_range("d/a.bin", 0, 10, info.version, object_bytes=10) == b"0123456789"
+            await cache.wait_idle()
+            assert await cache.read_range("d/a.bin", 0, 10, info.version, object_bytes=10) == b"0123456789"  # a hit
+            assert dict(backend.requests) == {"list": 2, "head": 2, "get": 1}
+            assert cache.requests is backend.requests and cache.get_paths is backend.get_paths
+            assert cache.bytes_fetched == backend.bytes_fetched == 10
+            assert cache.receives_into is backend.receives_into and cache.redirects_count == 0
+            assert cache.caller is None  # (the in-memory backend has no BlockingCaller)
+            await cache.aclose()
+            assert closed == [True]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
