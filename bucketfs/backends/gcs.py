@@ -223,6 +223,7 @@ class GCSBackend(Backend):
         discovery may block)."""
         if self.transport is None:
             await self.caller.call("GCS client", self._get_bucket)
+        assert self.transport is not None  # (chosen by _get_bucket)
         return self.transport
 
     def session(self) -> requests.Session:
