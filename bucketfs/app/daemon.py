@@ -74,14 +74,19 @@ def check_log_file(path: str) -> None:
         raise errors.UserError(f"--log-file {path}: {exc.strerror}", errors.EXIT_USAGE) from None
 
 
-def serve_here(config: Config, on_ready) -> int:
+def serve_here(config: Config, on_ready, backend_factory=None) -> int:
+    """Mount and serve in this process until unmounted (mount.serve); `backend_factory`
+    as there (None: the store's backend)."""
+    import functools
+
     import trio
 
     from bucketfs import allocator
     from bucketfs.app import mount
 
     allocator.tune()
-    trio.run(mount.serve, config, on_ready)
+    factory = {} if backend_factory is None else {"backend_factory": backend_factory}
+    trio.run(functools.partial(mount.serve, config, on_ready, **factory))
     return errors.EXIT_OK
 
 

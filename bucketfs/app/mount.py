@@ -5,6 +5,8 @@ Invariants:
   (mountpoint, /dev/fuse, fusermount3: mountpoints.py; then the bucket), so a
   bad input leaves nothing mounted.
 - `on_ready` is called only once the mount answers a stat from another thread.
+- The backend comes from a factory (`serve(backend_factory=...)`, the store's by
+  default), so a whole mount can run on the in-memory backend.
 - SIGTERM/SIGINT end the FUSE loop; the mount is then detached (lazily if busy:
   libfuse unmounts with MNT_DETACH) and the process exits 0. SIGHUP does too only in
   a terminal's foreground (the terminal hung up); anywhere else (daemonised, systemd)
@@ -29,11 +31,12 @@ import pyfuse3
 import trio
 
 from bucketfs import allocator, errors
-from bucketfs.backends import make_backend
-from bucketfs.diskcache.directory import CacheDir, claim_dir
-from bucketfs.core.filesystem import Filesystem
-from bucketfs.fuse.ops import FuseOperations
 from bucketfs.app.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_entry, unmount
+from bucketfs.backends import Backend, make_backend
+from bucketfs.config import Config
+from bucketfs.core.filesystem import Filesystem
+from bucketfs.diskcache.directory import CacheDir, claim_dir
+from bucketfs.fuse.ops import FuseOperations
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +189,13 @@ async def empty_prefix_notice(backend, url) -> str:
     return f"{url} is empty: nothing is stored under it (a mistyped prefix?)"
 
 
-async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] = None) -> None:
+async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] = None,
+                backend_factory: Callable[[Config], Backend] = make_backend) -> None:
     """Check the bucket, mount, serve until unmounted or signalled, then clean up.
+
+    `backend_factory(config)` builds the backend the mount reads (by default the
+    store's: make_backend); a test gives one that builds an in-memory backend, and the
+    whole mount, FUSE included, runs on it with no store.
 
     Raises UserError for problems the user must fix (nothing is left mounted).
     """
@@ -200,7 +208,7 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
     try:
         # Inside the handling: a missing --profile or an endpoint/region botocore refuses
         # fails here, and must be one line, not a traceback.
-        backend = make_backend(config)
+        backend = backend_factory(config)
     except errors.BucketfsError as exc:
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     try:
