@@ -85,12 +85,36 @@ EXIT_INTERRUPTED = 130  # Ctrl-C before the mount answered (128 + SIGINT, as she
 # as shells report it (128 + 13), without a traceback.
 EXIT_BROKEN_PIPE = 141
 
+# What each code means, as docs/configuration.md lists them (generated from this).
+EXIT_MEANINGS = {
+    EXIT_OK: "mounted (or unmounted)",
+    EXIT_FAILURE: "unexpected failure (a bug: the message names the exception; the log, or `--foreground`, has the trace)",
+    EXIT_USAGE: "bad usage: malformed URL, unknown scheme, bad option value",
+    EXIT_BUCKET_NOT_FOUND: "the bucket does not exist",
+    EXIT_ACCESS_DENIED: "access denied, or no credentials",
+    EXIT_ENDPOINT_UNREACHABLE: "endpoint unreachable (answers within ~30 s)",
+    EXIT_BAD_MOUNTPOINT: "mountpoint missing, not a directory, not empty, or already a mount",
+    EXIT_NO_FUSE: "FUSE unavailable (`/dev/fuse` or `fusermount3` missing)",
+    EXIT_MOUNT_FAILED: "the kernel or fusermount3 refused the mount (the message gives their reason), or the daemon "
+    "exited before the mount answered",
+    EXIT_BAD_CACHE_DIR: "`--cache-dir` cannot be created, written or read (its journal included)",
+    EXIT_METRICS_PORT: "`--metrics-port` cannot be bound (in use by another process)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C) before the mount answered; nothing is left mounted or running",
+    EXIT_BROKEN_PIPE: "`bucketfs stats` output cut short by its reader (`| head -1`), quietly, as a tool killed by SIGPIPE",
+}
+
 # Codes no restart can fix without a change by the user: systemd's unit lists them in
 # RestartPreventExitStatus= (tests check it matches). An unreachable endpoint (5), a
 # mount the kernel refused (8) or a port still held by the instance before (10) may
 # clear by themselves, so those are retried.
-PERMANENT_EXIT_CODES = (EXIT_USAGE, EXIT_BUCKET_NOT_FOUND, EXIT_ACCESS_DENIED, EXIT_BAD_MOUNTPOINT, EXIT_NO_FUSE,
-                        EXIT_BAD_CACHE_DIR)
+PERMANENT_EXIT_CODES = (
+    EXIT_USAGE,
+    EXIT_BUCKET_NOT_FOUND,
+    EXIT_ACCESS_DENIED,
+    EXIT_BAD_MOUNTPOINT,
+    EXIT_NO_FUSE,
+    EXIT_BAD_CACHE_DIR,
+)
 
 
 class UserError(Exception):
@@ -120,8 +144,8 @@ def user_error_for(exc: BucketfsError, what: str, endpoint_given: bool = True) -
         # Without a named endpoint the default one answered oddly: a proxy in between,
         # not the user's option, is the suspect.
         kind = "a GCS" if what.startswith("gs://") else "an S3"
-        hint = (f"is --endpoint-url {kind} endpoint?" if endpoint_given
-                else "is a proxy (HTTPS_PROXY) in the way?")
-        return UserError(f"{what}: the endpoint's answer is not a bucket listing ({exc}): {hint}",
-                         EXIT_ENDPOINT_UNREACHABLE)
+        hint = f"is --endpoint-url {kind} endpoint?" if endpoint_given else "is a proxy (HTTPS_PROXY) in the way?"
+        return UserError(
+            f"{what}: the endpoint's answer is not a bucket listing ({exc}): {hint}", EXIT_ENDPOINT_UNREACHABLE
+        )
     return UserError(f"{what}: {exc}", EXIT_FAILURE)

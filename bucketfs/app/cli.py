@@ -14,11 +14,10 @@ import math
 import os
 import re
 import sys
-import urllib.parse
 
-from bucketfs import __version__, backends, errors
+from bucketfs import __version__, backends, config, errors
 from bucketfs.app import daemon, mountpoints
-from bucketfs.config import DEFAULT_METRICS_ADDRESS, DEFAULT_SHARD_GLOBS, Config, parse_bucket_url
+from bucketfs.config import Config, Option, parse_bucket_url
 from bucketfs.diskcache.directory import check_cache_dir
 
 # A number, then K/M/G/T (binary; KiB spelled out too) or B or nothing.
@@ -26,115 +25,100 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i|ib)?|b)?\s*$", re.
 # KB/MB/GB/TB: decimal to disk vendors and SI, binary to JEDEC and many tools. A guess
 # either way is off by 7% at G: refused instead.
 _AMBIGUOUS_SIZE_RE = re.compile(r"^\s*\d+(?:\.\d+)?\s*[kmgt]b\s*$", re.I)
-SIZE_HELP = ("SIZE is a number of bytes, or a number with K, M, G or T (binary: 1K = 1024 bytes; KiB, MiB, GiB, "
-             "TiB also), decimals allowed with a suffix (1.5G); KB, MB, GB and TB are refused as ambiguous.")
+SIZE_HELP = (
+    "SIZE is a number of bytes, or a number with K, M, G or T (binary: 1K = 1024 bytes; KiB, MiB, GiB, "
+    "TiB also), decimals allowed with a suffix (1.5G); KB, MB, GB and TB are refused as ambiguous."
+)
 
-
-KiB, MiB = 1024, 1024 * 1024
-# Below these a value is nonsense rather than a choice: a block or part smaller than a
-# page costs one GET per 4 KiB read; a 64 KiB part keeps a stream's request count sane.
-BLOCK_SIZE_MIN_BYTES = 4 * KiB
-PART_SIZE_MIN_BYTES = 64 * KiB
-SMALL_FILE_MIN_BYTES = 4 * KiB
-# The budget must hold a default 8 MiB part beside the reads a caller waits on.
-MAX_MEMORY_MIN_BYTES = 16 * MiB
-CACHE_SIZE_MIN_BYTES = 1 * MiB
-# Each connection is a worker thread: thousands would be threads, not throughput.
-MAX_CONNECTIONS_MAX = 1024
-LIST_AHEAD_MAX = 1024
-RETRIES_MAX = 100
-ID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel: not an owner
-PORT_MAX = 65535
-MODE_MAX = 0o7777
+# Options of `bucketfs mount` that are no Config field: what the command does.
+CHECK = Option(
+    flag="--check",
+    kind="flag",
+    group=config.PROCESS,
+    help="check URL and options, then exit 0 without mounting (exit 2 and the reason if one is wrong); "
+    "the mountpoint, FUSE and the store are not checked",
+)
+COMMAND_OPTIONS = (CHECK,)
 
 
 def parse_size(text: str) -> int:
     """'64M', '1GiB', '1.5G', '512k', '1048576' -> bytes (binary multiples, rounded down)."""
     if _AMBIGUOUS_SIZE_RE.match(text):
         unit = text.strip()[-2].upper()
-        raise argparse.ArgumentTypeError(f"{text!r} is ambiguous (decimal or binary?): sizes here are binary, "
-                                         f"write {unit} or {unit}iB (1{unit} = {1024 ** ' KMGT'.index(unit):,} bytes)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is ambiguous (decimal or binary?): sizes here are binary, "
+            f"write {unit} or {unit}iB (1{unit} = {1024 ** ' KMGT'.index(unit):,} bytes)"
+        )
     m = _SIZE_RE.match(text)
     if not m or ("." in m.group(1) and not m.group(2)):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 1048576, 512K, 64M, 1.5G, 2T)")
     return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
 
 
-def _human_bytes(n_bytes: int) -> str:
-    for unit, factor in (("G", 1024**3), ("M", MiB), ("K", KiB)):
-        if n_bytes % factor == 0:
-            return f"{n_bytes // factor}{unit}"
-    return str(n_bytes)
-
-
-def size_at_least(min_bytes: int):
-    """An argparse type: a size of at least `min_bytes` (0 would break the daemon)."""
-    def parse(text: str) -> int:
-        value = parse_size(text)
-        if value < min_bytes:
-            raise argparse.ArgumentTypeError(f"{text!r} is below the minimum of {_human_bytes(min_bytes)}")
-        return value
-    return parse
-
-
-def int_between(low: int, high: int, what: str = "a whole number"):
-    """An argparse type: an integer in [low, high]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text!r} is outside {low}..{high}")
-        return value
-    return parse
-
-
-def _float(text: str) -> float:
+def _parse_int(text: str, opt: Option) -> int:
     try:
-        value = float(text)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {opt.what}") from None
+
+
+def _parse_seconds(text: str, opt: Option) -> float:
+    if opt.kind == "seconds" and text.lower() in ("inf", "forever", "never"):
+        return math.inf
+    try:
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if math.isnan(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds")
-    return value
 
 
-def parse_seconds(text: str) -> float:
-    """A TTL: >= 0 seconds, or 'inf'."""
-    if text.lower() in ("inf", "forever", "never"):
-        return math.inf
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0 (or 'inf')")
-    return value
+def _parse_mode(text: str, opt: Option) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0444") from None
 
 
-def parse_timeout(text: str) -> float:
-    """A network timeout: finite and > 0 (0 fails every request, inf hangs a reader)."""
-    value = _float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and finite")
-    return value
-
-
-def ip_address(text: str) -> str:
+def _parse_ip(text: str, opt: Option) -> str:
     """An IPv4 or IPv6 address to listen on (a name could resolve to several, or none)."""
     try:
         return str(ipaddress.ip_address(text.strip("[]")))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address (examples: 127.0.0.1, 0.0.0.0, ::)") from None
+        return text  # (refused by the option's check, with its reason)
 
 
-def parse_mode(text: str) -> int:
-    try:
-        value = int(text, 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0444") from None
-    if not 0 <= value <= MODE_MAX:
-        # Masking would turn -1 into 0o7777 plus a file-type bit: refuse instead.
-        raise argparse.ArgumentTypeError(f"{text!r} is outside 0..7777 (octal)")
-    return value
+def _parse_choice(text: str, opt: Option) -> str:
+    for choice in opt.choices:
+        if text.lower() == choice.lower():
+            return choice
+    return text  # (argparse names the choices)
+
+
+_PARSERS = {
+    "size": lambda text, opt: parse_size(text),
+    "int": _parse_int,
+    "seconds": _parse_seconds,
+    "timeout": _parse_seconds,
+    "mode": _parse_mode,
+    "ip": _parse_ip,
+    "choice": _parse_choice,
+    "list": lambda text, opt: tuple(item.strip() for item in text.split(",") if item.strip()),
+}
+
+
+def value_type(opt: Option):
+    """The argparse type of `opt`: its text parsed, then checked as Config checks it (so
+    the message quotes what the user typed)."""
+    parse = _PARSERS.get(opt.kind, lambda text, opt: text)
+
+    def convert(text: str):
+        value = parse(text, opt)
+        problem = None if opt.kind == "choice" else opt.problem(value, repr(text))
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = opt.kind  # (argparse's "invalid <name> value" for anything else)
+    return convert
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,56 +127,65 @@ class _Parser(argparse.ArgumentParser):
         self.exit(errors.EXIT_USAGE, f"bucketfs: {message} (see {self.prog} --help)\n")
 
 
+def mount_option_specs() -> list:
+    """[(Option, Config field name or None, default)] of `bucketfs mount`, in --help's order."""
+    specs = [(opt, field.name, field.default) for field, opt in config.options()]
+    for opt in COMMAND_OPTIONS:  # first in their group
+        at = next(i for i, (o, _, _) in enumerate(specs) if o.group == opt.group)
+        specs.insert(at, (opt, None, False))
+    return specs
+
+
+def _add_option(group, opt: Option, dest: str, default) -> None:
+    help_text = opt.help_line(default).replace("%", "%%")
+    if opt.kind == "flag":
+        group.add_argument(*opt.flags, dest=dest, action="store_true", help=help_text)
+        return
+    group.add_argument(
+        *opt.flags,
+        dest=dest,
+        type=value_type(opt),
+        default=default,
+        help=help_text,
+        choices=opt.choices or None,
+        metavar=None if opt.kind == "choice" else opt.value_name,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="bucketfs", description="Mount an S3 or GCS bucket prefix read-only as a fast local directory.")
+    parser = _Parser(
+        prog="bucketfs", description="Mount an S3 or GCS bucket prefix read-only as a fast local directory."
+    )
     parser.add_argument("--version", action="version", version=f"bucketfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    m = sub.add_parser("mount", help="mount URL on MOUNTPOINT", description="Mount s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] read-only on MOUNTPOINT. Returns once the mount answers.", epilog=SIZE_HELP)
+    m = sub.add_parser(
+        "mount",
+        help="mount URL on MOUNTPOINT",
+        description="Mount s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] read-only on MOUNTPOINT. Returns once the mount answers.",
+        epilog=SIZE_HELP,
+    )
     m.add_argument("url", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
     m.add_argument("mountpoint", help="an existing empty directory")
-    g = m.add_argument_group("store access")
-    g.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, AIStore, Ceph) or a GCS emulator/private endpoint")
-    g.add_argument("--region", help="S3 region (default: from the AWS profile or environment)")
-    g.add_argument("--profile", help="AWS credentials profile (default: the standard credential chain)")
-    g.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket (S3 and GCS)")
-    g.add_argument("--key-file", help="GCS service-account JSON key (default: Application Default Credentials)")
-    g.add_argument("--addressing-style", choices=("path", "virtual"), help="S3 addressing (default: path with --endpoint-url, virtual otherwise)")
-    g.add_argument("--max-connections", type=int_between(1, MAX_CONNECTIONS_MAX), default=32, metavar="N", help=f"parallel requests and pooled connections, 1..{MAX_CONNECTIONS_MAX} (default 32)")
-    g.add_argument("--retries", type=int_between(1, RETRIES_MAX), default=5, metavar="N", help=f"attempts for throttling, 5xx, resets and timeouts before EIO, 1..{RETRIES_MAX} (default 5)")
-    g.add_argument("--connect-timeout", type=parse_timeout, default=10.0, metavar="S", help="seconds to connect, > 0 (default 10)")
-    g.add_argument("--read-timeout", type=parse_timeout, default=30.0, metavar="S", help="seconds a response may stall, > 0 (default 30)")
-    g = m.add_argument_group("presentation")
-    g.add_argument("--allow-other", action="store_true", help="let other users access the mount (needs user_allow_other in /etc/fuse.conf for non-root)")
-    g.add_argument("--uid", type=int_between(0, ID_MAX), help=f"owner of every file, 0..{ID_MAX}; another user than the one mounting needs --allow-other (default: the mounting user)")
-    g.add_argument("--gid", type=int_between(0, ID_MAX), help=f"group of every file, 0..{ID_MAX}; another group than the mounting user's needs --allow-other (default: the mounting user's group)")
-    g.add_argument("--file-mode", type=parse_mode, default=0o444, help="permission bits of files, octal 0..7777 (default 0444)")
-    g.add_argument("--dir-mode", type=parse_mode, default=0o555, help="permission bits of directories, octal 0..7777 (default 0555)")
-    g = m.add_argument_group("caching and prefetch")
-    g.add_argument("--metadata-ttl", type=parse_seconds, default=math.inf, metavar="S", help="seconds listings and attributes stay valid; 'inf' (default) for data that does not change while mounted")
-    g.add_argument("--negative-ttl", type=parse_seconds, default=None, metavar="S", help="seconds a missing name stays missing; needs --metadata-ttl, and at most its value (default: the metadata TTL)")
-    g.add_argument("--max-memory", type=size_at_least(MAX_MEMORY_MIN_BYTES), default=parse_size("1G"), metavar="SIZE", help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), the block cache and all prefetch buffers; at least 16M (default 1G)")
-    g.add_argument("--small-file-bytes", type=size_at_least(SMALL_FILE_MIN_BYTES), default=parse_size("8M"), metavar="SIZE", help="files up to this size are fetched whole, in one GET, at open; 4K up to half of --max-memory (default 8M)")
-    g.add_argument("--block-size", type=size_at_least(BLOCK_SIZE_MIN_BYTES), default=parse_size("64K"), metavar="SIZE", help="block-cache block, the unit of random reads; 4K up to half of --max-memory (default 64K)")
-    g.add_argument("--part-size", type=size_at_least(PART_SIZE_MIN_BYTES), default=parse_size("8M"), metavar="SIZE", help="size of one ranged GET of sequential read-ahead; 64K up to half of --max-memory (default 8M)")
-    g.add_argument("--readahead-max", type=size_at_least(PART_SIZE_MIN_BYTES), default=parse_size("128M"), metavar="SIZE", help="largest read-ahead window of one sequential reader; at least 64K, raised to --part-size if below (default 128M)")
-    g.add_argument("--shard-globs", default=",".join(DEFAULT_SHARD_GLOBS), metavar="GLOBS", help="comma-separated names read as shards: wide read-ahead, next shard warmed (default %(default)s)")
-    g.add_argument("--cache-dir", metavar="DIR", help="keep fetched bytes on this local disk too, for epochs the page cache cannot hold and for later mounts (default: off)")
-    g.add_argument("--cache-size", type=size_at_least(CACHE_SIZE_MIN_BYTES), default=parse_size("10G"), metavar="SIZE", help="most disk space --cache-dir may take, as du counts it; at least 1M (default 10G)")
-    g.add_argument("--list-ahead", type=int_between(0, LIST_AHEAD_MAX), default=16, metavar="N", help=f"subdirectory listings run concurrently ahead of a directory walk, 0..{LIST_AHEAD_MAX} (default 16; 0 disables)")
-    g = m.add_argument_group("process")
-    g.add_argument("--check", action="store_true", help="check URL and options, then exit 0 without mounting (exit 2 and the reason if one is wrong); the mountpoint, FUSE and the store are not checked")
-    g.add_argument("-f", "--foreground", action="store_true", help="stay attached and log to stderr (default: daemonise once mounted)")
-    g.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level (default INFO)")
-    g.add_argument("--log-file", metavar="PATH", help="write the log to this file, daemonised or with --foreground (default: syslog when daemonised, stderr with --foreground); a file rotated away is reopened by itself")
-    g.add_argument("--metrics-port", type=int_between(1, PORT_MAX, "a port number"), metavar="PORT", help="serve Prometheus metrics on http://ADDRESS:PORT/metrics, 1..65535 (default: off)")
-    g.add_argument("--metrics-address", type=ip_address, metavar="ADDRESS", help=f"the local IP address --metrics-port listens on: 0.0.0.0 (or ::) for every interface, so Prometheus on another host can scrape (default {DEFAULT_METRICS_ADDRESS}: this host only)")
+    groups: dict = {}
+    for opt, field_name, default in mount_option_specs():
+        if opt.group not in groups:
+            groups[opt.group] = m.add_argument_group(opt.group)
+        _add_option(groups[opt.group], opt, field_name or opt.flag[2:].replace("-", "_"), default)
 
-    u = sub.add_parser("unmount", help="unmount MOUNTPOINT", description="Unmount a bucketfs mount (also recovers a mountpoint left by a crashed daemon).")
+    u = sub.add_parser(
+        "unmount",
+        help="unmount MOUNTPOINT",
+        description="Unmount a bucketfs mount (also recovers a mountpoint left by a crashed daemon).",
+    )
     u.add_argument("mountpoint")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open; finish when they close")
 
-    s = sub.add_parser("stats", help="print a running mount's counters", description="Print requests, cache, read-ahead, memory and error counters of a running mount.")
+    s = sub.add_parser(
+        "stats",
+        help="print a running mount's counters",
+        description="Print requests, cache, read-ahead, memory and error counters of a running mount.",
+    )
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the raw counters as JSON")
     return parser
@@ -206,127 +199,34 @@ def mount_parser() -> argparse.ArgumentParser:
 
 def mount_options() -> dict:
     """{long option of `bucketfs mount`: whether it takes a value}, for the fstab helper."""
-    return {name: action.nargs != 0 for action in mount_parser()._actions
-            for name in action.option_strings if name.startswith("--") and name != "--help"}
+    return {
+        name: action.nargs != 0
+        for action in mount_parser()._actions
+        for name in action.option_strings
+        if name.startswith("--") and name != "--help"
+    }
 
 
-def _check_endpoint_url(url: str) -> None:
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a port out of range
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise errors.UserError(f"--endpoint-url {url!r} is not an http:// or https:// URL with a host", errors.EXIT_USAGE)
-    if parts.netloc.endswith(":"):  # urlsplit reads 'host:' as no port; botocore then fails to connect (exit 5)
-        raise errors.UserError(f"--endpoint-url {url!r} has an empty port (write host:PORT, or no ':')", errors.EXIT_USAGE)
-
-
-def _check_store_options(args, url) -> None:
-    """An option for the other store would be silently ignored: the user would mount
-    with other credentials, region or addressing than they asked for."""
-    if url.scheme == "gs":
-        for option, value in (("--profile", args.profile), ("--region", args.region),
-                              ("--addressing-style", args.addressing_style)):
-            if value is not None:
-                raise errors.UserError(f"{option} is an S3 option and {args.url} is a GCS URL "
-                                       "(GCS: --key-file, or Application Default Credentials)", errors.EXIT_USAGE)
-    elif args.key_file is not None:
-        raise errors.UserError(f"--key-file is a GCS option and {args.url} is an S3 URL "
-                               "(S3: --profile, or the AWS credential chain)", errors.EXIT_USAGE)
-    if args.key_file is not None and args.no_sign_request:
-        raise errors.UserError("--key-file and --no-sign-request contradict each other: a key signs requests, "
-                               "--no-sign-request sends them anonymously", errors.EXIT_USAGE)
-
-
-def _check_ttls(args) -> None:
-    if args.negative_ttl is None:
-        return
-    if math.isinf(args.metadata_ttl) and not math.isinf(args.negative_ttl):
-        # Silently ignoring it would leave a user waiting for names that never appear.
-        raise errors.UserError("--negative-ttl needs --metadata-ttl: without it every listing is kept for the "
-                               "mount's life, so a missing name stays missing", errors.EXIT_USAGE)
-    if args.negative_ttl > args.metadata_ttl:
-        raise errors.UserError(f"--negative-ttl {args.negative_ttl:g} is above --metadata-ttl {args.metadata_ttl:g}: "
-                               "a listing is fetched again after the metadata TTL anyway, so it would mean nothing",
-                               errors.EXIT_USAGE)
-
-
-def _check_cross_limits(args) -> None:
-    """Buffers of one request must fit the budget twice over: a bigger one is let
-    through alone past the budget (so a reader never deadlocks), i.e. unbounded RSS."""
-    half_budget_bytes = args.max_memory // 2
-    for option, value_bytes in (("--block-size", args.block_size), ("--part-size", args.part_size),
-                                ("--small-file-bytes", args.small_file_bytes)):
-        if value_bytes > half_budget_bytes:
-            raise errors.UserError(f"{option} {_human_bytes(value_bytes)} is more than half of --max-memory "
-                                   f"{_human_bytes(args.max_memory)}", errors.EXIT_USAGE)
-
-
-def _check_owner_can_enter(args) -> None:
-    """FUSE lets only the mounting user into a mount without allow_other: files given
-    to another owner or group would show them as owners and deny them every read."""
-    if args.allow_other:
-        return
-    for option, value, mine in (("--uid", args.uid, os.geteuid()), ("--gid", args.gid, os.getegid())):
-        if value is not None and value != mine:
-            raise errors.UserError(f"{option} {value} names another user than the one mounting, and FUSE lets no other "
-                                   "user into the mount without --allow-other: add --allow-other", errors.EXIT_USAGE)
+def list_options() -> set:
+    """Long options of `bucketfs mount` whose value is a comma-separated list."""
+    return {opt.flag for opt, _, _ in mount_option_specs() if opt.kind == "list"}
 
 
 def config_from_args(args) -> Config:
+    """The Config of `bucketfs mount`'s parsed arguments; every check is Config's own."""
+    values = {field.name: getattr(args, field.name) for field, _ in config.options()}
+    for field, opt in config.options():
+        if opt.kind == "path" and values[field.name]:
+            # Absolute: the daemon changes its directory to /.
+            values[field.name] = os.path.abspath(values[field.name])
     try:
-        url = parse_bucket_url(args.url)
+        # realpath, not abspath: the kernel records the resolved path, and the signal
+        # handler's ismount() and check_mountpoint must look at that one.
+        return Config(
+            url=parse_bucket_url(args.url), source=args.url, mountpoint=os.path.realpath(args.mountpoint), **values
+        )
     except ValueError as exc:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
-    _check_ttls(args)
-    _check_store_options(args, url)
-    _check_cross_limits(args)
-    _check_owner_can_enter(args)
-    if args.endpoint_url is not None:
-        _check_endpoint_url(args.endpoint_url)
-    if args.metrics_address is not None and args.metrics_port is None:
-        raise errors.UserError("--metrics-address needs --metrics-port", errors.EXIT_USAGE)
-    path_style = (args.addressing_style == "path") if args.addressing_style else bool(args.endpoint_url)
-    return Config(
-        url=url,
-        source=args.url,
-        # realpath, not abspath: the kernel records the resolved path, and the signal
-        # handler's ismount() and check_mountpoint must look at that one. Absolute
-        # also because the daemon changes its directory to /.
-        mountpoint=os.path.realpath(args.mountpoint),
-        endpoint_url=args.endpoint_url,
-        region=args.region,
-        profile=args.profile,
-        no_sign_request=args.no_sign_request,
-        key_file=os.path.abspath(args.key_file) if args.key_file else None,
-        path_style=path_style,
-        max_connections_count=args.max_connections,
-        retry_attempts_count=args.retries,
-        connect_timeout_s=args.connect_timeout,
-        read_timeout_s=args.read_timeout,
-        allow_other=args.allow_other,
-        uid=args.uid,
-        gid=args.gid,
-        file_mode=args.file_mode,
-        dir_mode=args.dir_mode,
-        metadata_ttl_s=args.metadata_ttl,
-        negative_ttl_s=args.metadata_ttl if args.negative_ttl is None else args.negative_ttl,
-        max_memory_bytes=args.max_memory,
-        small_file_bytes=args.small_file_bytes,
-        block_size_bytes=args.block_size,
-        part_size_bytes=args.part_size,
-        readahead_max_bytes=max(args.readahead_max, args.part_size),
-        shard_globs=tuple(g.strip() for g in args.shard_globs.split(",") if g.strip()),
-        list_ahead_count=args.list_ahead,
-        cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else None,
-        cache_size_bytes=args.cache_size,
-        foreground=args.foreground,
-        log_level=args.log_level,
-        log_file=os.path.abspath(args.log_file) if args.log_file else None,
-        metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address or DEFAULT_METRICS_ADDRESS,
-    )
 
 
 def run_mount(config: Config) -> int:
@@ -353,8 +253,9 @@ def _stats_root(path: str) -> str:
         raise errors.UserError(f"{path} does not exist", errors.EXIT_BAD_MOUNTPOINT) from None
     except OSError as exc:
         if exc.errno == errno.ENOTCONN:
-            raise errors.UserError(f"{path} is a dead mount (its daemon exited): bucketfs unmount {path}",
-                                   errors.EXIT_BAD_MOUNTPOINT) from None
+            raise errors.UserError(
+                f"{path} is a dead mount (its daemon exited): bucketfs unmount {path}", errors.EXIT_BAD_MOUNTPOINT
+            ) from None
         raise errors.UserError(f"{path}: {exc.strerror}", errors.EXIT_BAD_MOUNTPOINT) from None
     root = path
     while not os.path.ismount(root) and root != "/":
@@ -376,12 +277,17 @@ def print_stats(mountpoint: str, as_json: bool) -> int:
         with open(os.path.join(root, STATS_FILE_NAME), "rb") as f:
             raw = f.read()
     except OSError as exc:
-        raise errors.UserError(f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT) from None
+        raise errors.UserError(
+            f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT
+        ) from None
     try:
         snapshot = json.loads(raw)
     except ValueError:
-        raise errors.UserError(f"{root}/{STATS_FILE_NAME} is an object of the bucket, which hides the counters: "
-                               "read them with --metrics-port", errors.EXIT_BAD_MOUNTPOINT) from None
+        raise errors.UserError(
+            f"{root}/{STATS_FILE_NAME} is an object of the bucket, which hides the counters: "
+            "read them with --metrics-port",
+            errors.EXIT_BAD_MOUNTPOINT,
+        ) from None
     try:
         print(json.dumps(snapshot, indent=2, sort_keys=True) if as_json else format_stats(snapshot), flush=True)
     except BrokenPipeError:

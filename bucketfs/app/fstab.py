@@ -25,18 +25,47 @@ from bucketfs.app import cli, mountpoints
 # `rw` among them: mount(8) adds it to every line without `ro` (`defaults`), and the
 # kernel mount is read-only anyway. `default_permissions`: bucketfs always sets it.
 _GENERIC = {
-    "ro", "rw", "defaults", "default_permissions", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "owner", "group",
-    "nosuid", "suid", "nodev", "dev", "exec", "noexec", "relatime", "noatime", "atime", "nodiratime",
-    "strictatime", "lazytime", "sync", "async", "loud", "silent",
+    "ro",
+    "rw",
+    "defaults",
+    "default_permissions",
+    "auto",
+    "noauto",
+    "nofail",
+    "_netdev",
+    "user",
+    "users",
+    "nouser",
+    "owner",
+    "group",
+    "nosuid",
+    "suid",
+    "nodev",
+    "dev",
+    "exec",
+    "noexec",
+    "relatime",
+    "noatime",
+    "atime",
+    "nodiratime",
+    "strictatime",
+    "lazytime",
+    "sync",
+    "async",
+    "loud",
+    "silent",
 }
 # mount(8) waits for its helper to return: a foreground mount never would.
-_REFUSED = {"foreground": "mount(8) would wait forever for a mount that never returns (the helper "
-                          "daemonises once mounted, as mount(8) expects)",
-            "check": "it would mount nothing (run bucketfs mount --check instead)"}
+_REFUSED = {
+    "foreground": "mount(8) would wait forever for a mount that never returns (the helper "
+    "daemonises once mounted, as mount(8) expects)",
+    "check": "it would mount nothing (run bucketfs mount --check instead)",
+}
 
 
 def options_to_argv(options: str) -> list:
     known = cli.mount_options()  # {"--max-memory": takes a value, ...}
+    lists = cli.list_options()
     argv = []
     for item in filter(None, (o.strip() for o in options.split(","))):
         key, sep, value = item.partition("=")
@@ -47,12 +76,15 @@ def options_to_argv(options: str) -> list:
             raise errors.UserError(f"fstab option {name!r} cannot be used: {_REFUSED[name]}", errors.EXIT_USAGE)
         option = f"--{name.replace('_', '-')}"
         if option not in known:
-            raise errors.UserError(f"unknown fstab option {key!r} (bucketfs mount's options, written as "
-                                   "max_memory=4G or allow_other; see bucketfs mount --help)", errors.EXIT_USAGE)
+            raise errors.UserError(
+                f"unknown fstab option {key!r} (bucketfs mount's options, written as "
+                "max_memory=4G or allow_other; see bucketfs mount --help)",
+                errors.EXIT_USAGE,
+            )
         if known[option] != bool(sep):
             wanted = f"{name}=VALUE" if known[option] else f"{name}, without a value"
             raise errors.UserError(f"fstab option {item!r}: write it as {wanted}", errors.EXIT_USAGE)
-        if name == "shard_globs":
+        if option in lists:
             value = value.replace(":", ",")  # (the CLI's comma list; commas split fstab options)
         argv += [option, value] if sep else [option]
     return argv

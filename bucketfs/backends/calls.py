@@ -38,9 +38,11 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    attempts_count: int = 5
-    base_delay_s: float = 0.1
-    max_delay_s: float = 5.0
+    """The Config's retry_attempts_count, retry_base_delay_s and retry_max_delay_s."""
+
+    attempts_count: int
+    base_delay_s: float
+    max_delay_s: float
 
     def delay_s(self, attempt: int) -> float:
         # "Full jitter" backoff: spreads retries of many readers hitting one throttled prefix.

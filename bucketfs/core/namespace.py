@@ -136,8 +136,9 @@ def valid_component(name: str) -> bool:
 
 
 class Namespace:
-    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float = math.inf, list_ahead_count: int = 8,
-                 mount_time_ns: int = 0, budget=None, negative_ttl_s: float = math.inf):
+    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float, list_ahead_count: int,
+                 mount_time_ns: int, budget, negative_ttl_s: float):
+        """The TTLs and `list_ahead_count` are the Config's (no defaults of its own)."""
         self.backend = backend
         self.budget = budget  # the MemoryBudget that listings are charged to, if any
         self.key_prefix = key_prefix

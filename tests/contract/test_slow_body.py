@@ -92,7 +92,7 @@ def trickling_store():
 
 def _config(scheme: str, endpoint: str) -> Config:
     return Config(url=BucketURL(scheme, "bucket", ""), mountpoint="/nonexistent", endpoint_url=endpoint,
-                  region="us-east-1", read_timeout_s=READ_TIMEOUT_S, connect_timeout_s=2.0,
+                  region="us-east-1" if scheme == "s3" else None, read_timeout_s=READ_TIMEOUT_S, connect_timeout_s=2.0,
                   retry_attempts_count=ATTEMPTS_COUNT, retry_base_delay_s=0.01, retry_max_delay_s=0.05)
 
 

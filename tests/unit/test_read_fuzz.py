@@ -63,7 +63,7 @@ def make_scenario(seed: int) -> Scenario:
     block = rng.choice([4 * KiB, 16 * KiB, 64 * KiB])
     part = rng.choice([64 * KiB, 256 * KiB, 1 * MiB])
     small = rng.choice([4 * KiB, 64 * KiB, 1 * MiB])
-    budget = rng.choice([4 * MiB, 16 * MiB, 64 * MiB])
+    budget = rng.choice([16 * MiB, 32 * MiB, 64 * MiB])  # (16 MiB: the smallest --max-memory)
     overrides = dict(block_size_bytes=block, part_size_bytes=part, small_file_bytes=small,
                      max_memory_bytes=budget,
                      readahead_initial_bytes=rng.choice([block, part]),

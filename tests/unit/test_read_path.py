@@ -460,22 +460,24 @@ def test_small_files_read_together_past_the_budget_are_each_fetched_once():
 def test_a_small_file_opened_and_left_unread_does_not_hold_memory_for_long():
     """A pin lapses once its reader is quiet for PIN_FRESH_S: a file opened and never
     read, filling the budget, delays another reader by about that, no more."""
-    files = {"a.jpg": blob(6 * MiB, 1), "b.jpg": blob(6 * MiB, 2)}
+    files = {"a.jpg": blob(6 * MiB, 1), "a2.jpg": blob(6 * MiB, 3), "b.jpg": blob(6 * MiB, 2)}
     backend = MemoryBackend(files, delay_s=0.02)
 
     async def body(fs):
-        idle = await fs.open((await resolve(fs, "a.jpg")).ino, 0)  # fetched at open, never read
-        await cached(fs, 6 * MiB)
+        # Fetched at open, never read: 12 of the 16 MiB (a file may take at most half).
+        idle = [await fs.open((await resolve(fs, name)).ino, 0) for name in ("a.jpg", "a2.jpg")]
+        await cached(fs, 12 * MiB)
         started_s = trio.current_time()
         fh = await fs.open((await resolve(fs, "b.jpg")).ino, 0)
         data = await read_through_bytes(fs, fh, 6 * MiB)
         waited_s = trio.current_time() - started_s
         fs.release(fh)
-        fs.release(idle)
+        for idle_fh in idle:
+            fs.release(idle_fh)
         return data, waited_s, fs.stats["memory.overcommits"]
 
     data, waited_s, overcommits = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                                         max_memory_bytes=8 * MiB, list_ahead_count=0)
+                                         max_memory_bytes=16 * MiB, list_ahead_count=0)
     assert data == files["b.jpg"]
     assert overcommits == 0
     assert waited_s <= blockcache.PIN_FRESH_S + memory.RECLAIM_RETRY_S + 0.5
@@ -570,9 +572,9 @@ def test_memory_budget_holds_with_many_concurrent_readers():
 def test_listings_are_charged_to_the_memory_budget_and_push_out_the_cache():
     """--max-memory covers listings too: a big listing leaves buffers less room, and
     cached blocks beyond what is left are given back at once."""
-    images = {f"img/{i:02d}.jpg": blob(256 * 1024, i) for i in range(16)}  # 4 MiB, cached after a read
-    files = {**images, **{f"names/{i:05d}": b"" for i in range(10_000)}}  # ~5.3 MiB of listings
-    budget_bytes = 8 * MiB
+    images = {f"img/{i:02d}.jpg": blob(256 * 1024, i) for i in range(32)}  # 8 MiB, cached after a read
+    files = {**images, **{f"names/{i:05d}": b"" for i in range(20_000)}}  # ~10.7 MiB of listings
+    budget_bytes = 16 * MiB
 
     async def body(fs):
         for path, expected in images.items():
@@ -586,14 +588,14 @@ def test_listings_are_charged_to_the_memory_budget_and_push_out_the_cache():
 
     cached_before_bytes, cached_after_bytes, used_bytes, capacity_bytes = run_fs(
         MemoryBackend(files), body, max_memory_bytes=budget_bytes)
-    assert cached_before_bytes == 4 * MiB > capacity_bytes
+    assert cached_before_bytes == 8 * MiB > capacity_bytes
     assert used_bytes <= capacity_bytes and cached_after_bytes <= capacity_bytes
 
 
 def test_listings_past_three_quarters_of_the_budget_leave_reads_a_quarter(caplog):
     data = blob(3 * MiB // 2, 7)
-    files = {"big.bin": data, **{f"names/{i:05d}": b"" for i in range(20_000)}}  # ~10.7 MiB of listings
-    budget_bytes = 8 * MiB
+    files = {"big.bin": data, **{f"names/{i:05d}": b"" for i in range(40_000)}}  # ~21.4 MiB of listings
+    budget_bytes = 16 * MiB
 
     async def body(fs):
         await fs.ns.list_dir((await resolve(fs, "names")).ino)
@@ -919,7 +921,7 @@ def test_a_read_never_waits_on_memory_forever(monkeypatch):
         data = await fs.read(fh, 0, 2 * MiB)
         return bytes(data), fs.stats["memory.overcommits"]
 
-    data, overcommits = run_fs(backend, body, max_memory_bytes=4 * MiB)
+    data, overcommits = run_fs(backend, body, max_memory_bytes=16 * MiB)
     assert data == blob(2 * MiB, 12) and overcommits == 1
 
 
@@ -940,7 +942,7 @@ def test_reads_waiting_for_memory_sleep_instead_of_waking_each_other(monkeypatch
                 nursery.start_soon(fs.read, fh, 0, 2 * MiB)
         return fs.stats["memory.demand_waits"], fs.stats["memory.overcommits"]
 
-    waits, overcommits = run_fs(backend, body, max_memory_bytes=4 * MiB)
+    waits, overcommits = run_fs(backend, body, max_memory_bytes=16 * MiB)
     assert overcommits == 2 and waits <= 10, waits
 
 
@@ -1035,7 +1037,7 @@ def test_memory_freed_while_a_reader_waits_goes_to_that_reader_not_the_pool():
             await got.wait()
         return fs.stats["memory.overcommits"], prefetcher.pool.pooled_bytes, budget.used_bytes
 
-    overcommits, pooled_bytes, used_bytes = run_fs(MemoryBackend({}), body, max_memory_bytes=8 * MiB,
+    overcommits, pooled_bytes, used_bytes = run_fs(MemoryBackend({}), body, max_memory_bytes=16 * MiB,
                                                    clock=trio.testing.MockClock(autojump_threshold=0))
     assert (overcommits, pooled_bytes, used_bytes) == (0, 0, 1 * MiB)
 

@@ -27,7 +27,7 @@ def test_urgent_calls_take_the_next_slot_before_older_speculative_ones():
     """One slot, held. Queued in this order: speculative A, speculative B, an urgent
     call, then speculative C whose ticket turns urgent while it waits. Freed slots go
     urgent first (the plain call, then C), then oldest first (A, B)."""
-    caller = BlockingCaller(1, RetryPolicy(), never_transient)
+    caller = BlockingCaller(1, RetryPolicy(5, 0.1, 5.0), never_transient)
     release_first = threading.Event()
     ran = []
 
@@ -62,7 +62,7 @@ def test_urgent_calls_take_the_next_slot_before_older_speculative_ones():
 
 
 def test_a_cancelled_waiter_leaves_the_queue_and_slots_stay_balanced():
-    caller = BlockingCaller(1, RetryPolicy(), never_transient)
+    caller = BlockingCaller(1, RetryPolicy(5, 0.1, 5.0), never_transient)
     release_first = threading.Event()
 
     async def main():
