@@ -67,7 +67,8 @@ _SIMPLE = [
     ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
     ("namespace.kernel_dir_cache_off", "bucketfs_kernel_dir_cache_off",
-     "1 if the kernel could not be asked to keep directory listings (pyfuse3's request layout not as expected)", "gauge"),
+     "1 if the kernel does not keep directory listings in the immutable default (--kernel-dir-cache off, "
+     "a pyfuse3 or libfuse version outside the tested ones, or pyfuse3's request layout not as expected)", "gauge"),
     ("namespace.kernel_opens_dirs", "bucketfs_kernel_opens_dirs",
      "1 if the kernel opens directories itself (no OPENDIR or RELEASEDIR round trips; the immutable default)", "gauge"),
     ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),

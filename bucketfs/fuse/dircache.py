@@ -18,7 +18,10 @@ clear. The bits' positions depend on the libfuse version (`layout_for`); an unkn
 version, or one mismatch, switches this off for the mount (logged once):
 directories are then listed by the daemon on every readdir(), as without it.
 
-Drop this module once pyfuse3 lets `opendir` return a FileInfo.
+Nothing here, nor in noopendir.py, runs unless `private_layouts_allowed` says so: the
+mount asked for it (`--kernel-dir-cache auto`, the default) and the running pyfuse3 is
+one of the releases whose private layouts were checked (PYFUSE3_TESTED; pyproject.toml
+pins the same range). Drop this module once pyfuse3 lets `opendir` return a FileInfo.
 """
 
 from __future__ import annotations
@@ -34,6 +37,42 @@ from typing import Optional
 import pyfuse3
 
 log = logging.getLogger(__name__)
+
+# The pyfuse3 releases whose private layouts this module and noopendir.py rely on:
+# `_Container` (handlers.pxi), `ReaddirToken`, `fuse_opendir_async` looked up by name
+# and `init_fuse_ops` (internal.pxi) are the same in 3.3.0, 3.4.0 and 3.5.0 but for 3.5's
+# `poll` handler (noopendir.py's pattern expects it: on 3.3 and 3.4 it finds no table and
+# answers OPENDIR as before). 3.5.0 is the one the tests run. Outside [min, below), nothing
+# is written. pyproject.toml pins the same range (tests/unit/test_kernel_dir_cache.py).
+PYFUSE3_TESTED = ((3, 3), (3, 6))
+
+
+def pyfuse3_version(text: Optional[str] = None) -> Optional[tuple]:
+    """(3, 5, 0) for pyfuse3 "3.5.0" (by default the one imported); None if unreadable."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", getattr(pyfuse3, "__version__", "") if text is None else text)
+    return tuple(int(part or 0) for part in match.groups()) if match else None
+
+
+def private_layouts_allowed(mode: str, stats) -> bool:
+    """Whether this mount may write into pyfuse3's and libfuse's private memory (the
+    directory-cache flags, the no-OPENDIR table patch): `mode` is --kernel-dir-cache,
+    and the running pyfuse3 must be a tested one. Says why not once (a warning if the
+    version is the reason) and sets the `kernel_dir_cache_off` gauge."""
+    version = pyfuse3_version()
+    low, below = PYFUSE3_TESTED
+    if mode == "off":
+        log.info("--kernel-dir-cache off: nothing is written into pyfuse3's or libfuse's private memory; "
+                 "directory listings are not cached by the kernel")
+    elif version is None or not low <= version < below:
+        log.warning("pyfuse3 %s is not one whose private memory layout bucketfs has checked (%s to below %s): "
+                    "directory listings are not cached by the kernel, and every opendir() costs an OPENDIR "
+                    "round trip", getattr(pyfuse3, "__version__", "(version unknown)"),
+                    ".".join(map(str, low)), ".".join(map(str, below)))
+    else:
+        return True
+    stats["namespace.kernel_dir_cache_off"] = 1
+    return False
+
 
 # fuse_file_info begins after the PyObject header and `dev_t rdev`; `ino` follows it.
 FILE_INFO_OFFSET = object.__basicsize__ + ctypes.sizeof(ctypes.c_uint64)

@@ -20,7 +20,9 @@ is recognised by its contents: at one offset near the session's start, the 44 sl
 of libfuse 3's `fuse_lowlevel_ops` must hold exactly pyfuse3 3.x's pattern (33
 handlers inside pyfuse3's own code, 11 NULL). Anything else and nothing is written:
 OPENDIR is answered as before (dircache.py's flags). Only listings that never
-change may be kept this way, so a --metadata-ttl mount never uses it.
+change may be kept this way, so a --metadata-ttl mount never uses it; nor does a
+--kernel-dir-cache off mount, or one on an untested pyfuse3 (dircache.py's
+`private_layouts_allowed`).
 """
 
 from __future__ import annotations

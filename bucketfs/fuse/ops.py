@@ -21,7 +21,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
-from bucketfs.fuse.dircache import DirCacheFlags
+from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
@@ -125,10 +125,13 @@ class FuseOperations(pyfuse3.Operations):
         self._stats_name = os.fsencode(STATS_FILE_NAME)
         self._stats_fhs = itertools.count(STATS_FH_FIRST)
         self._stats_reads: dict = {}  # fh -> the counters as they were at open
-        # Listings never change in immutable mode: the kernel may keep them.
-        self._dir_cache = DirCacheFlags(fs.stats) if config.immutable else None
+        # Listings never change in immutable mode: the kernel may keep them, if this mount
+        # may write into pyfuse3's and libfuse's private memory (--kernel-dir-cache, and
+        # a tested pyfuse3). With neither object, nothing is ever written there.
+        private = config.immutable and private_layouts_allowed(config.kernel_dir_cache, fs.stats)
+        self._dir_cache = DirCacheFlags(fs.stats) if private else None
         # ... and may open directories itself: no OPENDIR or RELEASEDIR round trips.
-        self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if config.immutable else None
+        self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if private else None
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: tell the kernel about names that vanished or changed (with a

@@ -168,6 +168,20 @@ def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_serv
     assert after["fuse.opendir"] > before["fuse.opendir"] and after["fuse.releasedir"] > before["fuse.releasedir"]
     assert "namespace.kernel_opens_dirs" not in after
 
+    # --kernel-dir-cache off: immutable, but nothing written into pyfuse3's or libfuse's
+    # memory; the same listing, every opendir and readdir answered by the daemon.
+    off = mount_factory(rclone_server, s3_bucket, "t", "--kernel-dir-cache", "off")
+
+    def relative(listing, top):
+        return [(os.path.relpath(path, top), entries) for path, entries in listing]
+
+    assert relative(walk_listing(off.mountpoint), off.mountpoint) == relative(first, m.mountpoint)
+    before = off.stats()
+    assert relative(walk_listing(off.mountpoint), off.mountpoint) == relative(first, m.mountpoint)
+    after = off.stats()
+    assert after["fuse.readdir"] > before["fuse.readdir"] and after["fuse.releasedir"] > before["fuse.releasedir"]
+    assert after["namespace.kernel_dir_cache_off"] == 1 and "namespace.kernel_opens_dirs" not in after
+
 
 def test_directories_listed_at_once_by_many_threads_each_list_their_own_entries(rclone_server, s3_bucket, mount_factory):
     """With no OPENDIR, each READDIRPLUS is told its directory by the inode noted for
