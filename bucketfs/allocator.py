@@ -42,9 +42,21 @@ _M_ARENA_MAX = -8
 
 class _Mallinfo2(ctypes.Structure):
     # struct mallinfo2 (glibc 2.33+): every field a size_t.
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

@@ -27,13 +27,43 @@ STATS_FILE_NAME = ".bucketfs-stats"
 # (snapshot key, metric name, help, kind); keys ending in a label go through _labelled().
 _SIMPLE = [
     ("backend.bytes_fetched", "bucketfs_backend_fetched_bytes", "Payload bytes fetched from the store", "counter"),
-    ("backend.redirects", "bucketfs_backend_redirects", "Redirects followed (an AIStore gateway sending a GET to the target that holds the object)", "counter"),
-    ("backend.corrupt_bodies", "bucketfs_backend_corrupt_bodies", "Whole-object GETs whose bytes did not match the store's checksum (fetched again)", "counter"),
-    ("backend.calls_queued", "bucketfs_backend_queued_requests", "Requests that waited for a free connection (--max-connections)", "counter"),
-    ("backend.urgent_overtakes", "bucketfs_backend_urgent_overtakes", "Free connections given to a request a reader waits on ahead of older read-ahead", "counter"),
+    (
+        "backend.redirects",
+        "bucketfs_backend_redirects",
+        "Redirects followed (an AIStore gateway sending a GET to the target that holds the object)",
+        "counter",
+    ),
+    (
+        "backend.corrupt_bodies",
+        "bucketfs_backend_corrupt_bodies",
+        "Whole-object GETs whose bytes did not match the store's checksum (fetched again)",
+        "counter",
+    ),
+    (
+        "backend.calls_queued",
+        "bucketfs_backend_queued_requests",
+        "Requests that waited for a free connection (--max-connections)",
+        "counter",
+    ),
+    (
+        "backend.urgent_overtakes",
+        "bucketfs_backend_urgent_overtakes",
+        "Free connections given to a request a reader waits on ahead of older read-ahead",
+        "counter",
+    ),
     ("cache.hits", "bucketfs_cache_hits", "Block cache hits", "counter"),
-    ("cache.misses", "bucketfs_cache_misses", "Blocks not in the block cache and fetched (one GET per run of consecutive blocks)", "counter"),
-    ("cache.shared_misses", "bucketfs_cache_shared_misses", "Blocks not in the block cache that joined a GET already in flight (not in bucketfs_cache_misses)", "counter"),
+    (
+        "cache.misses",
+        "bucketfs_cache_misses",
+        "Blocks not in the block cache and fetched (one GET per run of consecutive blocks)",
+        "counter",
+    ),
+    (
+        "cache.shared_misses",
+        "bucketfs_cache_shared_misses",
+        "Blocks not in the block cache that joined a GET already in flight (not in bucketfs_cache_misses)",
+        "counter",
+    ),
     ("cache.evictions", "bucketfs_cache_evictions", "Blocks evicted from the cache", "counter"),
     ("cache.bytes", "bucketfs_cache_bytes", "Bytes held by the block cache", "gauge"),
     ("prefetch.fetched_bytes", "bucketfs_prefetch_fetched_bytes", "Bytes fetched by sequential read-ahead", "counter"),
@@ -41,36 +71,114 @@ _SIMPLE = [
     ("prefetch.bytes_wasted", "bucketfs_prefetch_wasted_bytes", "Read-ahead bytes dropped unread", "counter"),
     ("prefetch.heads_warmed", "bucketfs_prefetch_shard_heads_warmed", "Next-shard heads warmed", "counter"),
     ("prefetch.heads_used", "bucketfs_prefetch_shard_heads_used", "Warmed shard heads that an open used", "counter"),
-    ("prefetch.warming_skipped", "bucketfs_prefetch_shard_warming_skipped", "Shards opened out of listing order (shuffled): nothing warmed after them", "counter"),
+    (
+        "prefetch.warming_skipped",
+        "bucketfs_prefetch_shard_warming_skipped",
+        "Shards opened out of listing order (shuffled): nothing warmed after them",
+        "counter",
+    ),
     ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
     ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
-    ("read.wait_seconds", "bucketfs_read_wait_seconds", "Time readers spent waiting inside READ (network and queueing)", "counter"),
-    ("memory.used_bytes", "bucketfs_memory_used_bytes", "Bytes of cache and read-ahead buffers reserved in the memory budget", "gauge"),
-    ("memory.listings_bytes", "bucketfs_memory_listings_bytes", "Bytes of the memory budget charged to listings", "gauge"),
-    ("memory.disk_index_bytes", "bucketfs_memory_disk_index_bytes", "Bytes of the memory budget charged to the disk cache's index", "gauge"),
+    (
+        "read.wait_seconds",
+        "bucketfs_read_wait_seconds",
+        "Time readers spent waiting inside READ (network and queueing)",
+        "counter",
+    ),
+    (
+        "memory.used_bytes",
+        "bucketfs_memory_used_bytes",
+        "Bytes of cache and read-ahead buffers reserved in the memory budget",
+        "gauge",
+    ),
+    (
+        "memory.listings_bytes",
+        "bucketfs_memory_listings_bytes",
+        "Bytes of the memory budget charged to listings",
+        "gauge",
+    ),
+    (
+        "memory.disk_index_bytes",
+        "bucketfs_memory_disk_index_bytes",
+        "Bytes of the memory budget charged to the disk cache's index",
+        "gauge",
+    ),
     ("memory.budget_bytes", "bucketfs_memory_budget_bytes", "The memory budget (--max-memory)", "gauge"),
     ("memory.peak_bytes", "bucketfs_memory_peak_bytes", "Highest buffer reservation seen", "gauge"),
-    ("disk_cache.hits", "bucketfs_disk_cache_hits", "Reads answered from the local disk cache (--cache-dir)", "counter"),
-    ("disk_cache.loop_reads", "bucketfs_disk_cache_loop_reads", "Disk cache hits read on the event loop (their file was in the page cache)", "counter"),
+    (
+        "disk_cache.hits",
+        "bucketfs_disk_cache_hits",
+        "Reads answered from the local disk cache (--cache-dir)",
+        "counter",
+    ),
+    (
+        "disk_cache.loop_reads",
+        "bucketfs_disk_cache_loop_reads",
+        "Disk cache hits read on the event loop (their file was in the page cache)",
+        "counter",
+    ),
     ("disk_cache.misses", "bucketfs_disk_cache_misses", "Reads the local disk cache could not answer", "counter"),
     ("disk_cache.read_bytes", "bucketfs_disk_cache_read_bytes", "Bytes read from the local disk cache", "counter"),
-    ("disk_cache.written_bytes", "bucketfs_disk_cache_written_bytes", "Bytes written to the local disk cache", "counter"),
+    (
+        "disk_cache.written_bytes",
+        "bucketfs_disk_cache_written_bytes",
+        "Bytes written to the local disk cache",
+        "counter",
+    ),
     ("disk_cache.stored_bytes", "bucketfs_disk_cache_stored_bytes", "Bytes held by the local disk cache", "gauge"),
-    ("disk_cache.loaded_bytes", "bucketfs_disk_cache_loaded_bytes", "Bytes of the local disk cache found at start, kept by earlier mounts", "gauge"),
-    ("disk_cache.read_ahead_bytes", "bucketfs_disk_cache_read_ahead_bytes", "Bytes of the local disk cache the kernel was asked at start to read into the page cache", "gauge"),
-    ("disk_cache.bad_reads", "bucketfs_disk_cache_bad_reads", "Disk cache reads that failed or did not match their checksum (read from the store instead)", "counter"),
+    (
+        "disk_cache.loaded_bytes",
+        "bucketfs_disk_cache_loaded_bytes",
+        "Bytes of the local disk cache found at start, kept by earlier mounts",
+        "gauge",
+    ),
+    (
+        "disk_cache.read_ahead_bytes",
+        "bucketfs_disk_cache_read_ahead_bytes",
+        "Bytes of the local disk cache the kernel was asked at start to read into the page cache",
+        "gauge",
+    ),
+    (
+        "disk_cache.bad_reads",
+        "bucketfs_disk_cache_bad_reads",
+        "Disk cache reads that failed or did not match their checksum (read from the store instead)",
+        "counter",
+    ),
     ("disk_cache.write_errors", "bucketfs_disk_cache_write_errors", "Failed writes to the local disk cache", "counter"),
-    ("disk_cache.skipped_bytes", "bucketfs_disk_cache_skipped_bytes", "Fetched bytes not stored: too many writes pending (a slow disk), no memory in the budget to hold them, or the journal being rewritten", "counter"),
-    ("disk_cache.skipped_stores", "bucketfs_disk_cache_skipped_stores", "Fetches not stored in the local disk cache (their bytes are in bucketfs_disk_cache_skipped_bytes)", "counter"),
+    (
+        "disk_cache.skipped_bytes",
+        "bucketfs_disk_cache_skipped_bytes",
+        "Fetched bytes not stored: too many writes pending (a slow disk), no memory in the budget to hold them, or the journal being rewritten",
+        "counter",
+    ),
+    (
+        "disk_cache.skipped_stores",
+        "bucketfs_disk_cache_skipped_stores",
+        "Fetches not stored in the local disk cache (their bytes are in bucketfs_disk_cache_skipped_bytes)",
+        "counter",
+    ),
     ("disk_cache.evictions", "bucketfs_disk_cache_evictions", "Objects deleted from the local disk cache", "counter"),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
-    ("namespace.nodes_dropped", "bucketfs_listing_entries_dropped", "Inodes dropped after their object left the listing (--metadata-ttl)", "counter"),
+    (
+        "namespace.nodes_dropped",
+        "bucketfs_listing_entries_dropped",
+        "Inodes dropped after their object left the listing (--metadata-ttl)",
+        "counter",
+    ),
     ("namespace.list_pages", "bucketfs_list_pages", "LIST pages fetched", "counter"),
-    ("namespace.kernel_dir_cache_off", "bucketfs_kernel_dir_cache_off",
-     "1 if the kernel does not keep directory listings in the immutable default (--kernel-dir-cache off, "
-     "a pyfuse3 or libfuse version outside the tested ones, or pyfuse3's request layout not as expected)", "gauge"),
-    ("namespace.kernel_opens_dirs", "bucketfs_kernel_opens_dirs",
-     "1 if the kernel opens directories itself (no OPENDIR or RELEASEDIR round trips; the immutable default)", "gauge"),
+    (
+        "namespace.kernel_dir_cache_off",
+        "bucketfs_kernel_dir_cache_off",
+        "1 if the kernel does not keep directory listings in the immutable default (--kernel-dir-cache off, "
+        "a pyfuse3 or libfuse version outside the tested ones, or pyfuse3's request layout not as expected)",
+        "gauge",
+    ),
+    (
+        "namespace.kernel_opens_dirs",
+        "bucketfs_kernel_opens_dirs",
+        "1 if the kernel opens directories itself (no OPENDIR or RELEASEDIR round trips; the immutable default)",
+        "gauge",
+    ),
     ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),
 ]
 
@@ -86,11 +194,28 @@ class _Collector:
             yield family(name, help_text, value=snap.get(key, 0))
         # Every request sent, by type; those that failed after their retries are in
         # bucketfs_backend_failures (a result label here could only ever say "ok").
-        yield _by_label(snap, "backend.requests.", "bucketfs_backend_requests", "Requests sent to the store by type", "type")
-        yield _by_label(snap, "backend.get_path.", "bucketfs_backend_gets",
-                        "GETs by the way they went (curl for small ones, threads for read-ahead parts)", "path")
-        yield _by_label(snap, "backend.failures.", "bucketfs_backend_failures", "Failed store requests (after retries) by error", "error")
-        yield CounterMetricFamily("bucketfs_backend_retries", "Retried store requests (throttling, 5xx, resets)", value=snap.get("backend.retries", 0))
+        yield _by_label(
+            snap, "backend.requests.", "bucketfs_backend_requests", "Requests sent to the store by type", "type"
+        )
+        yield _by_label(
+            snap,
+            "backend.get_path.",
+            "bucketfs_backend_gets",
+            "GETs by the way they went (curl for small ones, threads for read-ahead parts)",
+            "path",
+        )
+        yield _by_label(
+            snap,
+            "backend.failures.",
+            "bucketfs_backend_failures",
+            "Failed store requests (after retries) by error",
+            "error",
+        )
+        yield CounterMetricFamily(
+            "bucketfs_backend_retries",
+            "Retried store requests (throttling, 5xx, resets)",
+            value=snap.get("backend.retries", 0),
+        )
         yield _by_label(snap, "fuse.", "bucketfs_fuse_requests", "Requests from the kernel by FUSE operation", "op")
         yield _by_label(snap, "errors.", "bucketfs_errors", "Errors returned to the kernel by errno", "errno")
 
@@ -105,7 +230,7 @@ def _by_label(snap: dict, prefix: str, name: str, help_text: str, label: str) ->
 
 def _under(snap: dict, prefix: str) -> dict:
     """{rest of the key: value} of the snapshot's keys that start with `prefix`."""
-    return {key[len(prefix):]: value for key, value in snap.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in snap.items() if key.startswith(prefix)}
 
 
 def start_metrics_server(address: str, port: int, snapshot_on_trio_thread) -> None:
@@ -141,12 +266,17 @@ def format_stats(snapshot: dict) -> str:
         + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else "")
         + (f"; {redirects} redirects followed" if (redirects := get("backend.redirects", 0)) else ""),
         f"store         retries {get('backend.retries', 0)}"
-        + (f" ({corrupt} for bytes not matching the store's checksum)" if (corrupt := get("backend.corrupt_bodies", 0)) else "")
+        + (
+            f" ({corrupt} for bytes not matching the store's checksum)"
+            if (corrupt := get("backend.corrupt_bodies", 0))
+            else ""
+        )
         + "; failed after retries: "
         f"{', '.join(f'{k} {v}' for k, v in sorted(failures.items())) or 'none'}",
         f"fetched       {get('backend.bytes_fetched', 0) / mib:.1f} MiB; served to readers {get('read.bytes', 0) / mib:.1f} MiB in {get('read.calls', 0)} reads",
         f"block cache   {get('cache.bytes', 0) / mib:.1f} MiB; blocks: {hits} hits, {misses} misses (fetched, one GET "
-        f"per run of them), {joined} joined a fetch in flight" + (f" ({100 * hits / lookups:.0f}% hit)" if lookups else "")
+        f"per run of them), {joined} joined a fetch in flight"
+        + (f" ({100 * hits / lookups:.0f}% hit)" if lookups else "")
         + f"; evictions {get('cache.evictions', 0)}",
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "
@@ -154,17 +284,26 @@ def format_stats(snapshot: dict) -> str:
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
         f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings"
-        + (f", {get('memory.disk_index_bytes', 0) / mib:.1f} MiB of disk cache index" if get("memory.disk_index_bytes") else "")
+        + (
+            f", {get('memory.disk_index_bytes', 0) / mib:.1f} MiB of disk cache index"
+            if get("memory.disk_index_bytes")
+            else ""
+        )
         + f", of a {get('memory.budget_bytes', 0) / mib:.0f} MiB budget",
         f"waiting       {get('read.wait_seconds', 0):.2f} s inside READ",
-        *([f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB "
-           f"({get('disk_cache.loaded_bytes', 0) / mib:.1f} MiB found at start); "
-           f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB; "
-           f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
-           f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
-           f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB "
-           f"in {get('disk_cache.skipped_stores', 0)} fetches"]
-          if "disk_cache.capacity_bytes" in snapshot else []),
+        *(
+            [
+                f"disk cache    {get('disk_cache.stored_bytes', 0) / mib:.1f} MiB of {get('disk_cache.capacity_bytes', 0) / mib:.0f} MiB "
+                f"({get('disk_cache.loaded_bytes', 0) / mib:.1f} MiB found at start); "
+                f"hits {get('disk_cache.hits', 0)} ({get('disk_cache.read_bytes', 0) / mib:.1f} MiB; "
+                f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
+                f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
+                f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB "
+                f"in {get('disk_cache.skipped_stores', 0)} fetches"
+            ]
+            if "disk_cache.capacity_bytes" in snapshot
+            else []
+        ),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}"
         + ("; the kernel does not keep listings (see the log)" if get("namespace.kernel_dir_cache_off") else "")
         + ("; the kernel opens directories itself (no OPENDIR)" if get("namespace.kernel_opens_dirs") else ""),
@@ -174,5 +313,3 @@ def format_stats(snapshot: dict) -> str:
     errs = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("errors.")}
     lines.append(f"errors        {', '.join(f'{k} {v}' for k, v in sorted(errs.items())) or 'none'}")
     return "\n".join(lines)
-
-

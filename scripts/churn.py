@@ -38,14 +38,18 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.procs import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
+
 from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 
 
 def report(label: str, mount, elapsed_s: float | None = None) -> None:
     stats = daemon_stats(mount.mountpoint)
     took = f" in {elapsed_s:.2f} s" if elapsed_s is not None else ""
-    print(f"{label}{took}: live entries {stats['namespace.entries']:,}, dropped {stats.get('namespace.nodes_dropped', 0):,}, "
-          f"daemon RSS {proc_status_kib(mount.proc.pid, 'VmRSS') * 1024 / 1e6:.0f} MB", flush=True)
+    print(
+        f"{label}{took}: live entries {stats['namespace.entries']:,}, dropped {stats.get('namespace.nodes_dropped', 0):,}, "
+        f"daemon RSS {proc_status_kib(mount.proc.pid, 'VmRSS') * 1024 / 1e6:.0f} MB",
+        flush=True,
+    )
 
 
 def versioned(name: str, generation: int) -> bytes:
@@ -125,8 +129,14 @@ def main() -> int:
             mountpoint = work_dir / "mnt"
             mountpoint.mkdir()
             ttl_s = 0.0 if args.stress else args.ttl
-            with bucketfs_mount(f"s3://{bucket}/", str(mountpoint), str(work_dir / "bucketfs.log"), endpoint_url=server.endpoint_url,
-                                env=env, extra_args=["--metadata-ttl", str(ttl_s)]) as mount:
+            with bucketfs_mount(
+                f"s3://{bucket}/",
+                str(mountpoint),
+                str(work_dir / "bucketfs.log"),
+                endpoint_url=server.endpoint_url,
+                env=env,
+                extra_args=["--metadata-ttl", str(ttl_s)],
+            ) as mount:
                 if args.stress:
                     return stress(server, bucket, mount, args.stress)
                 previous: list = []

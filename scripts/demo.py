@@ -55,8 +55,11 @@ class DemoError(Exception):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     real = parser.add_argument_group("a real bucket instead of the local server")
     real.add_argument("--url", help="s3://BUCKET/PREFIX (or gs://) holding train/ and shards/; skips the local server")
     real.add_argument("--endpoint-url", help="S3-compatible endpoint (MinIO, Ceph, ...)")
@@ -70,9 +73,15 @@ def parse_args(argv=None):
     gen.add_argument("--per-shard", type=int, default=150, help="WebDataset samples per shard (default 150)")
     gen.add_argument("--size", type=int, default=128, help="image side in pixels (default 128)")
     run = parser.add_argument_group("the training loops")
-    run.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="DataLoader workers (default: up to 4)")
+    run.add_argument(
+        "--workers", type=int, default=min(4, os.cpu_count() or 1), help="DataLoader workers (default: up to 4)"
+    )
     run.add_argument("--batch-size", type=int, default=32)
-    run.add_argument("--num-classes", type=int, help="labels in the shards' .cls files are below this (default: the number of ImageFolder classes)")
+    run.add_argument(
+        "--num-classes",
+        type=int,
+        help="labels in the shards' .cls files are below this (default: the number of ImageFolder classes)",
+    )
     run.add_argument("--mountpoint", help="where to mount (default: a fresh temporary directory)")
     args = parser.parse_args(argv)
     if not args.url and (args.endpoint_url or args.profile or args.no_sign_request or args.region):
@@ -81,11 +90,12 @@ def parse_args(argv=None):
 
 
 def check_requirements(local_server: bool) -> None:
-    missing = [name for name in ("torch", "torchvision", "webdataset", "tqdm", "PIL")
-               if not _importable(name)]
+    missing = [name for name in ("torch", "torchvision", "webdataset", "tqdm", "PIL") if not _importable(name)]
     if missing:
-        raise DemoError(f"missing {', '.join(missing)}: pip install -e '.[test]' "
-                        "(or: pip install torch torchvision webdataset pillow tqdm)")
+        raise DemoError(
+            f"missing {', '.join(missing)}: pip install -e '.[test]' "
+            "(or: pip install torch torchvision webdataset pillow tqdm)"
+        )
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         raise DemoError("FUSE is not available: install fuse3 (apt-get install fuse3) and make sure /dev/fuse exists")
     if local_server:
@@ -122,8 +132,13 @@ def shard_spec(shard_dir: str) -> str:
 
 def bucket_requests(mountpoint: str):
     """Requests the mount has sent to the bucket so far (from `bucketfs stats`), or None."""
-    proc = subprocess.run([sys.executable, "-m", "bucketfs", "stats", mountpoint, "--json"],
-                          capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bucketfs", "stats", mountpoint, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+    )
     if proc.returncode != 0:
         return None
     try:
@@ -149,8 +164,16 @@ def run_loader(name: str, title: str, module, argv, mountpoint: str) -> list:
         epoch = result["epochs"][0]
         if epoch["samples"] == 0:
             raise DemoError(f"{name}: the loader delivered no samples")
-        rows.append((name, label, epoch["samples"], epoch["seconds"], epoch["samples_per_s"],
-                     None if before is None or after is None else after - before))
+        rows.append(
+            (
+                name,
+                label,
+                epoch["samples"],
+                epoch["seconds"],
+                epoch["samples_per_s"],
+                None if before is None or after is None else after - before,
+            )
+        )
     return rows
 
 
@@ -158,13 +181,16 @@ def run_loader(name: str, title: str, module, argv, mountpoint: str) -> list:
 def local_bucket(args, work_dir: pathlib.Path):
     """Start rclone serve s3, generate the dataset into a bucket; yield (url, endpoint, env)."""
     import make_sample_dataset
+
     from bucketfs.testing.servers import rclone_s3_server
 
     started = time.perf_counter()
     dataset = make_sample_dataset.make_dataset(args.classes, args.per_class, args.shards, args.per_shard, args.size)
-    print(f"generated {len(dataset.objects)} objects, {dataset.total_bytes / 1e6:.1f} MB "
-          f"({args.classes} classes x {args.per_class} JPEGs, {args.shards} shards x {args.per_shard} samples, "
-          f"{args.size}x{args.size} px) in {time.perf_counter() - started:.1f} s")
+    print(
+        f"generated {len(dataset.objects)} objects, {dataset.total_bytes / 1e6:.1f} MB "
+        f"({args.classes} classes x {args.per_class} JPEGs, {args.shards} shards x {args.per_shard} samples, "
+        f"{args.size}x{args.size} px) in {time.perf_counter() - started:.1f} s"
+    )
     with rclone_s3_server(work_dir / "s3") as server:
         bucket = server.new_bucket()
         server.write_files(bucket, {DATASET_PREFIX + key: data for key, data in dataset.objects.items()})
@@ -177,6 +203,7 @@ def local_bucket(args, work_dir: pathlib.Path):
 def demo(args, work_dir: pathlib.Path) -> None:
     import train_imagefolder
     import train_webdataset
+
     from bucketfs.testing.mounting import MountError, bucketfs_mount
 
     check_requirements(local_server=not args.url)
@@ -196,8 +223,9 @@ def demo(args, work_dir: pathlib.Path) -> None:
         os.makedirs(mountpoint, exist_ok=True)
         log_path = str(work_dir / "bucketfs.log")
         try:
-            stack.enter_context(bucketfs_mount(url, mountpoint, log_path, endpoint_url=endpoint_url,
-                                               env=env, extra_args=mount_args))
+            stack.enter_context(
+                bucketfs_mount(url, mountpoint, log_path, endpoint_url=endpoint_url, env=env, extra_args=mount_args)
+            )
         except MountError as exc:
             raise DemoError(str(exc)) from None
         print(f"mounted {url} on {mountpoint}")
@@ -205,23 +233,37 @@ def demo(args, work_dir: pathlib.Path) -> None:
         train_dir, shard_dir = os.path.join(mountpoint, "train"), os.path.join(mountpoint, "shards")
         for path in (train_dir, shard_dir):
             if not os.path.isdir(path):
-                raise DemoError(f"{path} not found: the prefix needs train/ (ImageFolder) and shards/ (WebDataset); see --help")
+                raise DemoError(
+                    f"{path} not found: the prefix needs train/ (ImageFolder) and shards/ (WebDataset); see --help"
+                )
         classes = sorted(e.name for e in os.scandir(train_dir) if e.is_dir())
         shards = shard_spec(shard_dir)
         common = ["--workers", str(args.workers), "--batch-size", str(args.batch_size), "--epochs", "1"]
-        rows = run_loader("ImageFolder", f"(torchvision) {train_dir}", train_imagefolder,
-                          ["--data", train_dir, *common], mountpoint)
-        rows += run_loader("WebDataset", shards, train_webdataset,
-                           ["--shards", shards, "--num-classes", str(args.num_classes or len(classes)), *common],
-                           mountpoint)
+        rows = run_loader(
+            "ImageFolder", f"(torchvision) {train_dir}", train_imagefolder, ["--data", train_dir, *common], mountpoint
+        )
+        rows += run_loader(
+            "WebDataset",
+            shards,
+            train_webdataset,
+            ["--shards", shards, "--num-classes", str(args.num_classes or len(classes)), *common],
+            mountpoint,
+        )
 
         print(f"\n== Summary: {url} mounted on {mountpoint}")
         print(f"{'loader':<12} {'epoch':<24} {'samples':>8} {'seconds':>8} {'samples/s':>10} {'bucket requests':>16}")
         for name, label, samples, seconds, rate, requests in rows:
-            print(f"{name:<12} {label:<24} "
-                  f"{samples:>8} {seconds:>8.2f} {rate:>10.0f} {'n/a' if requests is None else requests:>16}")
-        stats = subprocess.run([sys.executable, "-m", "bucketfs", "stats", mountpoint],
-                               capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+            print(
+                f"{name:<12} {label:<24} "
+                f"{samples:>8} {seconds:>8.2f} {rate:>10.0f} {'n/a' if requests is None else requests:>16}"
+            )
+        stats = subprocess.run(
+            [sys.executable, "-m", "bucketfs", "stats", mountpoint],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=REPO_ROOT,
+        )
         if stats.returncode == 0:
             print(f"\nbucketfs stats {mountpoint}:\n{stats.stdout.rstrip()}")
     print("\nunmounted; everything the demo started is stopped")

@@ -25,9 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import pathlib
-import subprocess
 import random
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,10 +38,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import botocore.config  # noqa: E402
 import trio  # noqa: E402
+from latency_proxy import ProxyProcess  # noqa: E402 - scripts/ is on the path (this script's directory)
 
 from bucketfs.backends.gcs import GCSBackend  # noqa: E402
 from bucketfs.backends.s3 import S3Backend  # noqa: E402
-from latency_proxy import ProxyProcess  # noqa: E402 - scripts/ is on the path (this script's directory)
 from bucketfs.testing.gcs_server import GCSServer, start_gcs_emulator  # noqa: E402
 from bucketfs.testing.servers import rclone_s3_server, without_curl  # noqa: E402
 
@@ -63,7 +63,9 @@ def run_backend(server, endpoint: str, objects: dict, infos: list, concurrency: 
     async def main():
         async def worker(items):
             for info in items:
-                data = await backend.read_range(info.key, 0, info.size_bytes, info.version, object_bytes=info.size_bytes)
+                data = await backend.read_range(
+                    info.key, 0, info.size_bytes, info.version, object_bytes=info.size_bytes
+                )
                 if bytes(data) != objects[info.key]:
                     raise SystemExit(f"wrong bytes for {info.key}")
 
@@ -85,17 +87,26 @@ def run_backend(server, endpoint: str, objects: dict, infos: list, concurrency: 
 def run_boto3(server, endpoint: str, objects: dict, infos: list, concurrency: int) -> tuple:
     """The same reads with boto3's get_object on `concurrency` threads (what a training
     script that reads S3 itself does)."""
-    client = server.session().client("s3", endpoint_url=endpoint, config=botocore.config.Config(
-        region_name=server.region, s3={"addressing_style": "path"}, max_pool_connections=concurrency,
-        response_checksum_validation="when_required"))
+    client = server.session().client(
+        "s3",
+        endpoint_url=endpoint,
+        config=botocore.config.Config(
+            region_name=server.region,
+            s3={"addressing_style": "path"},
+            max_pool_connections=concurrency,
+            response_checksum_validation="when_required",
+        ),
+    )
 
-    return run_on_threads(lambda info: client.get_object(Bucket=BUCKET, Key=info.key)["Body"].read(),
-                          objects, infos, concurrency)
+    return run_on_threads(
+        lambda info: client.get_object(Bucket=BUCKET, Key=info.key)["Body"].read(), objects, infos, concurrency
+    )
 
 
 def run_on_threads(get, objects: dict, infos: list, concurrency: int) -> tuple:
     """(CPU us per GET, wall us per GET) of `get(info) -> bytes` over `infos` on a pool
     of `concurrency` threads, every body checked."""
+
     def checked(info):
         if get(info) != objects[info.key]:
             raise SystemExit(f"wrong bytes for {info.key}")
@@ -112,21 +123,30 @@ def run_gcs_library(server, endpoint: str, objects: dict, infos: list, concurren
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    bucket = storage.Client(project="p", credentials=AnonymousCredentials(),
-                            client_options={"api_endpoint": endpoint}).bucket(BUCKET)
+    bucket = storage.Client(
+        project="p", credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint}
+    ).bucket(BUCKET)
 
-    return run_on_threads(lambda info: bucket.blob(info.key, generation=int(info.version)).download_as_bytes(
-        raw_download=True), objects, infos, concurrency)
+    return run_on_threads(
+        lambda info: bucket.blob(info.key, generation=int(info.version)).download_as_bytes(raw_download=True),
+        objects,
+        infos,
+        concurrency,
+    )
 
 
 @contextlib.contextmanager
 def gcs_like_front(upstream_url: str):
     """bucketfs/testing/http_front.py serving GCSLikeAdapter before the emulator, in a child process
     (its CPU is not this process's). Yields its URL."""
-    code = ("import sys; from bucketfs.testing.http_front import adapter_front; from bucketfs.testing.gcs_server import GCSLikeAdapter\n"
-            f"with adapter_front(GCSLikeAdapter(paging=False), {upstream_url!r}) as url:\n"
-            "    print(url, flush=True); sys.stdin.read()")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys; from bucketfs.testing.http_front import adapter_front; from bucketfs.testing.gcs_server import GCSLikeAdapter\n"
+        f"with adapter_front(GCSLikeAdapter(paging=False), {upstream_url!r}) as url:\n"
+        "    print(url, flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         yield proc.stdout.readline().strip()
     finally:
@@ -156,20 +176,29 @@ def main() -> int:
     p.add_argument("--object-kb", type=int, default=100)
     p.add_argument("--latency-ms", type=float, default=20, help="added time to first byte (default 20)")
     p.add_argument("--concurrency", default="8,32", help="GETs at once, comma-separated (default 8,32)")
-    p.add_argument("--store", choices=("s3", "gcs"), default="s3",
-                   help="s3: rclone serve s3 (default); gcs: the GCS emulator behind a GCS-like front")
+    p.add_argument(
+        "--store",
+        choices=("s3", "gcs"),
+        default="s3",
+        help="s3: rclone serve s3 (default); gcs: the GCS emulator behind a GCS-like front",
+    )
     args = p.parse_args()
     rng = random.Random(1)
     objects = {f"o/{i:05d}.jpg": rng.randbytes(args.object_kb * 1000) for i in range(args.objects)}
     with store(args.store, objects) as (server, endpoint, (sdk_label, run_sdk)):
         proxy = ProxyProcess(endpoint, args.latency_ms, 0)
         try:
-            probe = GCSBackend(server.config(BUCKET, endpoint_url=endpoint)) if args.store == "gcs" else \
-                S3Backend(server.config(BUCKET), session=server.session())
+            probe = (
+                GCSBackend(server.config(BUCKET, endpoint_url=endpoint))
+                if args.store == "gcs"
+                else S3Backend(server.config(BUCKET), session=server.session())
+            )
             infos = trio.run(lambda: probe.list_page("o/")).objects
             trio.run(probe.aclose)
             threads_label = "bucketfs, library threads" if args.store == "gcs" else "bucketfs, urllib3 threads"
-            print(f"{len(infos)} objects of {args.object_kb} KB, +{args.latency_ms:g} ms first byte; CPU of this process")
+            print(
+                f"{len(infos)} objects of {args.object_kb} KB, +{args.latency_ms:g} ms first byte; CPU of this process"
+            )
             print(f"{'at once':>8} | {'path':<26} | {'CPU us/GET':>10} | {'wall us/GET':>11} | CPU vs the SDK")
             for concurrency in (int(c) for c in args.concurrency.split(",")):
                 sdk_cpu, sdk_wall = run_sdk(server, proxy.url, objects, infos, concurrency)

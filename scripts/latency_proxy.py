@@ -291,8 +291,10 @@ class RequestParser:
             kind, self.body_left, byte_range = classify_request(head)
             kinds.append(kind)
             if self.log is not None:
-                self.log(f"{time.monotonic():.6f} {self.conn_id} {kind} {head.split(b' ', 2)[1].decode('latin-1', 'replace')} {byte_range or '-'}")
-            rest = bytes(self.head[end + 4:])
+                self.log(
+                    f"{time.monotonic():.6f} {self.conn_id} {kind} {head.split(b' ', 2)[1].decode('latin-1', 'replace')} {byte_range or '-'}"
+                )
+            rest = bytes(self.head[end + 4 :])
             self.head = bytearray()
             view, i, data = memoryview(rest), 0, rest
         return kinds
@@ -301,8 +303,15 @@ class RequestParser:
 class Proxy:
     """Listens on `host:port` (0: a free port) and proxies to `upstream_url`."""
 
-    def __init__(self, upstream_url: str, latency_s: float, conn_bytes_per_s: Optional[float],
-                 host: str = "127.0.0.1", port: int = 0, log_path: Optional[str] = None):
+    def __init__(
+        self,
+        upstream_url: str,
+        latency_s: float,
+        conn_bytes_per_s: Optional[float],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_path: Optional[str] = None,
+    ):
         parsed = urllib.parse.urlsplit(upstream_url)
         self.upstream_addr = (parsed.hostname, parsed.port or 80)
         self.latency_s = latency_s
@@ -363,14 +372,29 @@ class Proxy:
 class ProxyProcess:
     """Runs this module as a child process and talks to it over its stdin/stdout."""
 
-    def __init__(self, upstream_url: str, latency_ms: float, conn_mbps: float, start_deadline_s: float = 10.0,
-                 log_path: Optional[str] = None):
-        argv = [sys.executable, os.path.abspath(__file__), "--upstream", upstream_url,
-                "--latency-ms", str(latency_ms), "--conn-mbps", str(conn_mbps)]
+    def __init__(
+        self,
+        upstream_url: str,
+        latency_ms: float,
+        conn_mbps: float,
+        start_deadline_s: float = 10.0,
+        log_path: Optional[str] = None,
+    ):
+        argv = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--upstream",
+            upstream_url,
+            "--latency-ms",
+            str(latency_ms),
+            "--conn-mbps",
+            str(conn_mbps),
+        ]
         if log_path:
             argv += ["--log", log_path]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent
+        )
         self.pid = self.proc.pid
         self._lock = threading.Lock()
         line = _readline_with_deadline(self.proc, start_deadline_s)
@@ -436,8 +460,12 @@ def _die_with_parent() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="http://HOST:PORT of the real server")
-    parser.add_argument("--latency-ms", type=float, default=20.0, help="delay of each response's first byte (default 20)")
-    parser.add_argument("--conn-mbps", type=float, default=100.0, help="per-connection cap in MB/s (10^6 bytes); 0 = none (default 100)")
+    parser.add_argument(
+        "--latency-ms", type=float, default=20.0, help="delay of each response's first byte (default 20)"
+    )
+    parser.add_argument(
+        "--conn-mbps", type=float, default=100.0, help="per-connection cap in MB/s (10^6 bytes); 0 = none (default 100)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 (default): a free port")
     parser.add_argument("--log", help="append one line per request: monotonic time, connection, kind, target, range")

@@ -32,6 +32,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.procs import proc_status_kib  # noqa: E402 - scripts/ is on the path (this script's directory)
+
 from bucketfs.app.cli import parse_size  # noqa: E402
 from bucketfs.testing.mounting import daemon_stats  # noqa: E402
 
@@ -72,8 +73,14 @@ def main() -> int:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
             mountpoint = work_dir / "mnt"
             mountpoint.mkdir()
-            with bucketfs_mount(f"s3://{bucket}/", str(mountpoint), str(work_dir / "bucketfs.log"), endpoint_url=server.endpoint_url,
-                                env=env, extra_args=["--max-memory", args.max_memory]) as mount:
+            with bucketfs_mount(
+                f"s3://{bucket}/",
+                str(mountpoint),
+                str(work_dir / "bucketfs.log"),
+                endpoint_url=server.endpoint_url,
+                env=env,
+                extra_args=["--max-memory", args.max_memory],
+            ) as mount:
                 pid = mount.proc.pid
                 os.listdir(mount.mountpoint)
                 before_bytes = rss_bytes(pid)
@@ -90,9 +97,12 @@ def main() -> int:
                 stats = daemon_stats(mount.mountpoint)
                 grown_bytes = rss_bytes(pid) - before_bytes
                 listings_bytes = stats.get("memory.listings_bytes")
-                print(f"walk+stat of {seen:,} objects: {walk_s:.1f} s; daemon RSS {before_bytes / 1e6:.0f} -> "
-                      f"{(before_bytes + grown_bytes) / 1e6:.0f} MB, {grown_bytes / seen:.0f} B per object; "
-                      f"charged to the budget: {'-' if listings_bytes is None else f'{listings_bytes / 1e6:.0f} MB'}", flush=True)
+                print(
+                    f"walk+stat of {seen:,} objects: {walk_s:.1f} s; daemon RSS {before_bytes / 1e6:.0f} -> "
+                    f"{(before_bytes + grown_bytes) / 1e6:.0f} MB, {grown_bytes / seen:.0f} B per object; "
+                    f"charged to the budget: {'-' if listings_bytes is None else f'{listings_bytes / 1e6:.0f} MB'}",
+                    flush=True,
+                )
 
                 def read(i: int) -> bool:
                     with open(mount.path("large", f"f{i:04d}.bin"), "rb") as f:
@@ -106,10 +116,13 @@ def main() -> int:
                 stats = daemon_stats(mount.mountpoint)
                 peak_bytes = rss_bytes(pid, "VmHWM")
                 bound_bytes = budget_bytes + OVERHEAD_BYTES
-                print(f"read {large_count} x {LARGE_FILE_BYTES >> 20} MiB in {time.perf_counter() - started_s:.1f} s: "
-                      f"block cache {stats['cache.bytes'] / 1e6:.0f} MB, buffers peak {stats['memory.peak_bytes'] / 1e6:.0f} MB; "
-                      f"daemon peak RSS {peak_bytes / 1e6:.0f} MB against --max-memory + overhead {bound_bytes / 1e6:.0f} MB: "
-                      f"{'within' if peak_bytes <= bound_bytes else 'OVER'}", flush=True)
+                print(
+                    f"read {large_count} x {LARGE_FILE_BYTES >> 20} MiB in {time.perf_counter() - started_s:.1f} s: "
+                    f"block cache {stats['cache.bytes'] / 1e6:.0f} MB, buffers peak {stats['memory.peak_bytes'] / 1e6:.0f} MB; "
+                    f"daemon peak RSS {peak_bytes / 1e6:.0f} MB against --max-memory + overhead {bound_bytes / 1e6:.0f} MB: "
+                    f"{'within' if peak_bytes <= bound_bytes else 'OVER'}",
+                    flush=True,
+                )
     return 0
 
 

@@ -52,8 +52,9 @@ def class_names(classes: int) -> List[str]:
     return [f"class{c:03d}" for c in range(classes)]
 
 
-def imagefolder_objects(prefix: str = "train/", classes: int = 5, per_class: int = 20,
-                        size_px: int = 64, seed: int = 0) -> Dict[str, bytes]:
+def imagefolder_objects(
+    prefix: str = "train/", classes: int = 5, per_class: int = 20, size_px: int = 64, seed: int = 0
+) -> Dict[str, bytes]:
     """`{prefix}CLASS/imgNNNNN.jpg` -> JPEG bytes, `classes` x `per_class` images."""
     rng = random.Random(f"imagefolder-{seed}")
     objects = {}
@@ -67,12 +68,15 @@ def shard_name(index: int) -> str:
     return f"shard-{index:06d}.tar"
 
 
-def webdataset_samples(shards: int = 8, per_shard: int = 20, classes: int = 5,
-                       size_px: int = 64, seed: int = 0) -> List[List[tuple]]:
+def webdataset_samples(
+    shards: int = 8, per_shard: int = 20, classes: int = 5, size_px: int = 64, seed: int = 0
+) -> List[List[tuple]]:
     """Per shard, a list of (key, jpeg bytes, label); keys are unique across shards."""
     rng = random.Random(f"webdataset-{seed}")
-    return [[(f"s{s:06d}_{i:05d}", sample_jpeg(rng, size_px), rng.randrange(classes)) for i in range(per_shard)]
-            for s in range(shards)]
+    return [
+        [(f"s{s:06d}_{i:05d}", sample_jpeg(rng, size_px), rng.randrange(classes)) for i in range(per_shard)]
+        for s in range(shards)
+    ]
 
 
 def tar_bytes(members: List[tuple]) -> bytes:
@@ -86,8 +90,9 @@ def tar_bytes(members: List[tuple]) -> bytes:
     return out.getvalue()
 
 
-def webdataset_objects(prefix: str = "shards/", samples: Optional[List[List[tuple]]] = None,
-                       **sample_args) -> Dict[str, bytes]:
+def webdataset_objects(
+    prefix: str = "shards/", samples: Optional[List[List[tuple]]] = None, **sample_args
+) -> Dict[str, bytes]:
     """`{prefix}shard-NNNNNN.tar` -> tar bytes with KEY.jpg and KEY.cls per sample."""
     samples = samples if samples is not None else webdataset_samples(**sample_args)
     objects = {}
@@ -123,8 +128,9 @@ class Dataset:
         return os.path.join(root, "shards", f"shard-{{{0:06d}..{self.shard_count - 1:06d}}}.tar")
 
 
-def make_dataset(classes: int = 5, per_class: int = 20, shards: int = 8, per_shard: int = 20,
-                 size_px: int = 64, seed: int = 0) -> Dataset:
+def make_dataset(
+    classes: int = 5, per_class: int = 20, shards: int = 8, per_shard: int = 20, size_px: int = 64, seed: int = 0
+) -> Dataset:
     objects = imagefolder_objects("train/", classes, per_class, size_px, seed)
     samples = webdataset_samples(shards, per_shard, classes, size_px, seed)
     objects.update(webdataset_objects("shards/", samples))
@@ -152,7 +158,7 @@ def upload_s3(url: str, objects: Dict[str, bytes], endpoint_url=None, profile=No
 
     import boto3
 
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
     client = boto3.session.Session(profile_name=profile).client("s3", endpoint_url=endpoint_url)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -160,9 +166,11 @@ def upload_s3(url: str, objects: Dict[str, bytes], endpoint_url=None, profile=No
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Layout:\n  DEST/train/classNNN/imgNNNNN.jpg\n  DEST/shards/shard-NNNNNN.tar")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Layout:\n  DEST/train/classNNN/imgNNNNN.jpg\n  DEST/shards/shard-NNNNNN.tar",
+    )
     parser.add_argument("dest", help="a local directory, or s3://BUCKET/PREFIX to upload with boto3")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--per-class", type=int, default=200, help="ImageFolder images per class")

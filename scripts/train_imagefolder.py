@@ -38,25 +38,36 @@ from tqdm import tqdm
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(32, num_classes),
     )
 
 
 def image_transform(image_px: int):
-    return transforms.Compose([
-        transforms.Resize((image_px, image_px)),
-        transforms.ToTensor(),
-        transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
-    ])
+    return transforms.Compose(
+        [
+            transforms.Resize((image_px, image_px)),
+            transforms.ToTensor(),
+            transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+        ]
+    )
 
 
 def make_loader(data: str, batch_size: int, workers: int, image_px: int = 64) -> DataLoader:
     dataset = datasets.ImageFolder(data, transform=image_transform(image_px))
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                      persistent_workers=workers > 0, drop_last=False)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        drop_last=False,
+    )
 
 
 def run_epochs(loader, model, args) -> list:
@@ -76,14 +87,24 @@ def run_epochs(loader, model, args) -> list:
                 samples += len(labels)
                 loss_sum += loss.item() * len(labels)
                 step += 1
-                bar.set_postfix(loss=f"{loss.item():.3f}", samples_per_s=f"{samples / (time.perf_counter() - started):.0f}")
+                bar.set_postfix(
+                    loss=f"{loss.item():.3f}", samples_per_s=f"{samples / (time.perf_counter() - started):.0f}"
+                )
                 if args.steps and step >= args.steps:
                     break
         seconds = time.perf_counter() - started
-        epochs.append({"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-                       "mean_loss": loss_sum / max(samples, 1)})
-        print(f"epoch {epoch + 1}: {samples} samples in {seconds:.2f} s = {samples / seconds:.0f} samples/s, "
-              f"mean loss {loss_sum / max(samples, 1):.3f}")
+        epochs.append(
+            {
+                "samples": samples,
+                "seconds": seconds,
+                "samples_per_s": samples / seconds,
+                "mean_loss": loss_sum / max(samples, 1),
+            }
+        )
+        print(
+            f"epoch {epoch + 1}: {samples} samples in {seconds:.2f} s = {samples / seconds:.0f} samples/s, "
+            f"mean loss {loss_sum / max(samples, 1):.3f}"
+        )
         if args.steps and step >= args.steps:
             break
     return epochs
@@ -103,16 +124,23 @@ def add_training_args(parser) -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: run all epochs)")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="DataLoader worker processes (default: up to 4)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="DataLoader worker processes (default: up to 4)",
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data", required=True, help="ImageFolder root: one directory per class")
     add_training_args(parser)
     return parser.parse_args(argv)

@@ -31,12 +31,10 @@ import sys
 import torch
 import webdataset as wds
 from torch.utils.data import DataLoader
-
 from train_imagefolder import add_training_args, image_transform, run_epochs, tiny_cnn
 
 
-def make_loader(shards: str, batch_size: int, workers: int, shard_shuffle: int = 100,
-                image_px: int = 64) -> DataLoader:
+def make_loader(shards: str, batch_size: int, workers: int, shard_shuffle: int = 100, image_px: int = 64) -> DataLoader:
     dataset = (
         wds.WebDataset(shards, shardshuffle=shard_shuffle or False)
         .shuffle(1000)
@@ -55,10 +53,14 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="shard paths, brace-expanded: '/dir/shard-{000000..000015}.tar'")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--shards", required=True, help="shard paths, brace-expanded: '/dir/shard-{000000..000015}.tar'"
+    )
     parser.add_argument("--num-classes", type=int, default=10)
     parser.add_argument("--shard-shuffle", type=int, default=100, help="shard shuffle buffer (0: shards in order)")
     add_training_args(parser)

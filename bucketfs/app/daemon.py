@@ -189,14 +189,20 @@ def wait_for_daemon(config: Config, pid: int, read_fd: int) -> int:
             # Containers and minimal hosts have no syslog: said once, where it is seen,
             # rather than a default log file in a place the user never chose. Said with
             # the success only: an error stays one line (and says where to look).
-            print(f"bucketfs: warning: no syslog here ({SYSLOG_SOCKET} is missing), so the daemon's log is "
-                  "discarded; add --log-file PATH to keep it", file=sys.stderr)
+            print(
+                f"bucketfs: warning: no syslog here ({SYSLOG_SOCKET} is missing), so the daemon's log is "
+                "discarded; add --log-file PATH to keep it",
+                file=sys.stderr,
+            )
         return errors.EXIT_OK
     if line.startswith("ERROR "):
         _, code, message = line.split(" ", 2)
         raise errors.UserError(message, int(code))
     _, status = os.waitpid(pid, 0)
-    raise errors.UserError(f"mount failed: the daemon exited ({os.waitstatus_to_exitcode(status)}) before the mount answered", errors.EXIT_MOUNT_FAILED)
+    raise errors.UserError(
+        f"mount failed: the daemon exited ({os.waitstatus_to_exitcode(status)}) before the mount answered",
+        errors.EXIT_MOUNT_FAILED,
+    )
 
 
 def stop_daemon(pid: int) -> None:

@@ -161,8 +161,10 @@ def fuse_option_value(text: str) -> str:
     as escaping the next character and '\\ooo' as an octal byte. Every byte but
     printable ASCII goes as '\\ooo': pyfuse3 passes options as ASCII, and a URL may not
     be (a key prefix is any UTF-8)."""
-    return "".join(chr(byte) if 0x20 < byte < 0x7F and byte not in b"\\," else f"\\{byte:03o}"
-                   for byte in text.encode("utf-8", "surrogateescape"))
+    return "".join(
+        chr(byte) if 0x20 < byte < 0x7F and byte not in b"\\," else f"\\{byte:03o}"
+        for byte in text.encode("utf-8", "surrogateescape")
+    )
 
 
 def fuse_options(config) -> set:
@@ -184,13 +186,19 @@ async def empty_prefix_notice(backend, url) -> str:
         except errors.BucketfsError:
             pass
         else:
-            return (f"{url} is empty: {url.scheme}://{url.bucket}/{url.prefix[:-1]} is an object, not a "
-                    "folder (mount the folder that holds it)")
+            return (
+                f"{url} is empty: {url.scheme}://{url.bucket}/{url.prefix[:-1]} is an object, not a "
+                "folder (mount the folder that holds it)"
+            )
     return f"{url} is empty: nothing is stored under it (a mistyped prefix?)"
 
 
-async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] = None,
-                backend_factory: Callable[[Config], Backend] = make_backend) -> None:
+async def serve(
+    config,
+    on_ready: Callable[[], None],
+    on_fs: Optional[Callable] = None,
+    backend_factory: Callable[[Config], Backend] = make_backend,
+) -> None:
     """Check the bucket, mount, serve until unmounted or signalled, then clean up.
 
     `backend_factory(config)` builds the backend the mount reads (by default the
@@ -203,8 +211,10 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
     _install_startup_signal_handlers(hangup)
     # The user named an endpoint (an option or the SDKs' own variables): an odd answer
     # points at it; otherwise at something between us and the default endpoint.
-    endpoint_given = bool(config.endpoint_url or any(
-        os.environ.get(name) for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "STORAGE_EMULATOR_HOST")))
+    endpoint_given = bool(
+        config.endpoint_url
+        or any(os.environ.get(name) for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "STORAGE_EMULATOR_HOST"))
+    )
     try:
         # Inside the handling: a missing --profile or an endpoint/region botocore refuses
         # fails here, and must be one line, not a traceback.
@@ -223,8 +233,11 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
         # Locked while this process lives; a private one if another mount holds it.
-        cache_dir = claim_dir(config.cache_dir, f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
-                              f"{config.url.scheme}-{config.url.bucket}")
+        cache_dir = claim_dir(
+            config.cache_dir,
+            f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
+            f"{config.url.scheme}-{config.url.bucket}",
+        )
     except errors.UserError:
         await backend.aclose()
         raise
@@ -241,8 +254,14 @@ async def serve(config, on_ready: Callable[[], None], on_fs: Optional[Callable] 
         cache_dir.close()  # (a private one is removed: no later mount will find it)
 
 
-async def _serve(config, backend, cache_dir: Optional[CacheDir], on_ready: Callable[[], None], on_fs: Optional[Callable],
-                 hangup_stops: bool) -> None:
+async def _serve(
+    config,
+    backend,
+    cache_dir: Optional[CacheDir],
+    on_ready: Callable[[], None],
+    on_fs: Optional[Callable],
+    hangup_stops: bool,
+) -> None:
     mounted = False
     detached = []  # set by the signal handler once it has lazily unmounted
     try:
@@ -318,7 +337,9 @@ def _mount(ops, config) -> None:
     raise errors.UserError(
         f"mount {config.mountpoint} failed: {reason} (check that /dev/fuse works here - a container needs "
         "--device /dev/fuse --cap-add SYS_ADMIN - and, for a user other than root, that fusermount3 is "
-        "installed setuid root and /etc/fuse.conf's mount_max is not reached)", errors.EXIT_MOUNT_FAILED)
+        "installed setuid root and /etc/fuse.conf's mount_max is not reached)",
+        errors.EXIT_MOUNT_FAILED,
+    )
 
 
 def _start_metrics(address: str, port: int, snapshot) -> None:
@@ -328,12 +349,14 @@ def _start_metrics(address: str, port: int, snapshot) -> None:
         start_metrics_server(address, port, snapshot)
     except OSError as exc:
         where = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-        raise errors.UserError(f"--metrics-port {port}: cannot serve metrics on {where} ({exc.strerror})",
-                               errors.EXIT_METRICS_PORT) from None
+        raise errors.UserError(
+            f"--metrics-port {port}: cannot serve metrics on {where} ({exc.strerror})", errors.EXIT_METRICS_PORT
+        ) from None
 
 
-async def _watch_signals(mountpoint: str, detached: list, hangup_stops: bool, scope: trio.CancelScope,
-                         task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _watch_signals(
+    mountpoint: str, detached: list, hangup_stops: bool, scope: trio.CancelScope, task_status=trio.TASK_STATUS_IGNORED
+) -> None:
     with scope:
         await _stop_on_signals(mountpoint, detached, hangup_stops, task_status)
 
@@ -380,8 +403,11 @@ async def _stop_on_signals(mountpoint: str, detached: list, hangup_stops: bool, 
 async def _exit_now(mountpoint: str) -> None:
     """Handlers are still blocked (on a store that stopped answering): detach the mount
     if the first signal has not, and end the process without waiting for them."""
-    log.warning("requests still in flight %.0f s after stopping (a store that stopped answering?); "
-                "exiting now: their readers get an error", STOP_DEADLINE_S)
+    log.warning(
+        "requests still in flight %.0f s after stopping (a store that stopped answering?); "
+        "exiting now: their readers get an error",
+        STOP_DEADLINE_S,
+    )
     with trio.move_on_after(UNMOUNT_DEADLINE_S):
         try:
             if await trio.to_thread.run_sync(mount_entry, mountpoint, abandon_on_cancel=True) is not None:

@@ -41,11 +41,16 @@ def check_fuse_available() -> None:
     # BUCKETFS_FUSE_DEVICE exists so tests can play a machine without FUSE.
     device = os.environ.get("BUCKETFS_FUSE_DEVICE", "/dev/fuse")
     if not os.path.exists(device):
-        raise errors.UserError(f"FUSE is not available: {device} does not exist (install fuse3 and load the fuse module)", errors.EXIT_NO_FUSE)
+        raise errors.UserError(
+            f"FUSE is not available: {device} does not exist (install fuse3 and load the fuse module)",
+            errors.EXIT_NO_FUSE,
+        )
     if not os.access(device, os.R_OK | os.W_OK):
         raise errors.UserError(f"FUSE is not available: no read/write access to {device}", errors.EXIT_NO_FUSE)
     if os.geteuid() != 0 and fusermount_path() is None:
-        raise errors.UserError("FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE)
+        raise errors.UserError(
+            "FUSE is not available: fusermount3 not found on PATH (apt-get install fuse3)", errors.EXIT_NO_FUSE
+        )
 
 
 def check_allow_other_permitted(allow_other: bool, fuse_conf: str = "/etc/fuse.conf") -> None:
@@ -88,7 +93,9 @@ def check_mountpoint(path: str) -> None:
     if not stat_mod.S_ISDIR(st.st_mode):
         raise errors.UserError(f"mountpoint {path} is not a directory", errors.EXIT_BAD_MOUNTPOINT)
     if os.path.ismount(path):
-        raise errors.UserError(f"mountpoint {path} is already a mount (bucketfs unmount {path} first)", errors.EXIT_BAD_MOUNTPOINT)
+        raise errors.UserError(
+            f"mountpoint {path} is already a mount (bucketfs unmount {path} first)", errors.EXIT_BAD_MOUNTPOINT
+        )
     try:
         if os.listdir(path):
             raise errors.UserError(f"mountpoint {path} is not empty", errors.EXIT_BAD_MOUNTPOINT)
@@ -127,8 +134,9 @@ def check_ours_to_unmount(path: str) -> None:
         return
     if fstype.split(".")[0] in ("fuse", "fuseblk") and _is_dead_mount(path):
         return
-    raise errors.UserError(f"{path} is not a bucketfs mount (it is {fstype} from {source}); not unmounting it",
-                           errors.EXIT_BAD_MOUNTPOINT)
+    raise errors.UserError(
+        f"{path} is not a bucketfs mount (it is {fstype} from {source}); not unmounting it", errors.EXIT_BAD_MOUNTPOINT
+    )
 
 
 def unmount(path: str, lazy: bool = False, timeout_s: float = 30) -> None:
@@ -144,7 +152,9 @@ def unmount(path: str, lazy: bool = False, timeout_s: float = 30) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise errors.UserError(f"unmount {path}: {cmd[0]} did not finish within {timeout_s:.0f} s", errors.EXIT_BAD_MOUNTPOINT) from None
+        raise errors.UserError(
+            f"unmount {path}: {cmd[0]} did not finish within {timeout_s:.0f} s", errors.EXIT_BAD_MOUNTPOINT
+        ) from None
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()
         detail = msg[-1] if msg else f"exit {proc.returncode}"

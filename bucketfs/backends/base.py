@@ -71,14 +71,17 @@ class Backend(abc.ABC):
         """Metadata of one object; NotFound if it does not exist."""
 
     @abc.abstractmethod
-    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+    async def read_range(
+        self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
+    ) -> bytes:
         """Bytes `[start, end)` of `key` at `version`; ObjectChanged if it changed or is
         gone (a handle was opened on a listed object: "no such file" would contradict
         the listing the reader just saw). `object_bytes`: the size the object has at `version`; an answer that reports
         another total size (Content-Range) is ObjectChanged too."""
 
-    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray,
-                              object_bytes: Optional[int] = None) -> int:
+    async def read_range_into(
+        self, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int] = None
+    ) -> int:
         """Like read_range, into `buffer` (any writable buffer of at least `end - start`
         bytes: a bytearray or an anonymous mmap): the number of bytes written.
         Backends that can receive straight into it override this."""
@@ -92,7 +95,7 @@ class Backend(abc.ABC):
         EndpointUnreachable. True if `prefix` lists anything besides its own directory
         marker (a mistyped prefix mounts as an empty directory: the caller says so)."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - nothing to release by default (the in-memory fake)
         """Release connections and threads."""
 
     async def confirm_past_end(self, key: str, version: str, start: int) -> bytes:
@@ -118,8 +121,14 @@ class ShortBody(ConnectionError):
     retried like a reset, not reported as ESTALE."""
 
 
-def check_answer(key: str, start: int, end: int, received_bytes: Optional[int], content_range: Optional[str],
-                 object_bytes: Optional[int]) -> None:
+def check_answer(
+    key: str,
+    start: int,
+    end: int,
+    received_bytes: Optional[int],
+    content_range: Optional[str],
+    object_bytes: Optional[int],
+) -> None:
     """Check a ranged GET's answer, once it is known to be of the pinned version (a
     short answer of another version is ObjectChanged, not retried), against its
     `Content-Range: bytes a-b/TOTAL`, parsed here only. In the worker thread: there
@@ -157,5 +166,4 @@ def lists_entries(keys, prefixes_count: int, prefix: str) -> bool:
 
 
 def gone_message(key: str) -> str:
-    return (f"{key}: gone since it was listed (deleted, or a name the store lists but "
-            "cannot serve)")
+    return f"{key}: gone since it was listed (deleted, or a name the store lists but cannot serve)"

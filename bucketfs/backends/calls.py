@@ -56,7 +56,9 @@ class BlockingCaller:
     retried with jittered exponential backoff up to `policy.attempts_count` attempts.
     """
 
-    def __init__(self, max_threads_count: int, policy: RetryPolicy, classify: Callable[[BaseException], errors.BucketfsError]):
+    def __init__(
+        self, max_threads_count: int, policy: RetryPolicy, classify: Callable[[BaseException], errors.BucketfsError]
+    ):
         self.slots = PrioritySlots(max_threads_count)  # who goes next: urgent calls first
         self.limiter = trio.CapacityLimiter(max_threads_count)  # threads, abandoned ones included
         self.policy = policy
@@ -68,8 +70,9 @@ class BlockingCaller:
     async def call(self, what: str, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
         # abandon_on_cancel: a cancelled prefetch leaves its thread to finish alone;
         # the limiter slot is still held until then, which keeps the pool bounded.
-        return await self.run(what, trio.to_thread.run_sync, fn, *args, limiter=self.limiter,
-                              abandon_on_cancel=abandon_on_cancel)
+        return await self.run(
+            what, trio.to_thread.run_sync, fn, *args, limiter=self.limiter, abandon_on_cancel=abandon_on_cancel
+        )
 
     async def run(self, what: str, attempt_fn: Callable[..., Awaitable[T]], *args, **kwargs) -> T:
         """`await attempt_fn(*args, **kwargs)` in a slot, with call()'s retries and
@@ -89,7 +92,14 @@ class BlockingCaller:
                 if isinstance(err, errors.TransientError) and attempt < self.policy.attempts_count:
                     self.retries_count += 1
                     delay_s = self.policy.delay_s(attempt)
-                    log.warning("%s failed (%s); retry %d/%d in %.2fs", what, err, attempt, self.policy.attempts_count - 1, delay_s)
+                    log.warning(
+                        "%s failed (%s); retry %d/%d in %.2fs",
+                        what,
+                        err,
+                        attempt,
+                        self.policy.attempts_count - 1,
+                        delay_s,
+                    )
                     await trio.sleep(delay_s)
                     continue
                 self.failures[type(err).__name__] += 1

@@ -88,8 +88,15 @@ def is_whole_object(start: int, received_bytes: int, object_bytes: Optional[int]
     return total_bytes is not None and received_bytes == total_bytes
 
 
-def check_whole_object(key: str, digest: Optional[Digest], start: int, data, object_bytes: Optional[int],
-                       content_range: Optional[str], etags: Optional["EtagChecks"] = None) -> None:
+def check_whole_object(
+    key: str,
+    digest: Optional[Digest],
+    start: int,
+    data,
+    object_bytes: Optional[int],
+    content_range: Optional[str],
+    etags: Optional["EtagChecks"] = None,
+) -> None:
     """CorruptBody if `data` (bytes-like), the body of a GET from `start`, is the whole
     object and does not have the stated digest (None: nothing stated, nothing checked).
     `etags`: the mount's S3 ETag checks, which may have learnt that ETags are no MD5s."""
@@ -101,8 +108,9 @@ def check_whole_object(key: str, digest: Optional[Digest], start: int, data, obj
     del data  # (a traceback must not keep a view of a buffer its owner resizes or reuses)
     if got == digest.expected or (etags is not None and etags.same_bytes_again(key, digest, got)):
         return
-    raise CorruptBody(f"{key}: the {digest.name} of the {size_bytes} bytes received is not the one the store "
-                      "states for the object")
+    raise CorruptBody(
+        f"{key}: the {digest.name} of the {size_bytes} bytes received is not the one the store states for the object"
+    )
 
 
 class EtagChecks:
@@ -126,8 +134,11 @@ class EtagChecks:
         if self._mismatched.pop((key, etag), None) == got:
             if self.enabled:
                 self.enabled = False
-                log.warning("%s: two GETs brought the same bytes, whose MD5 is not the object's ETag: this store's "
-                            "ETags are not MD5s of the bytes, so whole-object checks against them are off", key)
+                log.warning(
+                    "%s: two GETs brought the same bytes, whose MD5 is not the object's ETag: this store's "
+                    "ETags are not MD5s of the bytes, so whole-object checks against them are off",
+                    key,
+                )
             return True
         if len(self._mismatched) >= MISMATCHES_KEPT_COUNT:
             self._mismatched.clear()

@@ -66,13 +66,20 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 # Throttling and server-side failures, by HTTP status (408 has no class of its own).
 _TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _TRANSIENT = (
-    requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
     urllib3.exceptions.HTTPError,  # raw body streaming can leak urllib3's own errors
     google.auth.exceptions.TransportError,  # token endpoint unreachable
-    ConnectionError, TimeoutError,
+    ConnectionError,
+    TimeoutError,
 )
-_DENIED = (gexc.Forbidden, gexc.Unauthorized, google.auth.exceptions.DefaultCredentialsError,
-           google.auth.exceptions.RefreshError)
+_DENIED = (
+    gexc.Forbidden,
+    gexc.Unauthorized,
+    google.auth.exceptions.DefaultCredentialsError,
+    google.auth.exceptions.RefreshError,
+)
 
 
 def _is_transient_refresh(exc: BaseException) -> bool:
@@ -80,7 +87,8 @@ def _is_transient_refresh(exc: BaseException) -> bool:
     metadata server briefly down: google-auth marks it retryable or wraps a
     TransportError), not because the credentials were refused."""
     return isinstance(exc, google.auth.exceptions.RefreshError) and (
-        getattr(exc, "retryable", False) or isinstance(exc.__cause__, google.auth.exceptions.TransportError))
+        getattr(exc, "retryable", False) or isinstance(exc.__cause__, google.auth.exceptions.TransportError)
+    )
 
 
 def classify(exc: BaseException) -> errors.BucketfsError:
@@ -123,8 +131,12 @@ def _mtime_ns(updated: Optional[str]) -> int:
 def _info(resource: dict) -> ObjectInfo:
     """An object's ObjectInfo from its JSON resource (a listing item, or a Blob's
     `_properties`): no Blob object per listed entry."""
-    return ObjectInfo(resource["name"], int(resource.get("size") or 0), _mtime_ns(resource.get("updated")),
-                      str(resource.get("generation")))
+    return ObjectInfo(
+        resource["name"],
+        int(resource.get("size") or 0),
+        _mtime_ns(resource.get("updated")),
+        str(resource.get("generation")),
+    )
 
 
 def _item_as_is(_iterator, item: dict) -> dict:
@@ -148,8 +160,11 @@ class GCSBackend(Backend):
         self._warned_no_generation_header = False
         # Without pycurl, or where CurlDownloads is not usable (mTLS, a proxy), every GET
         # takes the library's path on a worker thread.
-        self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
-                               ca_bundle_path()) if CurlEngine.available() else None
+        self.curl = (
+            CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s, ca_bundle_path())
+            if CurlEngine.available()
+            else None
+        )
         self._downloads: Optional[CurlDownloads] = None
         # Chosen once the client is built (_get_bucket): what it allows decides.
         self.transport: Optional[GCSTransport] = None
@@ -164,15 +179,19 @@ class GCSBackend(Backend):
     def _credentials(self, endpoint: Optional[str]):
         if self._config.key_file and endpoint and endpoint.startswith("http://"):
             # The key file's tokens would travel in clear text: refused, not sent.
-            raise errors.InvalidOption(f"--key-file with the plaintext endpoint {endpoint}: its tokens would travel "
-                                       "unencrypted (use https://, or no key file for an emulator)")
+            raise errors.InvalidOption(
+                f"--key-file with the plaintext endpoint {endpoint}: its tokens would travel "
+                "unencrypted (use https://, or no key file for an emulator)"
+            )
         if self._config.key_file:
             from google.oauth2 import service_account
 
             try:
                 return service_account.Credentials.from_service_account_file(self._config.key_file)
             except (OSError, ValueError) as exc:
-                raise errors.AccessDenied(f"cannot load key file {self._config.key_file}: {type(exc).__name__}: {exc}") from None
+                raise errors.AccessDenied(
+                    f"cannot load key file {self._config.key_file}: {type(exc).__name__}: {exc}"
+                ) from None
         # A plaintext endpoint is an emulator: it needs no token, and a real token
         # must never travel unencrypted.
         if self._config.no_sign_request or (endpoint and endpoint.startswith("http://")):
@@ -197,7 +216,8 @@ class GCSBackend(Backend):
                 # session keeps the adapter that carries its client certificate.)
                 if not getattr(client._http, "is_mtls", False):
                     adapter = requests.adapters.HTTPAdapter(
-                        pool_connections=2, pool_maxsize=self._config.max_connections_count, max_retries=0)
+                        pool_connections=2, pool_maxsize=self._config.max_connections_count, max_retries=0
+                    )
                     client._http.mount("https://", adapter)
                     client._http.mount("http://", adapter)
                 self._client = client
@@ -236,8 +256,15 @@ class GCSBackend(Backend):
         def fetch():
             bucket = self._get_bucket()
             iterator = bucket.client.list_blobs(
-                bucket, prefix=prefix or None, delimiter="/", page_size=_PAGE_SIZE_COUNT,
-                page_token=token, fields=_LIST_FIELDS, retry=None, timeout=self._timeout_s)
+                bucket,
+                prefix=prefix or None,
+                delimiter="/",
+                page_size=_PAGE_SIZE_COUNT,
+                page_token=token,
+                fields=_LIST_FIELDS,
+                retry=None,
+                timeout=self._timeout_s,
+            )
             iterator.item_to_value = _item_as_is  # the items' JSON, not a Blob each (most of the CPU)
             page = next(iterator.pages)  # exactly one request: the caller drives paging
             return [_info(item) for item in page], sorted(page.prefixes), iterator.next_page_token
@@ -256,7 +283,9 @@ class GCSBackend(Backend):
         self.requests["head"] += 1
         return await self.caller.call(f"stat {key}", lambda: _info(self._reload_blocking(key)._properties))
 
-    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+    async def read_range(
+        self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
+    ) -> bytes:
         if end <= start:
             return b""
         generation = int(version)
@@ -296,8 +325,14 @@ class GCSBackend(Backend):
             bucket = self._get_bucket()
             # Two entries: the first may be the prefix's own directory marker.
             iterator = bucket.client.list_blobs(
-                bucket, prefix=prefix or None, delimiter="/", max_results=2,
-                fields="items(name),prefixes,nextPageToken", retry=None, timeout=self._timeout_s)
+                bucket,
+                prefix=prefix or None,
+                delimiter="/",
+                max_results=2,
+                fields="items(name),prefixes,nextPageToken",
+                retry=None,
+                timeout=self._timeout_s,
+            )
             page = next(iterator.pages)
             return lists_entries([blob.name for blob in page], len(iterator.prefixes), prefix)
 

@@ -93,7 +93,9 @@ class CurlDownloads:
 def refused(transfer: Transfer) -> gexc.GoogleAPICallError:
     """The exception the library would raise for this answer's status."""
     body = bytes(transfer.error_body).decode("utf-8", "replace").strip()
-    return gexc.from_http_status(transfer.status, f"GET {transfer.url.split('?', 1)[0]}: {body[:300] or transfer.status}")
+    return gexc.from_http_status(
+        transfer.status, f"GET {transfer.url.split('?', 1)[0]}: {body[:300] or transfer.status}"
+    )
 
 
 def served_generation(transfer: Transfer) -> Optional[int]:

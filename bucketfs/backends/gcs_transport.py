@@ -54,7 +54,9 @@ class GCSTransport(abc.ABC):
         return f"GETs: {self.gets}; LISTs: {LISTS}"
 
     @abc.abstractmethod
-    async def get(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]) -> Optional[tuple]:
+    async def get(
+        self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]
+    ) -> Optional[tuple]:
         """(data, served generation, looked_up: a metadata GET told it), or None past the end."""
 
 
@@ -64,10 +66,13 @@ class LibraryGets(GCSTransport):
     name = "library"
     gets = "the library's requests session (worker threads)"
 
-    async def get(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]) -> Optional[tuple]:
+    async def get(
+        self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]
+    ) -> Optional[tuple]:
         self.backend.get_paths["threads"] += 1
-        return await self.backend.caller.call(f"GET {key}", self.fetch_blocking, key, start, end, generation,
-                                              object_bytes)
+        return await self.backend.caller.call(
+            f"GET {key}", self.fetch_blocking, key, start, end, generation, object_bytes
+        )
 
     def fetch_blocking(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]):
         backend = self.backend
@@ -80,16 +85,25 @@ class LibraryGets(GCSTransport):
         # Accept-Encoding: gzip with an undecoded read is the raw download: an
         # object stored gzip-encoded comes back as stored, at its listed size.
         response = bucket.client._http.request(
-            "GET", url, headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "gzip"},  # inclusive end
-            stream=True, timeout=backend._timeout_s)
+            "GET",
+            url,
+            headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "gzip"},  # inclusive end
+            stream=True,
+            timeout=backend._timeout_s,
+        )
         try:
             if response.status_code == 416:
                 return None  # start >= size of whichever generation was served
             if response.status_code not in (200, 206):
                 raise gexc.from_http_response(response)
             content_range = response.headers.get("Content-Range")
-            data = read_range_body(response.raw, backend.read_timeout_s, start, end,
-                                   whole_object=response.status_code == 200 and content_range is None)
+            data = read_range_body(
+                response.raw,
+                backend.read_timeout_s,
+                start,
+                end,
+                whole_object=response.status_code == 200 and content_range is None,
+            )
             served = response.headers.get("x-goog-generation")
             goog_hash = response.headers.get("x-goog-hash")
         finally:
@@ -112,14 +126,18 @@ class CurlGets(LibraryGets):
     """LibraryGets, with GETs up to SMALL_GET_MAX_BYTES on the libcurl engine."""
 
     name = "curl"
-    gets = f"libcurl for <= {SMALL_GET_MAX_BYTES // 2**20} MiB, the library's requests session (worker threads) for larger"
+    gets = (
+        f"libcurl for <= {SMALL_GET_MAX_BYTES // 2**20} MiB, the library's requests session (worker threads) for larger"
+    )
 
     def __init__(self, backend, engine, downloads) -> None:
         super().__init__(backend)
         self.engine = engine
         self.downloads = downloads  # gcs_curl.CurlDownloads
 
-    async def get(self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]) -> Optional[tuple]:
+    async def get(
+        self, key: str, start: int, end: int, generation: int, object_bytes: Optional[int]
+    ) -> Optional[tuple]:
         if end - start > SMALL_GET_MAX_BYTES:
             return await super().get(key, start, end, generation, object_bytes)
         self.backend.get_paths["curl"] += 1
@@ -146,10 +164,16 @@ class CurlGets(LibraryGets):
         if served is None:  # (see fetch_blocking)
             blob = await trio.to_thread.run_sync(self.backend._reload_blocking, key, limiter=limiter)
             served, looked_up = blob.generation, True
-        del into[transfer.received_bytes:]  # (a range past the object's end: its shorter answer)
+        del into[transfer.received_bytes :]  # (a range past the object's end: its shorter answer)
         if served == generation:
             content_range = transfer.headers.get("content-range")
             check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
-            check_whole_object(key, gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of), start, into,
-                               object_bytes, content_range)
+            check_whole_object(
+                key,
+                gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of),
+                start,
+                into,
+                object_bytes,
+                content_range,
+            )
         return into, served, looked_up

@@ -31,8 +31,13 @@ DEFAULT_MTIME_NS = 1_700_000_000 * 10**9
 class MemoryBackend(Backend):
     receives_into = True  # stands in for S3 in unit tests, so they cover pooled part buffers
 
-    def __init__(self, objects: Optional[dict] = None, page_size_count: int = 1000, delay_s: float = 0.0,
-                 versions: str = "counter"):
+    def __init__(
+        self,
+        objects: Optional[dict] = None,
+        page_size_count: int = 1000,
+        delay_s: float = 0.0,
+        versions: str = "counter",
+    ):
         super().__init__()
         if versions not in VERSION_MODES:
             raise ValueError(f"versions={versions!r}: one of {VERSION_MODES}")
@@ -85,13 +90,17 @@ class MemoryBackend(Backend):
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         await self._request("list", prefix)
         start_after = token or ""
-        i = bisect.bisect_right(self._sorted_keys, start_after) if token else bisect.bisect_left(self._sorted_keys, prefix)
+        i = (
+            bisect.bisect_right(self._sorted_keys, start_after)
+            if token
+            else bisect.bisect_left(self._sorted_keys, prefix)
+        )
         objects, prefixes, last = [], [], None
         while i < len(self._sorted_keys) and len(objects) + len(prefixes) < self.page_size_count:
             key = self._sorted_keys[i]
             if not key.startswith(prefix):
                 break
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             slash = rest.find("/")
             if slash >= 0:
                 common = prefix + rest[: slash + 1]
@@ -112,7 +121,9 @@ class MemoryBackend(Backend):
         except KeyError:
             raise errors.NotFound(key) from None
 
-    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+    async def read_range(
+        self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
+    ) -> bytes:
         await self._request("get", key)
         info = self._info.get(key)
         if info is None:

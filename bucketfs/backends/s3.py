@@ -65,11 +65,32 @@ PROBE_CONNECT_TIMEOUT_S = 5.0
 PROBE_READ_TIMEOUT_S = 10.0
 
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
-_DENIED_CODES = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
-                 "AccountProblem", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-                    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
-                    "503", "500", "502", "504"}
+_DENIED_CODES = {
+    "AccessDenied",
+    "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AllAccessDisabled",
+    "AccountProblem",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "503",
+    "500",
+    "502",
+    "504",
+}
 _TRANSIENT_STATUSES = {429, 500, 502, 503, 504}
 # Failures of the connection or of the body stream: the whole request is worth repeating.
 _TRANSIENT_EXCEPTIONS = (
@@ -150,12 +171,24 @@ class S3Backend(Backend):
         except ValueError as exc:  # "Invalid endpoint": the CLI's usage error
             raise errors.InvalidOption(f"--endpoint-url {config.endpoint_url!r}: {exc}") from None
         self.read_timeout_s = config.read_timeout_s
-        self.lean = LeanS3(self.client, self._session, self.bucket, config.max_connections_count,
-                           config.connect_timeout_s, config.read_timeout_s, config.no_sign_request)
+        self.lean = LeanS3(
+            self.client,
+            self._session,
+            self.bucket,
+            config.max_connections_count,
+            config.connect_timeout_s,
+            config.read_timeout_s,
+            config.no_sign_request,
+        )
         self.lean.resolve_early()  # (no request: where it resolves, what the transport can be)
         # The curl engine, where pycurl is installed and the lean path serves the bucket.
-        self.curl = CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s,
-                               ca_bundle(self._session)) if CurlEngine.available() and self.lean.usable else None
+        self.curl = (
+            CurlEngine(
+                config.max_connections_count, config.connect_timeout_s, config.read_timeout_s, ca_bundle(self._session)
+            )
+            if CurlEngine.available() and self.lean.usable
+            else None
+        )
         self.etag_checks = EtagChecks()
         self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
@@ -166,8 +199,12 @@ class S3Backend(Backend):
         self.sdk = Sdk(self)
         self._swap_lock = threading.Lock()
         self.transport: S3Transport = self.choose_transport()
-        log.info("s3://%s: %s%s", self.bucket, self.transport.describe(),
-                 f" ({self.lean.off_reason})" if self.lean.off_reason else "")
+        log.info(
+            "s3://%s: %s%s",
+            self.bucket,
+            self.transport.describe(),
+            f" ({self.lean.off_reason})" if self.lean.off_reason else "",
+        )
 
     def choose_transport(self) -> S3Transport:
         """The transport for what this host and endpoint allow (s3_transport.py): the
@@ -184,8 +221,11 @@ class S3Backend(Backend):
         from now on, whose region redirector handles it. Logged once. Any thread."""
         with self._swap_lock:
             if self.transport is not self.sdk:
-                log.info("s3://%s: %s; GETs and LISTs go through the SDK client from now on", self.bucket,
-                         self.lean.off_reason or "the lean path is off")
+                log.info(
+                    "s3://%s: %s; GETs and LISTs go through the SDK client from now on",
+                    self.bucket,
+                    self.lean.off_reason or "the lean path is off",
+                )
                 self.transport = self.sdk
         return self.sdk
 
@@ -221,8 +261,16 @@ class S3Backend(Backend):
         # (including characters XML 1.0 cannot carry) round-trips exactly.
         return client.list_objects_v2(**kwargs)
 
-    def checked(self, key: str, start: int, end: int, version: str, answer: Optional[tuple],
-                buffer: Optional[bytearray], object_bytes: Optional[int]):
+    def checked(
+        self,
+        key: str,
+        start: int,
+        end: int,
+        version: str,
+        answer: Optional[tuple],
+        buffer: Optional[bytearray],
+        object_bytes: Optional[int],
+    ):
         """A transport's GET answer (etag, content_range, body, digest, last_modified), or
         None (416), checked: the bytes, or with `buffer` the number received into it
         (`body` is that number then); None for a 416. A whole object is checked against
@@ -233,8 +281,15 @@ class S3Backend(Backend):
         self.answer_checks.check(key, version, etag, last_modified)
         received_bytes = body if buffer is not None else len(body)
         check_answer(key, start, end, received_bytes, content_range, object_bytes)
-        check_whole_object(key, digest, start, body if buffer is None else memoryview(buffer)[:received_bytes],
-                           object_bytes, content_range, self.etag_checks)
+        check_whole_object(
+            key,
+            digest,
+            start,
+            body if buffer is None else memoryview(buffer)[:received_bytes],
+            object_bytes,
+            content_range,
+            self.etag_checks,
+        )
         return body
 
     def _list_page_blocking(self, prefix: str, token: Optional[str]) -> tuple:
@@ -245,10 +300,13 @@ class S3Backend(Backend):
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         self.requests["list"] += 1
         raw_objects, prefixes, next_token, truncated = await self.caller.call(
-            f"LIST {prefix!r}", self._list_page_blocking, prefix, token, abandon_on_cancel=True)
+            f"LIST {prefix!r}", self._list_page_blocking, prefix, token, abandon_on_cancel=True
+        )
         # (A directory marker object, key == prefix, is among them: the namespace knows it
         # for the directory itself.)
-        objects = [ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects]
+        objects = [
+            ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects
+        ]
         for info in objects:
             self.answer_checks.note_listed(info.version)
         if truncated and not next_token:
@@ -258,19 +316,25 @@ class S3Backend(Backend):
 
     async def stat(self, key: str) -> ObjectInfo:
         self.requests["head"] += 1
-        response = await self.caller.call(f"HEAD {key!r}", lambda: self.client.head_object(Bucket=self.bucket, Key=key),
-                                          abandon_on_cancel=True)
+        response = await self.caller.call(
+            f"HEAD {key!r}", lambda: self.client.head_object(Bucket=self.bucket, Key=key), abandon_on_cancel=True
+        )
         mtime_ns = _mtime_ns(response.get("LastModified"))
         return ObjectInfo(key, response["ContentLength"], mtime_ns, versions.of_s3(response.get("ETag", ""), mtime_ns))
 
-    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+    async def read_range(
+        self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
+    ) -> bytes:
         return await self._read(key, start, end, version, None, object_bytes)
 
-    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer: bytearray,
-                              object_bytes: Optional[int] = None) -> int:
+    async def read_range_into(
+        self, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int] = None
+    ) -> int:
         return await self._read(key, start, end, version, buffer, object_bytes)
 
-    async def _read(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray], object_bytes: Optional[int]):
+    async def _read(
+        self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray], object_bytes: Optional[int]
+    ):
         """The bytes, or with `buffer` the number of bytes written into it."""
         if end <= start:
             return b"" if buffer is None else 0
@@ -284,8 +348,9 @@ class S3Backend(Backend):
         # read-ahead part waits for them), and nothing writes into a buffer after its part
         # has let go of it.
         try:
-            got_bytes = await self.transport.get(f"GET {key!r} [{start}, {end})", key, start, end, version, into,
-                                                 object_bytes)
+            got_bytes = await self.transport.get(
+                f"GET {key!r} [{start}, {end})", key, start, end, version, into, object_bytes
+            )
         except errors.NotFound:
             raise errors.ObjectChanged(gone_message(key)) from None
         if got_bytes is None:
@@ -302,27 +367,35 @@ class S3Backend(Backend):
         # Its own short-timeout client and few attempts: the user waits for this answer.
         # (Made in a thread: building a client reads botocore's service models.)
         probe_client = await trio.to_thread.run_sync(
-            self._make_client, min(self._config.connect_timeout_s, PROBE_CONNECT_TIMEOUT_S),
-            min(self._config.read_timeout_s, PROBE_READ_TIMEOUT_S))
+            self._make_client,
+            min(self._config.connect_timeout_s, PROBE_CONNECT_TIMEOUT_S),
+            min(self._config.read_timeout_s, PROBE_READ_TIMEOUT_S),
+        )
         policy = self.caller.policy
-        probe = BlockingCaller(1, RetryPolicy(min(policy.attempts_count, PROBE_ATTEMPTS_COUNT), policy.base_delay_s,
-                                              policy.max_delay_s), classify)
+        probe = BlockingCaller(
+            1,
+            RetryPolicy(min(policy.attempts_count, PROBE_ATTEMPTS_COUNT), policy.base_delay_s, policy.max_delay_s),
+            classify,
+        )
         try:
             # Two keys: the first may be the prefix's own directory marker.
-            response = await probe.call(f"probe LIST {prefix!r}", self.list_objects_blocking, probe_client, prefix,
-                                        None, 2)
+            response = await probe.call(
+                f"probe LIST {prefix!r}", self.list_objects_blocking, probe_client, prefix, None, 2
+            )
         except errors.TransientError as exc:
             if isinstance(exc.__cause__, botocore.exceptions.SSLError):
-                raise errors.EndpointUnreachable(f"{exc} (a certificate signed by a private CA? "
-                                                 "give the CA as AWS_CA_BUNDLE)") from exc.__cause__
+                raise errors.EndpointUnreachable(
+                    f"{exc} (a certificate signed by a private CA? give the CA as AWS_CA_BUNDLE)"
+                ) from exc.__cause__
             if isinstance(exc.__cause__, _UNREACHABLE_EXCEPTIONS):
                 raise errors.EndpointUnreachable(str(exc)) from exc.__cause__
             raise
         finally:
             probe_client.close()
             self.caller.retries_count += probe.retries_count
-        return lists_entries((item["Key"] for item in response.get("Contents", ())),
-                             len(response.get("CommonPrefixes", ())), prefix)
+        return lists_entries(
+            (item["Key"] for item in response.get("Contents", ())), len(response.get("CommonPrefixes", ())), prefix
+        )
 
     async def aclose(self) -> None:
         if self.curl is not None:

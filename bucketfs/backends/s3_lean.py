@@ -77,8 +77,13 @@ def redirect_url(url: str, location: str) -> str:
     if not query:
         return base
     pairs = [item.partition("=") for item in query.partition("#")[0].split("&") if item]
-    return base + "?" + "&".join(f"{quote(unquote(name), safe='-_.~')}={quote(unquote(value), safe='-_.~')}"
-                                 for name, _, value in pairs)
+    return (
+        base
+        + "?"
+        + "&".join(
+            f"{quote(unquote(name), safe='-_.~')}={quote(unquote(value), safe='-_.~')}" for name, _, value in pairs
+        )
+    )
 
 
 def error_response(status: int, body: bytes) -> dict:
@@ -93,8 +98,15 @@ def error_response(status: int, body: bytes) -> dict:
 def too_many_redirects(url: str) -> botocore.exceptions.ClientError:
     """The error of a request still redirected after REDIRECT_HOPS_MAX hops (EIO)."""
     return botocore.exceptions.ClientError(
-        {"Error": {"Code": "TooManyRedirects", "Message": f"still redirected after {REDIRECT_HOPS_MAX} hops ({url})"},
-         "ResponseMetadata": {"HTTPStatusCode": 310}}, "GetObject")
+        {
+            "Error": {
+                "Code": "TooManyRedirects",
+                "Message": f"still redirected after {REDIRECT_HOPS_MAX} hops ({url})",
+            },
+            "ResponseMetadata": {"HTTPStatusCode": 310},
+        },
+        "GetObject",
+    )
 
 
 def ca_bundle(session) -> str:
@@ -148,6 +160,7 @@ def _mtime_ns(text: str) -> int:
         when = when.replace(tzinfo=datetime.timezone.utc)
     return max((when - _EPOCH) // datetime.timedelta(microseconds=1) * 1000, 0)
 
+
 # A ListObjectsV2 page as S3, MinIO, Ceph and rclone write it: flat, unprefixed tags,
 # no CDATA. One regular-expression pass reads it without building ~8 Elements per key.
 # Alone it is only ~1.5x faster (200 keys: ~1.4 -> ~1.0 ms), but inside the daemon,
@@ -156,7 +169,9 @@ def _mtime_ns(text: str) -> int:
 # Anything else goes to ElementTree (see parse_list_page).
 _OBJECT_FIELDS_RE = re.compile(r"<(Key|LastModified|ETag|Size)>([^<]*)</")
 _PREFIX_RE = re.compile(r"<CommonPrefixes>\s*<Prefix>([^<]*)</Prefix>\s*</CommonPrefixes>")
-_TOP_FIELD_RE = {tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("IsTruncated", "NextContinuationToken", "EncodingType")}
+_TOP_FIELD_RE = {
+    tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("IsTruncated", "NextContinuationToken", "EncodingType")
+}
 
 
 def _parse_fast(body: bytes) -> Optional[tuple]:
@@ -183,8 +198,14 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
         if len(record) != 4:
             return None
         try:
-            objects.append((decode(unescape(record["Key"])), int(record["Size"]),
-                            _mtime_ns(record["LastModified"]), unescape(record["ETag"])))
+            objects.append(
+                (
+                    decode(unescape(record["Key"])),
+                    int(record["Size"]),
+                    _mtime_ns(record["LastModified"]),
+                    unescape(record["ETag"]),
+                )
+            )
         except ValueError:
             return None
     prefixes = [decode(unescape(value)) for value in _PREFIX_RE.findall(text)]
@@ -200,8 +221,12 @@ def _parse_tree(body: bytes) -> tuple:
     encoded = root.findtext(f"{ns}EncodingType") == "url"
     decode = unquote_str if encoded else (lambda text: text)
     objects = [
-        (decode(item.findtext(f"{ns}Key")), int(item.findtext(f"{ns}Size")),
-         _mtime_ns(item.findtext(f"{ns}LastModified")), item.findtext(f"{ns}ETag") or "")
+        (
+            decode(item.findtext(f"{ns}Key")),
+            int(item.findtext(f"{ns}Size")),
+            _mtime_ns(item.findtext(f"{ns}LastModified")),
+            item.findtext(f"{ns}ETag") or "",
+        )
         for item in root.iterfind(f"{ns}Contents")
     ]
     prefixes = [decode(item.findtext(f"{ns}Prefix")) for item in root.iterfind(f"{ns}CommonPrefixes")]
@@ -216,13 +241,24 @@ def parse_list_page(body: bytes) -> tuple:
 
 def _etag_digest(headers):
     """s3_etag_digest of an answer's headers (urllib3's, or http/curl.py's lower-case dict)."""
-    return s3_etag_digest(headers.get("etag", ""), headers.get("x-amz-server-side-encryption"),
-                          headers.get("x-amz-server-side-encryption-customer-algorithm"))
+    return s3_etag_digest(
+        headers.get("etag", ""),
+        headers.get("x-amz-server-side-encryption"),
+        headers.get("x-amz-server-side-encryption-customer-algorithm"),
+    )
 
 
 class LeanS3:
-    def __init__(self, client, session, bucket: str, max_connections_count: int,
-                 connect_timeout_s: float, read_timeout_s: float, unsigned: bool):
+    def __init__(
+        self,
+        client,
+        session,
+        bucket: str,
+        max_connections_count: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        unsigned: bool,
+    ):
         """`session`: the boto3 session; credentials and the CA bundle come from it."""
         self.client, self.bucket = client, bucket
         self.base_url: Optional[str] = None  # ".../<bucket>/" or "https://<bucket>.host/"; first use
@@ -237,7 +273,11 @@ class LeanS3:
         # Pools per host: the endpoint's, and those of the hosts redirects lead to
         # (an AIStore cluster's targets).
         self.pool = urllib3.PoolManager(
-            num_pools=32, maxsize=max_connections_count, block=False, retries=False, ca_certs=ca_bundle(session),
+            num_pools=32,
+            maxsize=max_connections_count,
+            block=False,
+            retries=False,
+            ca_certs=ca_bundle(session),
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
         )
 
@@ -269,13 +309,15 @@ class LeanS3:
         botocore resolves them. Unsigned (a choose-signer hook that answers presigns
         only; bucketfs presigns nothing else): only its URL is used, so no credentials
         are fetched for it (an assumed role's would be, over the network)."""
+
         def unsigned(context=None, **_kwargs):
             return UNSIGNED if context and context.get("is_presign_request") else None
 
         events = self.client.meta.events
         events.register_first("choose-signer.s3.GetObject", unsigned, unique_id="bucketfs-unsigned-presign")
-        return self.client.generate_presigned_url("get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY},
-                                                  ExpiresIn=60)
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60
+        )
 
     def _resolve(self) -> bool:
         if self.base_url is None:
@@ -297,7 +339,7 @@ class LeanS3:
                 # and normalising every URL (~5% of a small-file GET's CPU).
                 self._host_pool = self.pool.connection_from_url(base_url)
                 self._origin_len = len(base_url) - len(urlsplit(base_url).path)
-                self._origin = base_url[:self._origin_len]
+                self._origin = base_url[: self._origin_len]
             self.base_url = base_url
         return self.usable
 
@@ -306,14 +348,28 @@ class LeanS3:
         # decode_content=False: the stored bytes, as botocore reads them. urllib3 would
         # gunzip an object stored with Content-Encoding: gzip, whose listed size, ranges
         # and ETag are those of the stored bytes (every read of one gave ESTALE or EIO).
-        if url.startswith(self._origin) and url[self._origin_len:self._origin_len + 1] == "/":
-            return self._host_pool.urlopen("GET", url[self._origin_len:], headers=headers,
-                                           preload_content=False, decode_content=False, redirect=False, retries=False)
-        return self.pool.urlopen("GET", url, headers=headers, preload_content=False, decode_content=False,
-                                 redirect=False, retries=False)  # (a redirect's target)
+        if url.startswith(self._origin) and url[self._origin_len : self._origin_len + 1] == "/":
+            return self._host_pool.urlopen(
+                "GET",
+                url[self._origin_len :],
+                headers=headers,
+                preload_content=False,
+                decode_content=False,
+                redirect=False,
+                retries=False,
+            )
+        return self.pool.urlopen(
+            "GET", url, headers=headers, preload_content=False, decode_content=False, redirect=False, retries=False
+        )  # (a redirect's target)
 
-    def _send(self, url: str, headers: dict, ok_statuses, buffer: Optional[bytearray] = None,
-              byte_range: Optional[tuple] = None) -> Optional[tuple]:
+    def _send(
+        self,
+        url: str,
+        headers: dict,
+        ok_statuses,
+        buffer: Optional[bytearray] = None,
+        byte_range: Optional[tuple] = None,
+    ) -> Optional[tuple]:
         """(status, headers, body) for an answer in `ok_statuses`; None if this path
         cannot serve the bucket; a botocore ClientError for any other answer. With
         `buffer`, a ranged body (Content-Range) is received into it and `body` is its length.
@@ -355,7 +411,11 @@ class LeanS3:
         (a redirect without a Location, or a region error), or a botocore ClientError raised."""
         response = error_response(status, body)
         code = response["Error"]["Code"]
-        if 300 <= status < 400 or code in ("AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"):
+        if 300 <= status < 400 or code in (
+            "AuthorizationHeaderMalformed",
+            "PermanentRedirect",
+            "IllegalLocationConstraintException",
+        ):
             self.off_reason = f"the lean path was refused with {status} {code}"
             self.usable = False
             return None
@@ -374,8 +434,14 @@ class LeanS3:
         if answer is None:
             return None
         status, headers, body = answer
-        return (status, headers.get("ETag", ""), headers.get("Content-Range"), body, _etag_digest(headers),
-                headers.get("Last-Modified"))
+        return (
+            status,
+            headers.get("ETag", ""),
+            headers.get("Content-Range"),
+            body,
+            _etag_digest(headers),
+            headers.get("Last-Modified"),
+        )
 
     @staticmethod
     def range_headers(start: int, end: int, version: str) -> dict:
@@ -387,8 +453,9 @@ class LeanS3:
         if not self._resolve():
             return None
         url = self.base_url + quote(key, safe="/~")
-        return Transfer.ranged(url, self._headers(url, self.range_headers(start, end, version)), buffer, start,
-                               self.read_timeout_s)
+        return Transfer.ranged(
+            url, self._headers(url, self.range_headers(start, end, version)), buffer, start, self.read_timeout_s
+        )
 
     def redirected(self, transfer: Transfer, start: int, end: int, version: str, hops: int) -> Optional[Transfer]:
         """The transfer that follows `transfer`'s answer if it is a redirect (signed
@@ -401,8 +468,13 @@ class LeanS3:
         if hops >= REDIRECT_HOPS_MAX:
             raise too_many_redirects(url)
         self.redirects_count += 1
-        return Transfer.ranged(url, self.signed_for(url, self.range_headers(start, end, version)), transfer.buffer,
-                               start, self.read_timeout_s)
+        return Transfer.ranged(
+            url,
+            self.signed_for(url, self.range_headers(start, end, version)),
+            transfer.buffer,
+            start,
+            self.read_timeout_s,
+        )
 
     def answer_of(self, transfer: Transfer) -> Optional[tuple]:
         """get()'s answer for a finished transfer (`body`: the bytes received into its
@@ -412,14 +484,26 @@ class LeanS3:
         if transfer.status not in (200, 206, 416):
             return self._refused(transfer.status, bytes(transfer.error_body))
         headers = transfer.headers
-        return (transfer.status, headers.get("etag", ""), headers.get("content-range"), transfer.received_bytes,
-                _etag_digest(headers), headers.get("last-modified"))
+        return (
+            transfer.status,
+            headers.get("etag", ""),
+            headers.get("content-range"),
+            transfer.received_bytes,
+            _etag_digest(headers),
+            headers.get("last-modified"),
+        )
 
     def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""
         if not self._resolve():
             return None
-        params = {"list-type": "2", "delimiter": "/", "encoding-type": "url", "max-keys": str(max_keys), "prefix": prefix}
+        params = {
+            "list-type": "2",
+            "delimiter": "/",
+            "encoding-type": "url",
+            "max-keys": str(max_keys),
+            "prefix": prefix,
+        }
         if token:
             params["continuation-token"] = token
         # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".

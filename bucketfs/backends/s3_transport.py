@@ -80,23 +80,29 @@ class S3Transport(abc.ABC):
     def describe(self) -> str:
         return f"GETs: {self.gets}; LISTs: {self.lists}"
 
-    async def get(self, what: str, key: str, start: int, end: int, version: str, buffer: bytearray,
-                  object_bytes: Optional[int]) -> Optional[int]:
+    async def get(
+        self, what: str, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int]
+    ) -> Optional[int]:
         """One ranged GET into `buffer` (len >= end - start), checked: the bytes received,
         or None when the range starts past the end (416). With its retries."""
         self.backend.get_paths["threads"] += 1
-        return await self.backend.caller.call(what, self.get_checked_blocking, key, start, end, version, buffer,
-                                              object_bytes)
+        return await self.backend.caller.call(
+            what, self.get_checked_blocking, key, start, end, version, buffer, object_bytes
+        )
 
-    def get_checked_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray],
-                             object_bytes: Optional[int]):
+    def get_checked_blocking(
+        self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray], object_bytes: Optional[int]
+    ):
         """get() on a worker thread (one attempt), checked there: a short answer is
         retried (base.check_answer)."""
-        return self.backend.checked(key, start, end, version, self.get_blocking(key, start, end, version, buffer),
-                                    buffer, object_bytes)
+        return self.backend.checked(
+            key, start, end, version, self.get_blocking(key, start, end, version, buffer), buffer, object_bytes
+        )
 
     @abc.abstractmethod
-    def get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]) -> Optional[tuple]:
+    def get_blocking(
+        self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]
+    ) -> Optional[tuple]:
         """(etag, content_range, body, digest, last_modified), unchecked, or with
         `buffer` the number of bytes written into it as `body`; None for a 416."""
 
@@ -113,14 +119,17 @@ class Sdk(S3Transport):
     gets = "the SDK client (boto3, worker threads)"
     lists = "the SDK client"
 
-    def get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]) -> Optional[tuple]:
+    def get_blocking(
+        self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]
+    ) -> Optional[tuple]:
         backend = self.backend
         condition = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
         if versions.kind(version) == versions.LASTMOD:
             condition = {"IfUnmodifiedSince": versions.lastmod_s(version) + 1}
         try:
-            response = backend.client.get_object(Bucket=backend.bucket, Key=key, Range=f"bytes={start}-{end - 1}",
-                                                 **condition)
+            response = backend.client.get_object(
+                Bucket=backend.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
+            )
         except botocore.exceptions.ClientError as exc:
             metadata = exc.response.get("ResponseMetadata", {})
             status, location = metadata.get("HTTPStatusCode"), metadata.get("HTTPHeaders", {}).get("location")
@@ -137,15 +146,22 @@ class Sdk(S3Transport):
         try:
             # Read the whole body here, in the worker: a reset mid-body raises in this
             # thread and BlockingCaller repeats the whole request.
-            data = read_range_body(body._raw_stream, self.backend.read_timeout_s, start, end,
-                                   whole_object=not response.get("ContentRange"))
+            data = read_range_body(
+                body._raw_stream, self.backend.read_timeout_s, start, end, whole_object=not response.get("ContentRange")
+            )
         finally:
             body.close()
-        digest = s3_etag_digest(response.get("ETag", ""), response.get("ServerSideEncryption"),
-                                response.get("SSECustomerAlgorithm"))
+        digest = s3_etag_digest(
+            response.get("ETag", ""), response.get("ServerSideEncryption"), response.get("SSECustomerAlgorithm")
+        )
         last_modified = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("last-modified")
-        return (normalise_etag(response.get("ETag", "")), response.get("ContentRange"), into(buffer, data), digest,
-                last_modified)
+        return (
+            normalise_etag(response.get("ETag", "")),
+            response.get("ContentRange"),
+            into(buffer, data),
+            digest,
+            last_modified,
+        )
 
     def _get_redirected_blocking(self, url: str, start: int, end: int, version: str, buffer: Optional[bytearray]):
         """The GET, redirected to `url`: signed again for that host and sent through the
@@ -173,22 +189,39 @@ class Sdk(S3Transport):
                 response.raw.release_conn()
                 return None
             if response.status_code not in (200, 206):
-                raise botocore.exceptions.ClientError(error_response(response.status_code, response.content), "GetObject")
+                raise botocore.exceptions.ClientError(
+                    error_response(response.status_code, response.content), "GetObject"
+                )
             try:
-                data = read_range_body(response.raw, self.backend.read_timeout_s, start, end,
-                                       whole_object="content-range" not in response.headers)
+                data = read_range_body(
+                    response.raw,
+                    self.backend.read_timeout_s,
+                    start,
+                    end,
+                    whole_object="content-range" not in response.headers,
+                )
             finally:
                 response.raw.release_conn()
             headers_in = response.headers
-            digest = s3_etag_digest(headers_in.get("etag", ""), headers_in.get("x-amz-server-side-encryption"),
-                                    headers_in.get("x-amz-server-side-encryption-customer-algorithm"))
-            return (normalise_etag(headers_in.get("etag", "")), headers_in.get("content-range"), into(buffer, data),
-                    digest, headers_in.get("last-modified"))
+            digest = s3_etag_digest(
+                headers_in.get("etag", ""),
+                headers_in.get("x-amz-server-side-encryption"),
+                headers_in.get("x-amz-server-side-encryption-customer-algorithm"),
+            )
+            return (
+                normalise_etag(headers_in.get("etag", "")),
+                headers_in.get("content-range"),
+                into(buffer, data),
+                digest,
+                headers_in.get("last-modified"),
+            )
 
     def list_blocking(self, prefix: str, token: Optional[str]) -> tuple:
         response = self.backend.list_objects_blocking(self.backend.client, prefix, token, LIST_PAGE_KEYS_COUNT)
-        objects = [(item["Key"], item["Size"], mtime_ns(item.get("LastModified")), item.get("ETag", ""))
-                   for item in response.get("Contents", ())]
+        objects = [
+            (item["Key"], item["Size"], mtime_ns(item.get("LastModified")), item.get("ETag", ""))
+            for item in response.get("Contents", ())
+        ]
         prefixes = [item["Prefix"] for item in response.get("CommonPrefixes", ())]
         truncated = bool(response.get("IsTruncated"))
         return objects, prefixes, response.get("NextContinuationToken") if truncated else None, truncated
@@ -201,7 +234,9 @@ class UrllibLean(S3Transport):
     gets = "urllib3 (worker threads)"
     lists = "urllib3"
 
-    def get_blocking(self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]) -> Optional[tuple]:
+    def get_blocking(
+        self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]
+    ) -> Optional[tuple]:
         answer = self.lean.get(key, start, end, version, buffer)
         if answer is None:  # refused: the SDK client serves the bucket from now on, this GET first
             return self.backend.swap_to_sdk().get_blocking(key, start, end, version, buffer)
@@ -230,15 +265,17 @@ class CurlLean(UrllibLean):
         super().__init__(backend)
         self.engine = engine
 
-    async def get(self, what: str, key: str, start: int, end: int, version: str, buffer: bytearray,
-                  object_bytes: Optional[int]) -> Optional[int]:
+    async def get(
+        self, what: str, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int]
+    ) -> Optional[int]:
         if end - start > SMALL_GET_MAX_BYTES:
             return await super().get(what, key, start, end, version, buffer, object_bytes)
         self.backend.get_paths["curl"] += 1
         return await self.backend.caller.run(what, self._get_curl, key, start, end, version, buffer, object_bytes)
 
-    async def _get_curl(self, key: str, start: int, end: int, version: str, buffer: bytearray,
-                        object_bytes: Optional[int]):
+    async def _get_curl(
+        self, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int]
+    ):
         """One attempt on the engine (BlockingCaller.run retries it); on a worker thread
         through the SDK after all when the lean path is refused."""
         lean = self.lean
@@ -253,11 +290,25 @@ class CurlLean(UrllibLean):
             answer = lean.answer_of(transfer)
         if answer is None:
             sdk = self.backend.swap_to_sdk()
-            return await trio.to_thread.run_sync(sdk.get_checked_blocking, key, start, end, version, buffer, object_bytes,
-                                                 limiter=self.backend.caller.limiter)
+            return await trio.to_thread.run_sync(
+                sdk.get_checked_blocking,
+                key,
+                start,
+                end,
+                version,
+                buffer,
+                object_bytes,
+                limiter=self.backend.caller.limiter,
+            )
         status, etag, content_range, got_bytes, digest, last_modified = answer
         if status == 416:
             return None
-        return self.backend.checked(key, start, end, version,
-                                    (normalise_etag(etag), content_range, got_bytes, digest, last_modified), buffer,
-                                    object_bytes)
+        return self.backend.checked(
+            key,
+            start,
+            end,
+            version,
+            (normalise_etag(etag), content_range, got_bytes, digest, last_modified),
+            buffer,
+            object_bytes,
+        )

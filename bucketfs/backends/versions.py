@@ -38,10 +38,11 @@ NS_PER_S = 10**9
 ETAG, LASTMOD, SIZE_ONLY = "etag", "lastmod", "size-only"
 PINNING_LOG = {
     ETAG: "reads are pinned to the objects' ETags (If-Match, and the ETag of every answer compared)",
-    LASTMOD: ("the store lists no ETags: reads are pinned to Last-Modified (If-Unmodified-Since, and the "
-              "Last-Modified of every answer compared) and size"),
-    SIZE_ONLY: ("the store lists neither ETags nor modification times: reads are checked against the "
-                "listed size only"),
+    LASTMOD: (
+        "the store lists no ETags: reads are pinned to Last-Modified (If-Unmodified-Since, and the "
+        "Last-Modified of every answer compared) and size"
+    ),
+    SIZE_ONLY: ("the store lists neither ETags nor modification times: reads are checked against the listed size only"),
 }
 
 
@@ -66,7 +67,7 @@ def lastmod_s(version: str) -> Optional[int]:
     """The pinned Last-Modified (seconds since the epoch) of a `lastmod` version, else None."""
     if not version.startswith(LASTMOD_PREFIX):
         return None
-    return int(version[len(LASTMOD_PREFIX):])
+    return int(version[len(LASTMOD_PREFIX) :])
 
 
 def persistent(version: str) -> bool:
@@ -147,8 +148,11 @@ class AnswerChecks:
                 raise errors.ObjectChanged(f"{key}: version {version} is now {etag or '(an answer with no ETag)'}")
             if not self._told_etagless_answers:
                 self._told_etagless_answers = True
-                log.warning("%s: the store lists ETags but answers GETs without one: those answers are pinned by "
-                            "If-Match (which the store may ignore) and the object's size", self.store)
+                log.warning(
+                    "%s: the store lists ETags but answers GETs without one: those answers are pinned by "
+                    "If-Match (which the store may ignore) and the object's size",
+                    self.store,
+                )
             return
         if what == LASTMOD:
             answered_s, pinned_s = http_date_s(last_modified), lastmod_s(version)

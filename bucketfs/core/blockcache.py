@@ -151,8 +151,10 @@ class BlockCache:
             lo = pieces[0].lo + start - first * bs
             return run[lo : lo + end - start]
         # Blocks of several fetches: one copy, into the reply.
-        return b"".join(block.run[block.lo + max(start - i * bs, 0) : block.lo + min(end - i * bs, len(block))]
-                        for i, block in zip(range(first, last + 1), pieces))
+        return b"".join(
+            block.run[block.lo + max(start - i * bs, 0) : block.lo + min(end - i * bs, len(block))]
+            for i, block in zip(range(first, last + 1), pieces)
+        )
 
     def holds(self, key: str, version: str, offset: int) -> bool:
         """The block at `offset` is cached or on its way (no fetch needed for it)."""
@@ -224,7 +226,9 @@ class BlockCache:
             reserved_bytes = end - start
             # The blocks are views of the answer, not copies (slicing it into blocks was a
             # second copy of every byte, and both were alive at once outside the budget).
-            data = memoryview(await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)).toreadonly()
+            data = memoryview(
+                await self.backend.read_range(key, start, end, version, object_bytes=object_bytes)
+            ).toreadonly()
             if len(data) != end - start:
                 raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")
             bs = self.block_size_bytes

@@ -106,8 +106,14 @@ class Filesystem:
     block cache and the prefetcher serve reads, `ShardWarming` decides what a
     shard reader warms."""
 
-    def __init__(self, backend, config, nursery: trio.Nursery, disk_cache_dir: Optional[str] = None,
-                 disk_cache_dir_fd: Optional[int] = None):
+    def __init__(
+        self,
+        backend,
+        config,
+        nursery: trio.Nursery,
+        disk_cache_dir: Optional[str] = None,
+        disk_cache_dir_fd: Optional[int] = None,
+    ):
         """Builds its components with `build_components` (the arguments are its own)."""
         parts = build_components(backend, config, nursery, disk_cache_dir, disk_cache_dir_fd)
         self.config = config
@@ -196,7 +202,9 @@ class Filesystem:
         else:
             shard = self.shards.is_shard(node.name)
             on_progress = self.shards.shard_opened(node, key, fh) if shard else None
-            reader = HandleReader(self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress)
+            reader = HandleReader(
+                self.prefetcher, self.cache, key, node.version, node.size_bytes, shard, self.config, on_progress
+            )
             self.stats["open.large"] += 1
         handle = self._handles[fh] = FileHandle(node, key, reader)
         if reader is None and node.size_bytes:
@@ -234,7 +242,7 @@ class Filesystem:
         except errors.TransientError:
             now_s = trio.current_time()
             if now_s - started_trio_s >= self.config.read_timeout_s:
-                handle.failed_reads = handle.failed_reads[-(FAILED_READS_KEPT - 1):] + [(off, end, now_s)]
+                handle.failed_reads = handle.failed_reads[-(FAILED_READS_KEPT - 1) :] + [(off, end, now_s)]
             raise
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s
@@ -331,16 +339,18 @@ class Filesystem:
 
     def snapshot(self) -> dict:
         stats = self.stats.snapshot()
-        stats.update({
-            "memory.used_bytes": self.budget.used_bytes,
-            "memory.peak_bytes": self.budget.peak_bytes,
-            "memory.budget_bytes": self.budget.budget_bytes,
-            "memory.listings_bytes": self.budget.listings_bytes,
-            "memory.disk_index_bytes": self.budget.disk_index_bytes,
-            "cache.bytes": self.cache.cached_bytes,
-            "namespace.entries": self.ns.entries_count,
-            "handles.open": len(self._handles),
-        })
+        stats.update(
+            {
+                "memory.used_bytes": self.budget.used_bytes,
+                "memory.peak_bytes": self.budget.peak_bytes,
+                "memory.budget_bytes": self.budget.budget_bytes,
+                "memory.listings_bytes": self.budget.listings_bytes,
+                "memory.disk_index_bytes": self.budget.disk_index_bytes,
+                "cache.bytes": self.cache.cached_bytes,
+                "namespace.entries": self.ns.entries_count,
+                "handles.open": len(self._handles),
+            }
+        )
         if self.disk_cache is not None:
             stats["disk_cache.stored_bytes"] = self.disk_cache.stored_bytes
             stats["disk_cache.capacity_bytes"] = self.disk_cache.capacity_bytes

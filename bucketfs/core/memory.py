@@ -50,6 +50,7 @@ LISTINGS_SHARE_MAX = 0.75
 class _Waiter:
     """A demand waiting for memory. Compared by identity: `deque.remove` of an equal
     value (two waiters for the same size) would drop another reader's place."""
+
     __slots__ = ("n_bytes",)
 
     def __init__(self, n_bytes: int):
@@ -107,10 +108,15 @@ class MemoryBudget:
                 self._demands_pending -= 1
         if fixed_bytes > fixed_cap_bytes and not self._listings_over_logged:
             self._listings_over_logged = True
-            log.warning("listings (%d MiB) and the disk cache index (%d MiB) hold more than %d%% of the %d MiB memory "
-                        "budget: the daemon will exceed --max-memory by the difference (raise it, mount a narrower "
-                        "prefix, or lower --cache-size)", self.listings_bytes >> 20, self.disk_index_bytes >> 20,
-                        LISTINGS_SHARE_MAX * 100, self.budget_bytes >> 20)
+            log.warning(
+                "listings (%d MiB) and the disk cache index (%d MiB) hold more than %d%% of the %d MiB memory "
+                "budget: the daemon will exceed --max-memory by the difference (raise it, mount a narrower "
+                "prefix, or lower --cache-size)",
+                self.listings_bytes >> 20,
+                self.disk_index_bytes >> 20,
+                LISTINGS_SHARE_MAX * 100,
+                self.budget_bytes >> 20,
+            )
 
     def add_reclaimer(self, priority: int, reclaim: Callable[[int], int]) -> None:
         """Register something that can free memory; lower priority is reclaimed first."""
@@ -127,7 +133,9 @@ class MemoryBudget:
                 return
             wanted_bytes -= reclaim(wanted_bytes)
 
-    def try_reserve(self, n_bytes: int, reclaim_priority: int = 0, refused_stat: str | None = "memory.prefetch_refused") -> bool:
+    def try_reserve(
+        self, n_bytes: int, reclaim_priority: int = 0, refused_stat: str | None = "memory.prefetch_refused"
+    ) -> bool:
         """Memory nobody waits on (read-ahead, the disk cache's queued writes): reserve
         now or fail, counting a refusal in `refused_stat` (None: the caller counts it); may evict reclaimers up to
         `reclaim_priority`."""
@@ -171,15 +179,19 @@ class MemoryBudget:
                 self.stats["memory.demand_waits"] += 1
                 if not self._pressure_logged:
                     self._pressure_logged = True
-                    log.warning("memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
-                                "reads wait for buffers to drain", self.capacity_bytes >> 20,
-                                (self.listings_bytes + self.disk_index_bytes) >> 20)
+                    log.warning(
+                        "memory budget is full (%d MiB for buffers, %d MiB of listings and disk cache index); "
+                        "reads wait for buffers to drain",
+                        self.capacity_bytes >> 20,
+                        (self.listings_bytes + self.disk_index_bytes) >> 20,
+                    )
                 with trio.move_on_at(min(deadline_s, trio.current_time() + RECLAIM_RETRY_S)):
                     await self._freed.wait()  # state re-check after: others may have taken the freed bytes
                 if trio.current_time() >= deadline_s:
                     self.stats["memory.overcommits"] += 1
-                    log.warning("a read waited %.0f s for memory; taking %d bytes over the budget",
-                                DEMAND_WAIT_MAX_S, n_bytes)
+                    log.warning(
+                        "a read waited %.0f s for memory; taking %d bytes over the budget", DEMAND_WAIT_MAX_S, n_bytes
+                    )
                     break
             self._take(n_bytes)
             if not self._waiting or self._waiting[0] is ticket:

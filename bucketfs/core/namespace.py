@@ -69,7 +69,19 @@ STALE_RELIST_MIN_INTERVAL_S = 1.0
 class Node:
     # One per listed entry for the mount's lifetime, so every byte here is paid per
     # object (an ImageNet is 1.28M of them): files keep no path string of their own.
-    __slots__ = ("ino", "name", "parent", "dir_path", "is_dir", "size_bytes", "mtime_ns", "version", "listing", "served", "lookups")
+    __slots__ = (
+        "ino",
+        "name",
+        "parent",
+        "dir_path",
+        "is_dir",
+        "size_bytes",
+        "mtime_ns",
+        "version",
+        "listing",
+        "served",
+        "lookups",
+    )
 
     def __init__(self, ino, name, parent, is_dir, size_bytes=0, mtime_ns=0, version=""):
         self.ino = ino
@@ -103,7 +115,15 @@ class Node:
 class Listing:
     """The cached children of one directory."""
 
-    __slots__ = ("children", "names_sorted", "loaded_at_s", "ahead_scheduled", "children_walked", "walk_counted", "dirs_count")
+    __slots__ = (
+        "children",
+        "names_sorted",
+        "loaded_at_s",
+        "ahead_scheduled",
+        "children_walked",
+        "walk_counted",
+        "dirs_count",
+    )
 
     def __init__(self, children: dict, loaded_at_s: float, dirs_count: int = 0):
         self.children = children  # name -> ino
@@ -136,8 +156,17 @@ def valid_component(name: str) -> bool:
 
 
 class Namespace:
-    def __init__(self, backend, key_prefix: str, stats, metadata_ttl_s: float, list_ahead_count: int,
-                 mount_time_ns: int, budget, negative_ttl_s: float):
+    def __init__(
+        self,
+        backend,
+        key_prefix: str,
+        stats,
+        metadata_ttl_s: float,
+        list_ahead_count: int,
+        mount_time_ns: int,
+        budget,
+        negative_ttl_s: float,
+    ):
         """The TTLs and `list_ahead_count` are the Config's (no defaults of its own)."""
         self.backend = backend
         self.budget = budget  # the MemoryBudget that listings are charged to, if any
@@ -225,9 +254,13 @@ class Namespace:
         open of the replaced node is ESTALE, and the kernel then looks the name up
         again). With a TTL, opens re-list stale directories anyway."""
         parent, now_s = node.parent, trio.current_time()
-        if (self._nursery is None or not self.is_current(node) or parent.listing is None
-                or parent.ino in self._loading
-                or now_s - self._stale_relists_s.get(parent.ino, -math.inf) < STALE_RELIST_MIN_INTERVAL_S):
+        if (
+            self._nursery is None
+            or not self.is_current(node)
+            or parent.listing is None
+            or parent.ino in self._loading
+            or now_s - self._stale_relists_s.get(parent.ino, -math.inf) < STALE_RELIST_MIN_INTERVAL_S
+        ):
             return
         self._stale_relists_s[parent.ino] = now_s
         self.stats["namespace.stale_relists"] += 1
@@ -288,7 +321,9 @@ class Namespace:
                 self._note_walk(node, listing)
             return listing
         except BaseException as exc:
-            self._load_errors[node.ino] = exc if isinstance(exc, errors.BucketfsError) else errors.BackendError(str(exc))
+            self._load_errors[node.ino] = (
+                exc if isinstance(exc, errors.BucketfsError) else errors.BackendError(str(exc))
+            )
             raise
         finally:
             del self._loading[node.ino]
@@ -316,7 +351,7 @@ class Namespace:
         old = node.listing.children if node.listing is not None else {}
         children: dict = {}
         for common in prefixes:
-            name = common[len(prefix):-1]
+            name = common[len(prefix) : -1]
             if not valid_component(name):
                 self._warn_once(common, "not a valid directory name")
                 continue
@@ -324,7 +359,7 @@ class Namespace:
                 continue  # repeated on a later page by some servers: a second node would be unreachable
             children[name] = self._child(node, old.get(name), name, True, None)
         for info in objects:
-            name = info.key[len(prefix):]
+            name = info.key[len(prefix) :]
             if name == "":  # the directory's own marker object (`dir/`)
                 if info.size_bytes:
                     self._warn_once(info.key, f"a directory marker holding {info.size_bytes} bytes: not shown")
@@ -351,8 +386,11 @@ class Namespace:
         """The node for a listed entry (`info`: the object's ObjectInfo; None for a directory)."""
         if old_ino is not None:
             existing = self._nodes[old_ino]
-            if existing is not None and existing.is_dir == is_dir and (
-                    is_dir or (existing.version, existing.size_bytes) == (info.version, info.size_bytes)):
+            if (
+                existing is not None
+                and existing.is_dir == is_dir
+                and (is_dir or (existing.version, existing.size_bytes) == (info.version, info.size_bytes))
+            ):
                 return existing  # the same directory, or the same version: keep the inode the kernel knows
         ino = len(self._nodes)
         if is_dir:

@@ -63,8 +63,21 @@ class PartCancelled(Exception):
 
 
 class Part:
-    __slots__ = ("start", "end", "demanded", "data", "buffer", "error", "done", "reserved_bytes", "cancel_scope", "waiters", "consumed", "issued_s",
-                 "warmer_window_bytes")
+    __slots__ = (
+        "start",
+        "end",
+        "demanded",
+        "data",
+        "buffer",
+        "error",
+        "done",
+        "reserved_bytes",
+        "cancel_scope",
+        "waiters",
+        "consumed",
+        "issued_s",
+        "warmer_window_bytes",
+    )
 
     def __init__(self, start: int, end: int, demanded: bool = False):
         self.start, self.end = start, end
@@ -157,8 +170,9 @@ class Prefetcher:
                     # Its whole reservation: a pooled size, so the pool can take it back.
                     part.buffer = new_part_buffer(part.reserved_bytes)
                 if part.buffer is not None:
-                    got_bytes = await self.backend.read_range_into(key, part.start, part.end, version, part.buffer,
-                                                                   object_bytes=object_bytes)
+                    got_bytes = await self.backend.read_range_into(
+                        key, part.start, part.end, version, part.buffer, object_bytes=object_bytes
+                    )
                     data = part.buffer
                 else:
                     data = await self.backend.read_range(key, part.start, part.end, version, object_bytes=object_bytes)
@@ -217,8 +231,10 @@ class Prefetcher:
         validation split listed after the training shards) says nothing about the
         loader's order any more."""
         now_s = trio.current_time()
-        return any(directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
-                   for (key, _), parts in self._heads.items())
+        return any(
+            directory_of(key) == directory and now_s - parts[-1].issued_s < GUESS_FRESH_S
+            for (key, _), parts in self._heads.items()
+        )
 
     def warm_head(self, key: str, version: str, size_bytes: int, head_end: int, warmer_window_bytes: int) -> None:
         """Have [0, head_end) of a shard in flight before it is opened, as parallel
@@ -326,7 +342,9 @@ class SequentialStream:
             # The reader caught up: fetch what it needs now, as demand, in a small part.
             if self.ramp_end is not None:
                 self.starved = True  # (past its start: the window ran short)
-            self._issue(self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end)
+            self._issue(
+                self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end
+            )
         self.read_end = max(self.read_end, end)
         self._top_up()
         if self.ramp_end is None:
@@ -384,7 +402,9 @@ class SequentialStream:
                 return
 
     def _drop_behind(self) -> None:
-        while self.parts and self.parts[0].end + REORDER_TOLERANCE_BYTES <= self.read_end and self.parts[0].done.is_set():
+        while (
+            self.parts and self.parts[0].end + REORDER_TOLERANCE_BYTES <= self.read_end and self.parts[0].done.is_set()
+        ):
             self.pf.drop(self.parts.popleft())
 
     def shed(self, wanted_bytes: int) -> int:
@@ -458,7 +478,12 @@ class HandleReader:
         if stream is None and self._starts_stream(off):
             window = min(self._initial_window_bytes(), self.config.readahead_max_bytes)
             stream = self.stream = SequentialStream(
-                self.pf, self.key, self.version, self.size_bytes, off, window,
+                self.pf,
+                self.key,
+                self.version,
+                self.size_bytes,
+                off,
+                window,
                 self.config.readahead_max_bytes,
             )
             self.pf.stats["prefetch.streams"] += 1

@@ -46,8 +46,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import weakref
 import time
+import weakref
 from typing import Optional
 
 import trio
@@ -55,9 +55,12 @@ import trio
 from bucketfs.backends import versions
 from bucketfs.diskcache import files, journal, pagecache
 from bucketfs.diskcache.directory import NO_SPACE_ERRNOS, dir_error
+
 # (module globals, looked up at each call: tests and benchmarks may replace them)
-from bucketfs.diskcache.files import WOULD_BLOCK as _WOULD_BLOCK, delete_files as _delete_files
-from bucketfs.diskcache.files import read_chunks as _read_chunks, write_chunks as _write_chunks
+from bucketfs.diskcache.files import WOULD_BLOCK as _WOULD_BLOCK
+from bucketfs.diskcache.files import delete_files as _delete_files
+from bucketfs.diskcache.files import read_chunks as _read_chunks
+from bucketfs.diskcache.files import write_chunks as _write_chunks
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +87,17 @@ class DiskCache:
     """A backend in front of `inner` whose reads are kept in `directory`. Not a subclass
     of Backend: nothing of the contract is inherited, each name is defined here."""
 
-    def __init__(self, inner, directory: str, capacity_bytes: int, chunk_bytes: int, stats, nursery: trio.Nursery,
-                 budget=None, dir_fd: Optional[int] = None):
+    def __init__(
+        self,
+        inner,
+        directory: str,
+        capacity_bytes: int,
+        chunk_bytes: int,
+        stats,
+        nursery: trio.Nursery,
+        budget=None,
+        dir_fd: Optional[int] = None,
+    ):
         """`budget`: the MemoryBudget the index and pending writes are charged to, if any.
         `dir_fd`: a descriptor of `directory` the caller holds (locked) for the cache's
         life; without it, `directory` is opened here (tests)."""
@@ -149,7 +161,9 @@ class DiskCache:
         """The blocks of the cache's directories (the data directory grows by a block
         per ~100 files, and never shrinks on ext4), and one for --cache-dir's own: an
         fstat each, cheap beside the write that calls this."""
-        blocks = os.fstat(self._dir_fd).st_blocks + (os.fstat(self._data_fd).st_blocks if self._data_fd is not None else 0)
+        blocks = os.fstat(self._dir_fd).st_blocks + (
+            os.fstat(self._data_fd).st_blocks if self._data_fd is not None else 0
+        )
         self._dirs_disk_bytes = blocks * 512 + self._unit_bytes
 
     def _disk_bytes(self, entry: journal.Entry) -> int:
@@ -186,22 +200,32 @@ class DiskCache:
         try:
             self._data_fd = self._open_data_dir()
             try:
-                if loaded.fresh or evicted_count or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
+                if (
+                    loaded.fresh
+                    or evicted_count
+                    or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes)
+                ):
                     loaded.compact(self._entries.values())  # (the evicted objects' records go)
             except OSError as exc:
                 if exc.errno not in NO_SPACE_ERRNOS:
                     raise
                 # (serving what the disk holds; a new journal has nothing to serve)
-                log.warning("disk cache %s: cannot write its journal (%s); this mount stores nothing in it",
-                            self.directory, exc.strerror or exc)
+                log.warning(
+                    "disk cache %s: cannot write its journal (%s); this mount stores nothing in it",
+                    self.directory,
+                    exc.strerror or exc,
+                )
                 loaded.broken = True
                 self._write_failures = WRITE_FAILURES_MAX
             orphans, highest_no = journal.find_orphans(self._data_fd, (e.entry_no for e in self._entries.values()))
         except OSError as exc:
             if exc.errno not in NO_SPACE_ERRNOS:
                 raise dir_error(self.directory, exc) from None
-            log.warning("disk cache %s: cannot make its data directory (%s); this mount runs without it", self.directory,
-                        exc.strerror or exc)
+            log.warning(
+                "disk cache %s: cannot make its data directory (%s); this mount runs without it",
+                self.directory,
+                exc.strerror or exc,
+            )
             loaded.broken = True
             self._write_failures = WRITE_FAILURES_MAX
             self._entries.clear()
@@ -213,9 +237,16 @@ class DiskCache:
         if orphans:
             self._in_background(self._remove_orphans, orphans)
         if self._entries or orphans:
-            log.info("disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d evicted, %d stray files to remove) "
-                     "in %.2f s", self.directory, len(self._entries), loaded_bytes / 2**20, evicted_count,
-                     len(orphans) - evicted_count, time.monotonic() - started_s)
+            log.info(
+                "disk cache %s: %d objects, %.1f MiB kept from earlier mounts (%d evicted, %d stray files to remove) "
+                "in %.2f s",
+                self.directory,
+                len(self._entries),
+                loaded_bytes / 2**20,
+                evicted_count,
+                len(orphans) - evicted_count,
+                time.monotonic() - started_s,
+            )
         return loaded
 
     def _open_data_dir(self) -> int:
@@ -240,8 +271,9 @@ class DiskCache:
         return evicted_count
 
     async def _remove_orphans(self, names: list) -> None:
-        removed_count, _ = await trio.to_thread.run_sync(files.remove_files, self._data_fd, names,
-                                                         limiter=self._write_limiter)
+        removed_count, _ = await trio.to_thread.run_sync(
+            files.remove_files, self._data_fd, names, limiter=self._write_limiter
+        )
         log.info("disk cache: removed %d files no entry names", removed_count)
 
     def _start_read_ahead(self) -> None:
@@ -250,8 +282,10 @@ class DiskCache:
         on the event loop, not through threads)."""
         if self._data_fd is None:
             return
-        budget_bytes = min(sum(e.stored_bytes for e in self._entries.values()),
-                           int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION))
+        budget_bytes = min(
+            sum(e.stored_bytes for e in self._entries.values()),
+            int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION),
+        )
         names, total_bytes = [], 0
         for entry in reversed(self._entries.values()):
             if total_bytes >= budget_bytes:
@@ -266,7 +300,9 @@ class DiskCache:
 
     def _charge_index(self, force: bool = False) -> None:
         # In steps of a MiB: a store per file must not recompute the budget per file.
-        if self._budget is not None and (force or abs(self.index_bytes - self._charged_index_bytes) >= INDEX_CHARGE_STEP_BYTES):
+        if self._budget is not None and (
+            force or abs(self.index_bytes - self._charged_index_bytes) >= INDEX_CHARGE_STEP_BYTES
+        ):
             self._charged_index_bytes = self.index_bytes
             self._budget.charge_disk_index(self.index_bytes)
 
@@ -353,8 +389,19 @@ class DiskCache:
                 if data is not _WOULD_BLOCK:
                     self.stats["disk_cache.loop_reads"] += 1
             if data is _WOULD_BLOCK:
-                data = await trio.to_thread.run_sync(_read_chunks, self._data_fd, name, lo, hi, crcs, self.chunk_bytes,
-                                                     start, end, into, limiter=self._read_limiter)
+                data = await trio.to_thread.run_sync(
+                    _read_chunks,
+                    self._data_fd,
+                    name,
+                    lo,
+                    hi,
+                    crcs,
+                    self.chunk_bytes,
+                    start,
+                    end,
+                    into,
+                    limiter=self._read_limiter,
+                )
         except OSError as exc:
             log.warning("disk cache read of %s failed (%s); reading the store", self._path(entry), exc)
             data = None
@@ -371,7 +418,9 @@ class DiskCache:
         """(for messages)"""
         return os.path.join(self.directory, journal.DATA_DIR_NAME, journal.data_name(entry.entry_no))
 
-    async def read_range(self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None) -> bytes:
+    async def read_range(
+        self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
+    ) -> bytes:
         if not versions.persistent(version):
             return await self.inner.read_range(key, start, end, version, object_bytes=object_bytes)
         eid = journal.entry_id(key, version)  # (once: a miss stores under it too)
@@ -385,8 +434,9 @@ class DiskCache:
             # once the block cache lets go of these bytes). Lent only from what no
             # reader needs; the block cache gives way (priority 0): it holds these same bytes.
             budget = self._budget
-            if (self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES
-                    and (budget is None or budget.try_reserve(len(data), reclaim_priority=0, refused_stat=None))):
+            if self._pending_bytes + len(data) <= PENDING_WRITES_MAX_BYTES and (
+                budget is None or budget.try_reserve(len(data), reclaim_priority=0, refused_stat=None)
+            ):
                 self._pending_bytes += len(data)
                 self._in_background(self._store_pending, eid, key, version, start, data, object_bytes)
             else:
@@ -394,7 +444,9 @@ class DiskCache:
                 self.stats["disk_cache.skipped_stores"] += 1
         return data
 
-    async def read_range_into(self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None) -> int:
+    async def read_range_into(
+        self, key: str, start: int, end: int, version: str, buffer, object_bytes: Optional[int] = None
+    ) -> int:
         if not versions.persistent(version):
             return await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
         eid = journal.entry_id(key, version)
@@ -408,7 +460,9 @@ class DiskCache:
         return got
 
     # -- writes ------------------------------------------------------------------
-    async def _store_pending(self, eid: bytes, key: str, version: str, start: int, data: bytes, object_bytes: int) -> None:
+    async def _store_pending(
+        self, eid: bytes, key: str, version: str, start: int, data: bytes, object_bytes: int
+    ) -> None:
         try:
             await self._store(eid, key, version, start, memoryview(data), object_bytes)
         finally:
@@ -464,22 +518,36 @@ class DiskCache:
         if entry is None:
             entry_no = self._journal.next_entry_no
             self._journal.next_entry_no += 1
-            entry = self._entries[eid] = journal.Entry(entry_no, object_bytes, cb,
-                                                       journal.entry_record(entry_no, key, version, object_bytes))
+            entry = self._entries[eid] = journal.Entry(
+                entry_no, object_bytes, cb, journal.entry_record(entry_no, key, version, object_bytes)
+            )
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
             self._charge_index()
         # Two first writes at once both define the entry: harmless, the journal keeps one.
         definition = b"" if entry.recorded else entry.definition
         try:
-            crcs = await trio.to_thread.run_sync(_write_chunks, self._data_fd, journal.data_name(entry.entry_no), lo,
-                                                 view[lo - start : hi - start], cb, self._journal, entry.entry_no,
-                                                 definition, limiter=self._write_limiter)
+            crcs = await trio.to_thread.run_sync(
+                _write_chunks,
+                self._data_fd,
+                journal.data_name(entry.entry_no),
+                lo,
+                view[lo - start : hi - start],
+                cb,
+                self._journal,
+                entry.entry_no,
+                definition,
+                limiter=self._write_limiter,
+            )
         except OSError as exc:
             self._write_failures += 1
             self.stats["disk_cache.write_errors"] += 1
-            log.warning("disk cache write to %s failed (%s)%s", self._path(entry), exc,
-                        "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "")
+            log.warning(
+                "disk cache write to %s failed (%s)%s",
+                self._path(entry),
+                exc,
+                "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "",
+            )
             self._evict(eid, entry)
             return
         entry.recorded = True
@@ -502,11 +570,16 @@ class DiskCache:
 
         def snapshot():  # (in the rewriting thread, appends held: the index as of now, from the trio thread)
             return trio.from_thread.run_sync(lambda: list(self._entries.values()))
+
         try:
             await trio.to_thread.run_sync(self._journal.compact, snapshot)
             self.stats["disk_cache.journal_rewrites"] += 1
-            log.info("disk cache journal rewritten: %.1f -> %.1f MiB in %.2f s", before_bytes / 2**20,
-                     self._journal.size_bytes / 2**20, time.monotonic() - started_s)
+            log.info(
+                "disk cache journal rewritten: %.1f -> %.1f MiB in %.2f s",
+                before_bytes / 2**20,
+                self._journal.size_bytes / 2**20,
+                time.monotonic() - started_s,
+            )
         except OSError as exc:
             self._write_failures = WRITE_FAILURES_MAX  # a disk that cannot take the rewrite (full, failing)
             log.warning("disk cache journal rewrite failed (%s); no more writes to the disk cache", exc)
@@ -553,8 +626,9 @@ class DiskCache:
                 except trio.WouldBlock:
                     break
             try:
-                error = await trio.to_thread.run_sync(_delete_files, self._data_fd, self._journal, batch,
-                                                      limiter=self._write_limiter)
+                error = await trio.to_thread.run_sync(
+                    _delete_files, self._data_fd, self._journal, batch, limiter=self._write_limiter
+                )
                 if error is not None:
                     log.warning("disk cache: could not delete every file of %d evicted objects (%s)", len(batch), error)
             finally:

@@ -141,11 +141,17 @@ def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
         private = _make_private_dir(path)
     except OSError as exc:
         if exc.errno in NO_SPACE_ERRNOS:
-            log.warning("disk cache: no room in %s (%s); this mount runs without a disk cache", path, exc.strerror or exc)
+            log.warning(
+                "disk cache: no room in %s (%s); this mount runs without a disk cache", path, exc.strerror or exc
+            )
             return None
         raise dir_error(path, exc) from None
-    log.warning("disk cache %s is in use by another mount of %s; this one caches in %s, removed at exit",
-                directory, identity, private.path)
+    log.warning(
+        "disk cache %s is in use by another mount of %s; this one caches in %s, removed at exit",
+        directory,
+        identity,
+        private.path,
+    )
     return private
 
 

@@ -24,8 +24,9 @@ from bucketfs.diskcache.journal import chunks_record, data_name, delete_record
 log = logging.getLogger(__name__)
 
 
-def write_chunks(data_fd: int, name: str, offset: int, view, chunk_bytes: int, journal, entry_no: int,
-                 definition: bytes) -> dict:
+def write_chunks(
+    data_fd: int, name: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes
+) -> dict:
     """Write `view` at `offset` (a chunk boundary) of the data file `name`, then journal
     the CRC-32 of each chunk in it (after `definition`, the entry's record, if not
     journaled yet); the CRCs."""
@@ -73,15 +74,29 @@ def delete_files(data_fd: int, journal, entry_nos: list) -> Optional[OSError]:
 WOULD_BLOCK = object()  # (a no-wait read that needs the disk)
 
 
-def read_chunks(data_fd: int, name: str, lo: int, hi: int, crcs: list, chunk_bytes: int, start: int, end: int,
-                into=None, on_loop: bool = False):
+def read_chunks(
+    data_fd: int,
+    name: str,
+    lo: int,
+    hi: int,
+    crcs: list,
+    chunk_bytes: int,
+    start: int,
+    end: int,
+    into=None,
+    on_loop: bool = False,
+):
     """Bytes [start, end) of the object, read as the chunks [lo, hi) around them from
     its data file `name` and checked against `crcs`: as a bytes-like object, or into
     `into` (then their length). None if the file is gone, short or does not match.
     `on_loop` (on the event loop, no waiting): WOULD_BLOCK if the file's name or
     bytes are not all in the kernel's caches."""
     try:
-        fd = pagecache.open_cached(data_fd, name) if on_loop else os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=data_fd)
+        fd = (
+            pagecache.open_cached(data_fd, name)
+            if on_loop
+            else os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=data_fd)
+        )
     except FileNotFoundError:
         return None
     if fd is None:
@@ -127,9 +142,14 @@ async def read_ahead(data_fd: int, names: list, total_bytes: int) -> None:
             pagecache.read_ahead(own_fd, names, stop)
         finally:
             os.close(own_fd)
+
     try:
         await trio.to_thread.run_sync(read_ahead_files, abandon_on_cancel=True)
-        log.info("disk cache: asked the kernel to read %d files (%.1f MiB) ahead in %.2f s", len(names),
-                 total_bytes / 2**20, time.monotonic() - started_s)
+        log.info(
+            "disk cache: asked the kernel to read %d files (%.1f MiB) ahead in %.2f s",
+            len(names),
+            total_bytes / 2**20,
+            time.monotonic() - started_s,
+        )
     finally:
         stop.set()  # (an unmount does not wait for the rest)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import array
 import collections
 import errno
-import itertools
 import hashlib
+import itertools
 import os
 import struct
 import threading
@@ -126,8 +126,10 @@ class Entry:
         """What the journal needs to know of it: its definition and its chunks."""
         crcs = self.crcs
         pairs = [(i, crcs[i]) for i in self.present_chunks()]
-        return self.definition + b"".join(chunks_record(self.entry_no, pairs[at : at + CHUNKS_PER_RECORD_MAX])
-                                          for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX))
+        return self.definition + b"".join(
+            chunks_record(self.entry_no, pairs[at : at + CHUNKS_PER_RECORD_MAX])
+            for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX)
+        )
 
     def record_bytes(self) -> int:
         """len(records()), counting every chunk (an estimate of what a rewrite keeps)."""

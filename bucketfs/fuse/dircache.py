@@ -61,13 +61,19 @@ def private_layouts_allowed(mode: str, stats) -> bool:
     version = pyfuse3_version()
     low, below = PYFUSE3_TESTED
     if mode == "off":
-        log.info("--kernel-dir-cache off: nothing is written into pyfuse3's or libfuse's private memory; "
-                 "directory listings are not cached by the kernel")
+        log.info(
+            "--kernel-dir-cache off: nothing is written into pyfuse3's or libfuse's private memory; "
+            "directory listings are not cached by the kernel"
+        )
     elif version is None or not low <= version < below:
-        log.warning("pyfuse3 %s is not one whose private memory layout bucketfs has checked (%s to below %s): "
-                    "directory listings are not cached by the kernel, and every opendir() costs an OPENDIR "
-                    "round trip", getattr(pyfuse3, "__version__", "(version unknown)"),
-                    ".".join(map(str, low)), ".".join(map(str, below)))
+        log.warning(
+            "pyfuse3 %s is not one whose private memory layout bucketfs has checked (%s to below %s): "
+            "directory listings are not cached by the kernel, and every opendir() costs an OPENDIR "
+            "round trip",
+            getattr(pyfuse3, "__version__", "(version unknown)"),
+            ".".join(map(str, low)),
+            ".".join(map(str, below)),
+        )
     else:
         return True
     stats["namespace.kernel_dir_cache_off"] = 1
@@ -81,6 +87,7 @@ FILE_INFO_OFFSET = object.__basicsize__ + ctypes.sizeof(ctypes.c_uint64)
 @dataclass(frozen=True)
 class FlagLayout:
     """Where one libfuse keeps what OPENDIR's reply is built from."""
+
     file_info_bytes: int  # sizeof(struct fuse_file_info)
     keep_cache_bit: int  # in the bitfield word after `int flags` (GCC allocates from bit 0)
     cache_readdir_bit: int
@@ -134,8 +141,10 @@ class DirCacheFlags:
         self.layout = layout
         self.enabled = layout is not None
         if not self.enabled:
-            self._switch_off(f"libfuse {'.'.join(map(str, version)) if version else '(version unknown)'} "
-                             "is not one whose fuse_file_info layout is known")
+            self._switch_off(
+                f"libfuse {'.'.join(map(str, version)) if version else '(version unknown)'} "
+                "is not one whose fuse_file_info layout is known"
+            )
 
     @staticmethod
     def install() -> None:
@@ -159,13 +168,17 @@ class DirCacheFlags:
             return False
         container = _request.get()
         if container is None:
-            self._switch_off("pyfuse3 did not run its OPENDIR handler through the wrapper "
-                             f"(pyfuse3 {getattr(pyfuse3, '__version__', '?')})")
+            self._switch_off(
+                "pyfuse3 did not run its OPENDIR handler through the wrapper "
+                f"(pyfuse3 {getattr(pyfuse3, '__version__', '?')})"
+            )
             return False
         bits = self._checked_bits(container, inode)
         if bits is None:
-            self._switch_off(f"pyfuse3's OPENDIR request is not laid out as expected (pyfuse3 "
-                             f"{getattr(pyfuse3, '__version__', '?')})")
+            self._switch_off(
+                f"pyfuse3's OPENDIR request is not laid out as expected (pyfuse3 "
+                f"{getattr(pyfuse3, '__version__', '?')})"
+            )
             return False
         bits.value |= self.layout.keep_cache_bit | self.layout.cache_readdir_bit
         return True

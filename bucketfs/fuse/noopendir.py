@@ -40,19 +40,89 @@ POINTER_BYTES = ctypes.sizeof(ctypes.c_void_p)
 # libfuse 3's struct fuse_lowlevel_ops, in order (fuse_lowlevel.h, 3.0-3.18): the
 # first 44 slots; later releases add slots after these only.
 LOWLEVEL_OPS = (
-    "init", "destroy", "lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir", "unlink",
-    "rmdir", "symlink", "rename", "link", "open", "read", "write", "flush", "release", "fsync",
-    "opendir", "readdir", "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr",
-    "removexattr", "access", "create", "getlk", "setlk", "bmap", "ioctl", "poll", "write_buf",
-    "retrieve_reply", "forget_multi", "flock", "fallocate", "readdirplus", "copy_file_range", "lseek",
+    "init",
+    "destroy",
+    "lookup",
+    "forget",
+    "getattr",
+    "setattr",
+    "readlink",
+    "mknod",
+    "mkdir",
+    "unlink",
+    "rmdir",
+    "symlink",
+    "rename",
+    "link",
+    "open",
+    "read",
+    "write",
+    "flush",
+    "release",
+    "fsync",
+    "opendir",
+    "readdir",
+    "releasedir",
+    "fsyncdir",
+    "statfs",
+    "setxattr",
+    "getxattr",
+    "listxattr",
+    "removexattr",
+    "access",
+    "create",
+    "getlk",
+    "setlk",
+    "bmap",
+    "ioctl",
+    "poll",
+    "write_buf",
+    "retrieve_reply",
+    "forget_multi",
+    "flock",
+    "fallocate",
+    "readdirplus",
+    "copy_file_range",
+    "lseek",
 )
 # What pyfuse3 (3.x, init_fuse_ops) fills in; every other slot is NULL.
-PYFUSE3_OPS = frozenset((
-    "init", "lookup", "forget", "getattr", "setattr", "readlink", "mknod", "mkdir", "unlink", "rmdir",
-    "symlink", "rename", "link", "open", "read", "write", "flush", "release", "fsync", "opendir",
-    "readdirplus", "releasedir", "fsyncdir", "statfs", "setxattr", "getxattr", "listxattr",
-    "removexattr", "access", "create", "forget_multi", "write_buf", "poll",
-))
+PYFUSE3_OPS = frozenset(
+    (
+        "init",
+        "lookup",
+        "forget",
+        "getattr",
+        "setattr",
+        "readlink",
+        "mknod",
+        "mkdir",
+        "unlink",
+        "rmdir",
+        "symlink",
+        "rename",
+        "link",
+        "open",
+        "read",
+        "write",
+        "flush",
+        "release",
+        "fsync",
+        "opendir",
+        "readdirplus",
+        "releasedir",
+        "fsyncdir",
+        "statfs",
+        "setxattr",
+        "getxattr",
+        "listxattr",
+        "removexattr",
+        "access",
+        "create",
+        "forget_multi",
+        "write_buf",
+        "poll",
+    )
+)
 READDIRPLUS_SLOT = LOWLEVEL_OPS.index("readdirplus")
 # The table sits after a few fields of struct fuse_session (mountpoint, exited, fd,
 # io, mo, debug, deny_others: 40 bytes in 3.14); look a little further either way.
@@ -64,11 +134,13 @@ TOKEN_REQ_OFFSET = object.__basicsize__
 # Noted requests whose READDIR never ran (pyfuse3 answered it itself): dropped past this.
 NOTED_MAX_COUNT = 1024
 
-_READDIRPLUS_C = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
-                                  ctypes.c_int64, ctypes.c_void_p)
+_READDIRPLUS_C = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
+)
 # pyfuse3's own handler is Cython code that needs the GIL: called without releasing it.
-_READDIRPLUS_PY = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t,
-                                    ctypes.c_int64, ctypes.c_void_p)
+_READDIRPLUS_PY = ctypes.PYFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int64, ctypes.c_void_p
+)
 
 
 def _mappings():
@@ -83,28 +155,35 @@ def _mappings():
 def code_ranges(path: str) -> list:
     """[start, end) of every executable mapping of `path` in this process."""
     real = os.path.realpath(path)
-    return [(start, end) for start, end, perms, mapped in _mappings()
-            if perms[2] == "x" and mapped.startswith("/") and os.path.realpath(mapped) == real]
+    return [
+        (start, end)
+        for start, end, perms, mapped in _mappings()
+        if perms[2] == "x" and mapped.startswith("/") and os.path.realpath(mapped) == real
+    ]
 
 
 def readable(address: int, size_bytes: int) -> bool:
     """Whether [address, address + size_bytes) lies in one readable mapping: a pointer
     that is not what it should be is refused here instead of crashing the daemon."""
-    return any(start <= address and address + size_bytes <= end and perms[0] == "r"
-               for start, end, perms, _path in _mappings())
+    return any(
+        start <= address and address + size_bytes <= end and perms[0] == "r" for start, end, perms, _path in _mappings()
+    )
 
 
 def find_ops_table(session: int, code: list) -> Optional[int]:
     """The address of pyfuse3's operation table inside the session at `session`, or
     None if no offset holds exactly pyfuse3's pattern."""
+
     def in_code(pointer: int) -> bool:
         return any(start <= pointer < end for start, end in code)
 
     for offset in range(0, OPS_OFFSET_MAX_BYTES + POINTER_BYTES, POINTER_BYTES):
         table = session + offset
         slots = (ctypes.c_void_p * len(LOWLEVEL_OPS)).from_address(table)
-        if all((slot is not None and in_code(slot)) if name in PYFUSE3_OPS else slot is None
-               for name, slot in zip(LOWLEVEL_OPS, slots)):
+        if all(
+            (slot is not None and in_code(slot)) if name in PYFUSE3_OPS else slot is None
+            for name, slot in zip(LOWLEVEL_OPS, slots)
+        ):
             return table
     return None
 
@@ -141,8 +220,11 @@ class KernelOpensDirs:
             log.debug("reading this process's mappings: %s", exc)
         if table is None:
             self.refused = True
-            log.warning("pyfuse3's session is not laid out as expected (pyfuse3 %s): every opendir() "
-                        "still costs an OPENDIR and a RELEASEDIR", getattr(pyfuse3, "__version__", "?"))
+            log.warning(
+                "pyfuse3's session is not laid out as expected (pyfuse3 %s): every opendir() "
+                "still costs an OPENDIR and a RELEASEDIR",
+                getattr(pyfuse3, "__version__", "?"),
+            )
             return False
         slot = ctypes.c_void_p.from_address(table + READDIRPLUS_SLOT * POINTER_BYTES)
         original = _READDIRPLUS_PY(slot.value)

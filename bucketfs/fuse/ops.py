@@ -330,7 +330,7 @@ class FuseOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         if fh >= STATS_FH_FIRST:
             self._uncount("read")
-            return self._stats_reads[fh][off:off + size]
+            return self._stats_reads[fh][off : off + size]
         return await self.fs.read(fh, off, size)
 
     async def flush(self, fh):

@@ -105,9 +105,12 @@ class CountingProxy:
             def send_head(self, response, data: bytes, headers=None) -> None:
                 """The upstream's status and headers (or `headers`), with the Content-Length of `data`."""
                 # HEAD: the object's length as the server gave it; else the body we relay.
-                self.send_answer_head(response.status, response.reason,
-                                      response.getheaders() if headers is None else headers,
-                                      response.getheader("Content-Length", "0") if self.command == "HEAD" else len(data))
+                self.send_answer_head(
+                    response.status,
+                    response.reason,
+                    response.getheaders() if headers is None else headers,
+                    response.getheader("Content-Length", "0") if self.command == "HEAD" else len(data),
+                )
 
             def send_answer_head(self, status: int, reason: str, headers, content_length) -> None:
                 """A status line and `headers` (pairs; hop-by-hop ones and any length left

@@ -50,8 +50,16 @@ _ERROR_ANSWERS = {
 
 
 class FaultProxy(CountingProxy):
-    def __init__(self, upstream_url: str, fault_rate: float, seed: int, stall_s: float, delay_s: float = 0.0,
-                 kinds: tuple = FAULT_KINDS, goog_hash: bool = False):
+    def __init__(
+        self,
+        upstream_url: str,
+        fault_rate: float,
+        seed: int,
+        stall_s: float,
+        delay_s: float = 0.0,
+        kinds: tuple = FAULT_KINDS,
+        goog_hash: bool = False,
+    ):
         super().__init__(upstream_url)
         self.fault_rate, self.stall_s, self.delay_s = fault_rate, stall_s, delay_s
         self.kinds, self.goog_hash = kinds, goog_hash
@@ -97,13 +105,20 @@ class FaultProxy(CountingProxy):
         """With `goog_hash`, GCS's x-goog-hash of a whole object's bytes; for a `flip`,
         one bit of the body flipped after that."""
         headers = response.getheaders()
-        if (self.goog_hash and handler.command == "GET" and "Range" in handler.headers and response.status in (200, 206)
-                and _is_whole(response, data)):
-            headers += [("x-goog-hash", f"crc32c={_b64(_crc32c(data))}"),
-                        ("x-goog-hash", f"md5={_b64(hashlib.md5(data).digest())}")]
+        if (
+            self.goog_hash
+            and handler.command == "GET"
+            and "Range" in handler.headers
+            and response.status in (200, 206)
+            and _is_whole(response, data)
+        ):
+            headers += [
+                ("x-goog-hash", f"crc32c={_b64(_crc32c(data))}"),
+                ("x-goog-hash", f"md5={_b64(hashlib.md5(data).digest())}"),
+            ]
         if handler.flip and data:
             at = int(len(data) * handler.cut_fraction)
-            data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+            data = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
         return headers, data
 
 
@@ -129,15 +144,23 @@ def _reset(handler) -> None:
 
 
 def _error_answer(handler, status: int, reason: str, code: str, message: str) -> None:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-            f"<Message>{message}</Message></Error>").encode()
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>'
+    ).encode()
     handler.send_answer_head(status, reason, [("Content-Type", "application/xml")], len(body))
     handler.wfile.write(body)
 
 
 @contextlib.contextmanager
-def fault_proxy(upstream_url: str, fault_rate: float = 0.0, seed: int = 0, stall_s: float = 0.0,
-                delay_s: float = 0.0, kinds: tuple = FAULT_KINDS, goog_hash: bool = False) -> Iterator[FaultProxy]:
+def fault_proxy(
+    upstream_url: str,
+    fault_rate: float = 0.0,
+    seed: int = 0,
+    stall_s: float = 0.0,
+    delay_s: float = 0.0,
+    kinds: tuple = FAULT_KINDS,
+    goog_hash: bool = False,
+) -> Iterator[FaultProxy]:
     """A running FaultProxy (faults off until `proxy.faulty.set()`); always stopped."""
     proxy = FaultProxy(upstream_url, fault_rate, seed, stall_s, delay_s, kinds, goog_hash)
     proxy.start()

@@ -163,11 +163,20 @@ class GCSServer:
                 # (Multipart for everything would cost ~1 s per 24 MiB in its parser.)
                 meta = json.dumps({"name": key, "contentType": "application/octet-stream"}).encode()
                 path, content_type = f"/upload/storage/v1/b/{bucket}/o?uploadType=multipart", _MULTIPART_TYPE
-                data = b"".join([
-                    b"--", _BOUNDARY, b"\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n", meta,
-                    b"\r\n--", _BOUNDARY, b"\r\nContent-Type: application/octet-stream\r\n\r\n",
-                    b"\r\n--", _BOUNDARY, b"--\r\n",
-                ])
+                data = b"".join(
+                    [
+                        b"--",
+                        _BOUNDARY,
+                        b"\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n",
+                        meta,
+                        b"\r\n--",
+                        _BOUNDARY,
+                        b"\r\nContent-Type: application/octet-stream\r\n\r\n",
+                        b"\r\n--",
+                        _BOUNDARY,
+                        b"--\r\n",
+                    ]
+                )
             connection = http.client.HTTPConnection(self._netloc, timeout=30.0)
             try:
                 connection.request("POST", path, body=data, headers={"Content-Type": content_type})
@@ -203,9 +212,21 @@ def start_gcs_emulator() -> Iterator[GCSEmulator]:
             port = free_port()
             endpoint_url = f"http://127.0.0.1:{port}"
             proc = subprocess.Popen(
-                [sys.executable, "-c", _LAUNCHER, "start",
-                 "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--quiet"],
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-c",
+                    _LAUNCHER,
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--in-memory",
+                    "--quiet",
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 env={k: v for k, v in os.environ.items() if k != "STORAGE_EMULATOR_HOST"},
                 preexec_fn=_die_with_parent,  # no orphaned emulator if the test run is killed
             )
@@ -217,7 +238,9 @@ def start_gcs_emulator() -> Iterator[GCSEmulator]:
                     continue  # exited (port taken?): try another port
                 if not _is_ready(endpoint_url):
                     log_file.seek(0)
-                    raise RuntimeError(f"GCS emulator not ready after {_READY_DEADLINE_S}s: {log_file.read()[-2000:]!r}")
+                    raise RuntimeError(
+                        f"GCS emulator not ready after {_READY_DEADLINE_S}s: {log_file.read()[-2000:]!r}"
+                    )
                 emulator = GCSEmulator(endpoint_url, proc.pid)
                 try:
                     yield emulator
@@ -273,7 +296,7 @@ class GCSLikeAdapter(requests.adapters.HTTPAdapter):
 
     def _download(self, request, url, query, kwargs):
         # /download/storage/v1/b/BUCKET/o/OBJECT -> metadata at /storage/v1/b/BUCKET/o/OBJECT
-        meta_url = f"{url.scheme}://{url.netloc}{url.path[len('/download'):]}"
+        meta_url = f"{url.scheme}://{url.netloc}{url.path[len('/download') :]}"
         meta = requests.get(meta_url, timeout=10)
         if meta.status_code != 200:
             return fake_response(request, meta.status_code)
@@ -290,17 +313,20 @@ class GCSLikeAdapter(requests.adapters.HTTPAdapter):
         page_size = int(query.get("maxResults", ["1000"])[0])
         after = base64.urlsafe_b64decode(query["pageToken"][0]).decode() if "pageToken" in query else None
         body = response.json()
-        entries = sorted([(item["name"], "item", item) for item in body.get("items", [])]
-                         + [(prefix, "prefix", prefix) for prefix in body.get("prefixes", [])])
+        entries = sorted(
+            [(item["name"], "item", item) for item in body.get("items", [])]
+            + [(prefix, "prefix", prefix) for prefix in body.get("prefixes", [])]
+        )
         if after is not None:
             entries = [entry for entry in entries if entry[0] > after]
         page = entries[:page_size]
-        out = {"kind": "storage#objects",
-               "items": [entry[2] for entry in page if entry[1] == "item"],
-               "prefixes": [entry[2] for entry in page if entry[1] == "prefix"]}
+        out = {
+            "kind": "storage#objects",
+            "items": [entry[2] for entry in page if entry[1] == "item"],
+            "prefixes": [entry[2] for entry in page if entry[1] == "prefix"],
+        }
         if len(entries) > page_size:
             out["nextPageToken"] = base64.urlsafe_b64encode(page[-1][0].encode()).decode()
         response._content = json.dumps(out).encode()
         response.headers["Content-Length"] = str(len(response._content))
         self.pages_served_count += 1
-

@@ -48,8 +48,15 @@ class AdapterFront(CountingProxy):
         # Host: requests sets the upstream's own.
         headers = {k: v for k, v in handler.forwarded_headers().items() if k.lower() != "host"}
         try:
-            response = self.session.request(handler.command, self.upstream_url + handler.path, headers=headers,
-                                            data=handler.request_body(), stream=True, timeout=30, allow_redirects=False)
+            response = self.session.request(
+                handler.command,
+                self.upstream_url + handler.path,
+                headers=headers,
+                data=handler.request_body(),
+                stream=True,
+                timeout=30,
+                allow_redirects=False,
+            )
         except requests.ConnectionError:
             handler.close_connection = True
             return

@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from bucketfs.metrics import STATS_FILE_NAME
 from bucketfs.app.mountpoints import fusectl_dir
+from bucketfs.metrics import STATS_FILE_NAME
 from bucketfs.testing.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -43,7 +43,9 @@ def bucketfs_cmd(*args) -> list:
 
 def mount_cmd(url: str, mountpoint, *args, endpoint_url=None) -> list:
     """`bucketfs mount URL MOUNTPOINT [--endpoint-url ENDPOINT_URL] ARGS...`."""
-    return bucketfs_cmd("mount", url, str(mountpoint), *(("--endpoint-url", endpoint_url) if endpoint_url else ()), *args)
+    return bucketfs_cmd(
+        "mount", url, str(mountpoint), *(("--endpoint-url", endpoint_url) if endpoint_url else ()), *args
+    )
 
 
 def server_env(server=None, **extra) -> dict:
@@ -120,8 +122,16 @@ def force_unmount(mountpoint: str) -> None:
 class Mount:
     """A foreground `bucketfs mount` subprocess serving `url` on `mountpoint`."""
 
-    def __init__(self, url: str, mountpoint: str, env: dict, args=(), log_path: str | None = None, new_session: bool = False,
-                 endpoint_url: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        mountpoint: str,
+        env: dict,
+        args=(),
+        log_path: str | None = None,
+        new_session: bool = False,
+        endpoint_url: str | None = None,
+    ):
         self.url, self.mountpoint = url, str(mountpoint)
         self._tmp_dir = tempfile.mkdtemp(prefix="bucketfs-mount-")
         self.log_path = log_path or os.path.join(self._tmp_dir, "bucketfs.log")
@@ -130,11 +140,17 @@ class Mount:
         self._sock.bind(sock_path)
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
-                mount_cmd(url, self.mountpoint, "--foreground", "--log-level", "INFO", *args, endpoint_url=endpoint_url),
-                env=dict(env, NOTIFY_SOCKET=sock_path), stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                mount_cmd(
+                    url, self.mountpoint, "--foreground", "--log-level", "INFO", *args, endpoint_url=endpoint_url
+                ),
+                env=dict(env, NOTIFY_SOCKET=sock_path),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
                 # new_session: a Ctrl-C at the terminal reaches the caller, which unmounts
                 # after its readers stopped, rather than the daemon mid-read.
-                start_new_session=new_session, preexec_fn=_die_with_parent,
+                start_new_session=new_session,
+                preexec_fn=_die_with_parent,
             )
         try:
             self.wait_notify("READY=1", MOUNT_DEADLINE_S)
@@ -157,14 +173,18 @@ class Mount:
         while True:
             remaining_s = end - time.monotonic()
             if remaining_s <= 0:
-                raise MountError(f"no {message} from the mount of {self.url} within {deadline_s} s:\n{self.stderr_text[-3000:]}")
+                raise MountError(
+                    f"no {message} from the mount of {self.url} within {deadline_s} s:\n{self.stderr_text[-3000:]}"
+                )
             self._sock.settimeout(min(remaining_s, 0.5))
             try:
                 if message in self._sock.recv(4096).decode().split("\n"):
                     return
             except socket.timeout:
                 if self.proc.poll() is not None:
-                    raise MountError(f"mount of {self.url} exited with {self.proc.returncode}:\n{self.stderr_text[-3000:]}") from None
+                    raise MountError(
+                        f"mount of {self.url} exited with {self.proc.returncode}:\n{self.stderr_text[-3000:]}"
+                    ) from None
 
     def path(self, *parts) -> str:
         return os.path.join(self.mountpoint, *parts)
@@ -196,8 +216,15 @@ class Mount:
 @contextlib.contextmanager
 def bucketfs_mount(url: str, mountpoint: str, log_path: str, *, endpoint_url=None, env=None, extra_args=()):
     """`with bucketfs_mount(...) as mount:` a Mount that is always torn down."""
-    mount = Mount(url, mountpoint, env if env is not None else dict(os.environ), extra_args, log_path=log_path, new_session=True,
-                  endpoint_url=endpoint_url)
+    mount = Mount(
+        url,
+        mountpoint,
+        env if env is not None else dict(os.environ),
+        extra_args,
+        log_path=log_path,
+        new_session=True,
+        endpoint_url=endpoint_url,
+    )
     try:
         yield mount
     finally:
@@ -256,8 +283,20 @@ def assert_complete_listing(mount: Mount, dirname: str, names: list) -> None:
 
 
 # Names that URL-encoding, shells and XML all treat specially; every store must carry them.
-SPECIAL_NAMES = ["with space.txt", "per%25cent%", "plus+sign", "hash#tag", "quest?ion", "eq=ual", "amp&ersand",
-                 "ünïcødé.txt", "日本語.bin", "emoji-🚀", "semi;colon", "quote'd"]
+SPECIAL_NAMES = [
+    "with space.txt",
+    "per%25cent%",
+    "plus+sign",
+    "hash#tag",
+    "quest?ion",
+    "eq=ual",
+    "amp&ersand",
+    "ünïcødé.txt",
+    "日本語.bin",
+    "emoji-🚀",
+    "semi;colon",
+    "quote'd",
+]
 
 
 def special_name_objects(dirname: str, names: list) -> dict:

@@ -59,12 +59,12 @@ import uuid
 from typing import Iterator, Optional
 
 import boto3
-import urllib3
-import urllib3.exceptions
 import botocore.awsrequest
 import botocore.config
 import botocore.exceptions
 import botocore.handlers
+import urllib3
+import urllib3.exceptions
 
 from bucketfs.config import BucketURL, Config
 
@@ -107,9 +107,16 @@ def rclone_binary() -> str:
 class S3Server:
     """A running S3-compatible server: endpoint, credentials, seeding helpers."""
 
-    def __init__(self, kind: str, endpoint_url: str, access_key: str, secret_key: str,
-                 root_dir: Optional[pathlib.Path] = None, pid: Optional[int] = None,
-                 rc_url: Optional[str] = None):
+    def __init__(
+        self,
+        kind: str,
+        endpoint_url: str,
+        access_key: str,
+        secret_key: str,
+        root_dir: Optional[pathlib.Path] = None,
+        pid: Optional[int] = None,
+        rc_url: Optional[str] = None,
+    ):
         self.kind = kind  # "rclone" | "moto"
         self.endpoint_url = endpoint_url
         self.access_key = access_key
@@ -131,7 +138,8 @@ class S3Server:
         secret_key = secret_key or self.secret_key
         if secret_key not in self._sessions:
             self._sessions[secret_key] = boto3.session.Session(
-                aws_access_key_id=self.access_key, aws_secret_access_key=secret_key, region_name=self.region)
+                aws_access_key_id=self.access_key, aws_secret_access_key=secret_key, region_name=self.region
+            )
         return self._sessions[secret_key]
 
     @property
@@ -143,8 +151,12 @@ class S3Server:
 
     def env(self) -> dict:
         """AWS_* variables for a subprocess that should talk to this server."""
-        env = {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-               "AWS_DEFAULT_REGION": self.region, "AWS_ENDPOINT_URL": self.endpoint_url}
+        env = {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+        }
         if self.ca_bundle:
             env["AWS_CA_BUNDLE"] = self.ca_bundle  # how a boto3 user trusts a private CA
         return env
@@ -200,8 +212,9 @@ class S3Server:
 
     def rclone_rc(self, command: str, **params) -> dict:
         """Call rclone's remote-control API (synchronous), e.g. `vfs/forget`."""
-        request = urllib.request.Request(f"{self.rc_url}/{command}", data=json.dumps(params).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{self.rc_url}/{command}", data=json.dumps(params).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10.0) as response:
             return json.loads(response.read())
 
@@ -250,7 +263,9 @@ def boto3_client(server: S3Server, **config_overrides):
 # -- fault injection: botocore's before-send hook answers instead of the server ------
 
 _S3_OPERATIONS = {"get": "GetObject", "list": "ListObjectsV2", "head": "HeadObject"}
-INVALID_RANGE_BODY = b"<Error><Code>InvalidRange</Code><Message>The requested range is not satisfiable</Message></Error>"
+INVALID_RANGE_BODY = (
+    b"<Error><Code>InvalidRange</Code><Message>The requested range is not satisfiable</Message></Error>"
+)
 SLOW_DOWN_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 FAULT_KINDS = ("throttle", "reset", "broken-body", "416")
 
@@ -299,8 +314,12 @@ def inject_s3_failures(client, op: str, times_count: int, kind: str = "throttle"
             headers = {"Content-Length": "10", "Content-Range": "bytes 0-9/10", "ETag": '"0"'}
             return botocore.awsrequest.AWSResponse(request.url, 206, headers, _FakeRaw(b"", broken=True))
         if kind == "416":
-            return botocore.awsrequest.AWSResponse(request.url, 416, {"Content-Type": "application/xml"}, _FakeRaw(INVALID_RANGE_BODY))
-        return botocore.awsrequest.AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(SLOW_DOWN_BODY))
+            return botocore.awsrequest.AWSResponse(
+                request.url, 416, {"Content-Type": "application/xml"}, _FakeRaw(INVALID_RANGE_BODY)
+            )
+        return botocore.awsrequest.AWSResponse(
+            request.url, 503, {"Content-Type": "application/xml"}, _FakeRaw(SLOW_DOWN_BODY)
+        )
 
     lean = getattr(client, "lean", None)
     if lean is not None:  # an S3Backend: GETs and LISTs go through its lean path, not the client
@@ -395,8 +414,9 @@ def _answers_http(port: int, tls: bool = False) -> bool:
     if tls:  # a readiness probe only: the certificate is checked by the tests themselves
         import ssl
 
-        connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=1.0,
-                                                 context=ssl._create_unverified_context())
+        connection = http.client.HTTPSConnection(
+            "127.0.0.1", port, timeout=1.0, context=ssl._create_unverified_context()
+        )
     else:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
     try:
@@ -433,18 +453,27 @@ def self_signed_certificate(work_dir: str) -> tuple:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bucketfs test CA")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = os.path.join(work_dir, "cert.pem"), os.path.join(work_dir, "key.pem")
     with open(cert_path, "wb") as f:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
     with open(key_path, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return cert_path, key_path
 
 
@@ -468,31 +497,61 @@ def rclone_s3_server(root_dir, tls: bool = False, etag_hash: str = "MD5") -> Ite
         for _attempt in range(3):  # the free ports may be taken between probe and bind
             port, rc_port = free_port(), free_port()
             argv = [
-                binary, "serve", "s3", str(root_dir),
-                "--addr", f"127.0.0.1:{port}", *tls_args,
-                "--auth-key", f"{RCLONE_ACCESS_KEY},{RCLONE_SECRET_KEY}",
-                "--etag-hash", etag_hash,
-                "--vfs-cache-mode", "off",  # read and write the directory directly
-                "--config", config_path,
-                "--log-file", log_path, "--log-level", "NOTICE",
+                binary,
+                "serve",
+                "s3",
+                str(root_dir),
+                "--addr",
+                f"127.0.0.1:{port}",
+                *tls_args,
+                "--auth-key",
+                f"{RCLONE_ACCESS_KEY},{RCLONE_SECRET_KEY}",
+                "--etag-hash",
+                etag_hash,
+                "--vfs-cache-mode",
+                "off",  # read and write the directory directly
+                "--config",
+                config_path,
+                "--log-file",
+                log_path,
+                "--log-level",
+                "NOTICE",
                 # Remote control, so tests can flush the directory cache (vfs/forget).
-                "--rc", "--rc-addr", f"127.0.0.1:{rc_port}", "--rc-no-auth",
+                "--rc",
+                "--rc-addr",
+                f"127.0.0.1:{rc_port}",
+                "--rc-no-auth",
             ]
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, env=_env_without_aws(),
-                                    preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=_env_without_aws(),
+                preexec_fn=_die_with_parent,
+            )
             try:
                 deadline = time.monotonic() + _READY_DEADLINE_S
-                while proc.poll() is None and time.monotonic() < deadline and not (
-                        _answers_http(port, tls) and _answers_http(rc_port)):
+                while (
+                    proc.poll() is None
+                    and time.monotonic() < deadline
+                    and not (_answers_http(port, tls) and _answers_http(rc_port))
+                ):
                     time.sleep(_POLL_INTERVAL_S)  # polling interval, not synchronisation
                 if proc.poll() is not None:
                     continue  # exited (port taken?): try other ports
                 if not (_answers_http(port, tls) and _answers_http(rc_port)):
                     raise RuntimeError(f"rclone serve s3 not ready after {_READY_DEADLINE_S}s: {_tail(log_path)}")
                 scheme = "https" if tls else "http"
-                server = S3Server("rclone", f"{scheme}://127.0.0.1:{port}", RCLONE_ACCESS_KEY, RCLONE_SECRET_KEY,
-                                  root_dir=root_dir, pid=proc.pid, rc_url=f"http://127.0.0.1:{rc_port}")
+                server = S3Server(
+                    "rclone",
+                    f"{scheme}://127.0.0.1:{port}",
+                    RCLONE_ACCESS_KEY,
+                    RCLONE_SECRET_KEY,
+                    root_dir=root_dir,
+                    pid=proc.pid,
+                    rc_url=f"http://127.0.0.1:{rc_port}",
+                )
                 server.ca_bundle = ca_bundle
                 try:
                     yield server

@@ -25,20 +25,45 @@ from .wds import wds_child
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="bucketfs vs direct SDK reads vs local disk, on emulated-remote S3 or GCS.")
-    p.add_argument("--latency-ms", type=float, default=20.0, help="added time to first byte of every response (default 20)")
-    p.add_argument("--conn-mbps", type=float, default=100.0, help="per-connection cap, MB/s (10^6 B/s); 0 = none (default 100)")
-    p.add_argument("--data-dir", type=Path, default=REPO / ".bench-data", help="generated data set, reused (default .bench-data/)")
+    p.add_argument(
+        "--latency-ms", type=float, default=20.0, help="added time to first byte of every response (default 20)"
+    )
+    p.add_argument(
+        "--conn-mbps", type=float, default=100.0, help="per-connection cap, MB/s (10^6 B/s); 0 = none (default 100)"
+    )
+    p.add_argument(
+        "--data-dir", type=Path, default=REPO / ".bench-data", help="generated data set, reused (default .bench-data/)"
+    )
     p.add_argument("--only", default="W1,W2,W3,W4,W5", help="comma-separated workloads (default all)")
     p.add_argument("--max-memory", default="1G", help="passed to the mount (default 1G)")
     p.add_argument("--mount-args", default="", help="extra bucketfs mount options, e.g. '--part-size 4M' (tuning runs)")
-    p.add_argument("--scale", type=float, help="shrink the data set, e.g. 0.25 for a quick run (default 1; 0.15 for gcs)")
-    p.add_argument("--backend", choices=sorted(BACKENDS), default="s3",
-                   help="s3: rclone serve s3 vs boto3 (default); gcs: gcp-storage-emulator vs google-cloud-storage")
+    p.add_argument(
+        "--scale", type=float, help="shrink the data set, e.g. 0.25 for a quick run (default 1; 0.15 for gcs)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="s3",
+        help="s3: rclone serve s3 vs boto3 (default); gcs: gcp-storage-emulator vs google-cloud-storage",
+    )
     p.add_argument("--json", type=Path, help="also write the results here")
-    p.add_argument("--py-spy", type=Path, metavar="DIR", help="profile the daemon in every bucketfs run with py-spy (collapsed stacks in DIR)")
-    p.add_argument("--proxy-log", type=Path, metavar="FILE", help="the proxy appends one line per request here (time, connection, kind, key, range)")
-    p.add_argument("--alternatives", action="store_true",
-                   help="also run every workload over existing FUSE mounts (rclone mount; s3fs where installed) for comparison (s3 only)")
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="profile the daemon in every bucketfs run with py-spy (collapsed stacks in DIR)",
+    )
+    p.add_argument(
+        "--proxy-log",
+        type=Path,
+        metavar="FILE",
+        help="the proxy appends one line per request here (time, connection, kind, key, range)",
+    )
+    p.add_argument(
+        "--alternatives",
+        action="store_true",
+        help="also run every workload over existing FUSE mounts (rclone mount; s3fs where installed) for comparison (s3 only)",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -68,12 +93,16 @@ def main(argv=None) -> int:
     spec = Spec.for_scale(args.scale)
     bucket_dir, manifest = ensure_dataset(spec, args.data_dir)
     ds = Dataset(spec, bucket_dir, manifest)
-    log(f"data: {len(ds.shards)} shards ({ds.bytes_of(ds.shards) / MB:.0f} MB, {ds.sample_count} samples), "
+    log(
+        f"data: {len(ds.shards)} shards ({ds.bytes_of(ds.shards) / MB:.0f} MB, {ds.sample_count} samples), "
         f"{len(ds.images)} ImageFolder files ({ds.bytes_of(ds.images) / MB:.0f} MB), {len(ds.flat)} flat, {len(ds.tree)} tree objects; "
-        f"digests {HASH_NAME}")
+        f"digests {HASH_NAME}"
+    )
     log(f"load average {os.getloadavg()[0]:.2f}")
-    log(f"emulation: +{args.latency_ms:g} ms to first byte, {args.conn_mbps:g} MB/s per connection; "
-        f"--max-memory {args.max_memory}; {os.cpu_count()} CPUs")
+    log(
+        f"emulation: +{args.latency_ms:g} ms to first byte, {args.conn_mbps:g} MB/s per connection; "
+        f"--max-memory {args.max_memory}; {os.cpu_count()} CPUs"
+    )
     if not drop_caches():
         log("WARNING: cannot drop the page cache (not root?): 'cold' local runs are warm")
     backend_cls = BACKENDS[args.backend]

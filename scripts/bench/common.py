@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 for _path in (str(REPO), str(REPO / "scripts")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
-ENTRY = str(REPO / "scripts" / "bench.py")  # the command, run again for the child processes (--wds-child, --gcs-proxy-child)
+ENTRY = str(
+    REPO / "scripts" / "bench.py"
+)  # the command, run again for the child processes (--wds-child, --gcs-proxy-child)
 
 MB = 1_000_000  # throughput unit (like the targets and --conn-mbps)
 MiB = 1024 * 1024

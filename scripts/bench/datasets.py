@@ -35,9 +35,13 @@ class Spec:
 
     @classmethod
     def for_scale(cls, scale: float) -> "Spec":
-        return cls(scale=scale, shard_bytes=max(2 * MB, int(64 * MB * scale)),
-                   files_per_class=max(2, round(200 * scale)), flat_count=max(100, round(20_000 * scale)),
-                   tree_per_dir=max(1, round(100 * scale)))
+        return cls(
+            scale=scale,
+            shard_bytes=max(2 * MB, int(64 * MB * scale)),
+            files_per_class=max(2, round(200 * scale)),
+            flat_count=max(100, round(20_000 * scale)),
+            tree_per_dir=max(1, round(100 * scale)),
+        )
 
     @property
     def bucket(self) -> str:

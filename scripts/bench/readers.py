@@ -27,6 +27,7 @@ def median_run(passes: int, fn: Callable[[], dict]) -> dict:
 
 def run_threads(target: Callable, args_list: list, verifier: Verifier) -> float:
     """Run target(*args) in one thread each; return the wall time. Exceptions become FAILs."""
+
     def wrapped(*args):
         try:
             target(*args)
@@ -108,6 +109,6 @@ class IterReader(io.RawIOBase):
                 self._current = b""
                 return 0
         n = min(len(b), len(self._current) - self._pos)
-        b[:n] = self._current[self._pos:self._pos + n]
+        b[:n] = self._current[self._pos : self._pos + n]
         self._pos += n
         return n

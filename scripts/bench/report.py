@@ -37,9 +37,17 @@ class Report:
             "W2.cold32": lambda: ge(val("W2.cold32"), val("W2.cold32", "direct")),
             "W2.warm8": lambda: ge(val("W2.warm8"), 6000),
             "W2.warm32": lambda: ge(val("W2.warm32"), 6000),
-            "W3.flat.cold": lambda: None if val("W3.flat.cold") is None else bool(le(val("W3.flat.cold"), val("W3.flat.cold", "direct")) and not self.w3_heads.get("flat")),
+            "W3.flat.cold": lambda: (
+                None
+                if val("W3.flat.cold") is None
+                else bool(le(val("W3.flat.cold"), val("W3.flat.cold", "direct")) and not self.w3_heads.get("flat"))
+            ),
             "W3.flat.cached": lambda: le(val("W3.flat.cached"), 0.1),
-            "W3.tree.cold": lambda: None if val("W3.tree.cold") is None else bool(le(val("W3.tree.cold"), val("W3.tree.cold", "direct")) and not self.w3_heads.get("tree")),
+            "W3.tree.cold": lambda: (
+                None
+                if val("W3.tree.cold") is None
+                else bool(le(val("W3.tree.cold"), val("W3.tree.cold", "direct")) and not self.w3_heads.get("tree"))
+            ),
             "W3.tree.cached": lambda: le(val("W3.tree.cached"), 0.1),
             "W4.ops": lambda: ge(val("W4.ops"), 2000),
             "W4.amp": lambda: le(val("W4.amp"), 4),
@@ -71,33 +79,83 @@ class Report:
 
         alts = list(self.alt_mounts)
         titles = [self.alt_mounts[a].title for a in alts]
-        header = ("workload", "unit", "bucketfs", self.backend.direct_label, "local", *titles,
-                  "bucketfs/direct", "bucketfs/local", *(f"bucketfs/{t}" for t in titles), "target", "met")
+        header = (
+            "workload",
+            "unit",
+            "bucketfs",
+            self.backend.direct_label,
+            "local",
+            *titles,
+            "bucketfs/direct",
+            "bucketfs/local",
+            *(f"bucketfs/{t}" for t in titles),
+            "target",
+            "met",
+        )
         lines = []
         for row in self.rows.values():
-            b, d, l = (row.values.get(s) for s in SYSTEMS)
+            b, d, l = (row.values.get(s) for s in SYSTEMS)  # noqa: E741 - bucketfs, direct, local
             others = [row.values.get(a) for a in alts]
             met = {True: "yes", False: "NO", None: "-"}[row.met]
-            lines.append((row.label, row.unit + ("" if row.higher_is_better else " (lower better)"), fmt(b), fmt(d), fmt(l),
-                          *(fmt(r) for r in others), ratio(b, d), ratio(b, l), *(ratio(b, r) for r in others), row.target, met))
+            lines.append(
+                (
+                    row.label,
+                    row.unit + ("" if row.higher_is_better else " (lower better)"),
+                    fmt(b),
+                    fmt(d),
+                    fmt(l),
+                    *(fmt(r) for r in others),
+                    ratio(b, d),
+                    ratio(b, l),
+                    *(ratio(b, r) for r in others),
+                    row.target,
+                    met,
+                )
+            )
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)),
-               "-+-".join("-" * w for w in widths)]
+        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
         out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
         return "\n".join(out)
 
     def cost_table(self) -> str:
-        header = ("run", "system", "wall s", "LIST", "GET", "HEAD", "other req", "fetched MB", "daemon CPU s", "client CPU s",
-                  "proxy CPU s", "server CPU s", "others' CPU s", "steal s")
+        header = (
+            "run",
+            "system",
+            "wall s",
+            "LIST",
+            "GET",
+            "HEAD",
+            "other req",
+            "fetched MB",
+            "daemon CPU s",
+            "client CPU s",
+            "proxy CPU s",
+            "server CPU s",
+            "others' CPU s",
+            "steal s",
+        )
         lines = []
         for run in self.runs:
             req = dict(run.get("requests", {}))
             other = sum(v for k, v in req.items() if k not in ("LIST", "GET", "HEAD"))
-            lines.append((run["run"], run["system"], f"{run['wall_s']:.2f}", req.get("LIST", 0), req.get("GET", 0), req.get("HEAD", 0),
-                          other, f"{run.get('fetched_bytes', 0) / MB:.1f}",
-                          "-" if run.get("daemon_cpu_s") is None else f"{run['daemon_cpu_s']:.2f}",
-                          f"{run['client_cpu_s']:.2f}", f"{run.get('proxy_cpu_s', 0):.2f}", f"{run['server_cpu_s']:.2f}",
-                          f"{run['foreign_cpu_s']:.1f}", f"{run.get('steal_s', 0):.1f}"))
+            lines.append(
+                (
+                    run["run"],
+                    run["system"],
+                    f"{run['wall_s']:.2f}",
+                    req.get("LIST", 0),
+                    req.get("GET", 0),
+                    req.get("HEAD", 0),
+                    other,
+                    f"{run.get('fetched_bytes', 0) / MB:.1f}",
+                    "-" if run.get("daemon_cpu_s") is None else f"{run['daemon_cpu_s']:.2f}",
+                    f"{run['client_cpu_s']:.2f}",
+                    f"{run.get('proxy_cpu_s', 0):.2f}",
+                    f"{run['server_cpu_s']:.2f}",
+                    f"{run['foreign_cpu_s']:.1f}",
+                    f"{run.get('steal_s', 0):.1f}",
+                )
+            )
         widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
         out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
         out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
@@ -120,7 +178,11 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
     lines = []
     for label in ("W1 1 reader(s)", "W1 4 reader(s)"):
         runs_of = {system: by.get((label, system)) for system in ("local", "direct", "bucketfs")}
-        remote = [r for r in (runs_of["bucketfs"], runs_of["direct"]) if r and r.get("fetched_bytes") and not r.get("error_count")]
+        remote = [
+            r
+            for r in (runs_of["bucketfs"], runs_of["direct"])
+            if r and r.get("fetched_bytes") and not r.get("error_count")
+        ]
         if not runs_of["local"] or not remote or not runs_of["local"].get("MB/s"):
             continue
         store_s_per_mb = min((r["server_cpu_s"] + r.get("proxy_cpu_s", 0)) / (r["fetched_bytes"] / MB) for r in remote)
@@ -130,17 +192,21 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
                 client_s_per_mb[system] = (r["client_cpu_s"] + r.get("daemon_cpu_s", 0)) / (r["MB/s"] * r["wall_s"])
         parts = ", ".join(f"{system} {1000 * v:.2f}" for system, v in client_s_per_mb.items())
         bounds = " / ".join(f"{cpus / (store_s_per_mb + v):,.0f}" for v in client_s_per_mb.values())
-        lines.append(f"  {label}: the store used {1000 * store_s_per_mb:.2f} ms of CPU per MB (server + proxy); the reader "
-                     f"side ({'daemon + ' if 'bucketfs' in client_s_per_mb else ''}readers) used, per MB: {parts} ms. "
-                     f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
-                     f"({' / '.join(client_s_per_mb)})")
+        lines.append(
+            f"  {label}: the store used {1000 * store_s_per_mb:.2f} ms of CPU per MB (server + proxy); the reader "
+            f"side ({'daemon + ' if 'bucketfs' in client_s_per_mb else ''}readers) used, per MB: {parts} ms. "
+            f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
+            f"({' / '.join(client_s_per_mb)})"
+        )
     local, mount = by.get(("W1 webdataset", "local")), by.get(("W1 webdataset", "bucketfs"))
     if local and mount and local.get("loop_busy_cpu_s") and local.get("samples/s"):
         store_s = mount["server_cpu_s"] + mount.get("proxy_cpu_s", 0)
         ratio = local["loop_busy_cpu_s"] / (local["loop_busy_cpu_s"] + store_s)
-        lines.append(f"  W1 webdataset: the local loop kept {local['loop_busy_cpu_s']:.1f} CPU s busy and the store used "
-                     f"{store_s:.1f} CPU s for the mount's run: with a daemon that cost nothing, a mount reaches at most "
-                     f"{ratio:.2f}x local here ({ratio * local['samples/s']:,.0f} samples/s)")
+        lines.append(
+            f"  W1 webdataset: the local loop kept {local['loop_busy_cpu_s']:.1f} CPU s busy and the store used "
+            f"{store_s:.1f} CPU s for the mount's run: with a daemon that cost nothing, a mount reaches at most "
+            f"{ratio:.2f}x local here ({ratio * local['samples/s']:,.0f} samples/s)"
+        )
     return lines
 
 
@@ -160,15 +226,19 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     """Everything printed after the runs (and --json); 1 if a run failed, else 0."""
     bench.evaluate()
     print()
-    print(f"bucketfs benchmark: scale {args.scale:g}, +{args.latency_ms:g} ms first byte, {args.conn_mbps:g} MB/s per connection, "
-          f"--max-memory {args.max_memory}{backend_cls.title}, {time.perf_counter() - started:.0f} s")
+    print(
+        f"bucketfs benchmark: scale {args.scale:g}, +{args.latency_ms:g} ms first byte, {args.conn_mbps:g} MB/s per connection, "
+        f"--max-memory {args.max_memory}{backend_cls.title}, {time.perf_counter() - started:.0f} s"
+    )
     print(bench.table())
     print()
     print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
     print(bench.cost_table())
-    print("(client CPU = this script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
-          " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time;\n"
-          " steal = CPU time the hypervisor gave other guests while this VM wanted it: a slow host)")
+    print(
+        "(client CPU = this script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
+        " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time;\n"
+        " steal = CPU time the hypervisor gave other guests while this VM wanted it: a slow host)"
+    )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     ceilings = emulation_ceilings(bench.runs, os.cpu_count() or 1)
     if ceilings:
@@ -192,11 +262,17 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     if not bench.dropped_ok:
         print("\nNOTE: the page cache could not be dropped: cold local runs were warm.")
     if args.json:
-        args.json.write_text(json.dumps({
-            "config": {k: str(v) for k, v in vars(args).items() if k != "wds_child"},
-            "rows": [dataclasses.asdict(r) for r in bench.rows.values()],
-            "runs": bench.runs, "failures": bench.failures,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "config": {k: str(v) for k, v in vars(args).items() if k != "wds_child"},
+                    "rows": [dataclasses.asdict(r) for r in bench.rows.values()],
+                    "runs": bench.runs,
+                    "failures": bench.failures,
+                },
+                indent=1,
+            )
+        )
     if bench.failures:
         print("\n" + "!" * 78)
         print(f"FAIL: {len(bench.failures)} run(s) returned wrong bytes, errors or hung:")

@@ -47,8 +47,14 @@ class Bench(Workloads, Report):
         self.failures: list = []
         self.mountpoint = os.path.join(work_dir, "mnt")
         os.makedirs(self.mountpoint)
-        self.mount = Mount(backend, dataset.bucket, self.mountpoint, args.max_memory, work_dir,
-                           [*backend.mount_extra_args, *shlex.split(args.mount_args)])
+        self.mount = Mount(
+            backend,
+            dataset.bucket,
+            self.mountpoint,
+            args.max_memory,
+            work_dir,
+            [*backend.mount_extra_args, *shlex.split(args.mount_args)],
+        )
         self.cache_dir = _option_value(shlex.split(args.mount_args), "--cache-dir")
         self.local_root = str(dataset.bucket_dir)
         self.alt_mounts: dict = {}  # system -> its _MountProcess
@@ -145,10 +151,13 @@ class Bench(Workloads, Report):
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
             from bucketfs.testing.mounting import daemon_stats
+
             with contextlib.suppress(OSError, ValueError):
                 run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
         elif system == "bucketfs":
-            verifier.fail(f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}")
+            verifier.fail(
+                f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}"
+            )
         elif alt is not None and alt.proc is not None and alt.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - daemon_before, 3)
         elif alt is not None:
@@ -176,9 +185,11 @@ class Bench(Workloads, Report):
             if run.get("daemon_cpu_s") is not None:
                 extra += f" daemon_cpu {run['daemon_cpu_s']:.2f}s"
             extra += f" proxy_cpu {run['proxy_cpu_s']:.2f}s"
-        log(f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"
+        log(
+            f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"
             + (f" (other processes: {run['foreign_cpu_s']:.1f} CPU s)" if run["foreign_cpu_s"] >= 0.5 else "")
-            + (f" (host steal: {run['steal_s']:.1f} CPU s)" if run["steal_s"] >= 0.5 else ""))
+            + (f" (host steal: {run['steal_s']:.1f} CPU s)" if run["steal_s"] >= 0.5 else "")
+        )
         if verifier.errors:
             self.failures.append(f"{label} [{system}]: {len(verifier.errors)} error(s), first: {verifier.errors[0]}")
             print(f"\n!!!!!!!! FAIL {label} [{system}]: {len(verifier.errors)} error(s)", flush=True)
@@ -194,8 +205,24 @@ class Bench(Workloads, Report):
         name = "".join(c if c.isalnum() else "-" for c in label.lower())
         out = self.args.py_spy / f"{len(self.runs):02d}-{name}.txt"
         try:
-            proc = subprocess.Popen(["py-spy", "record", "-p", str(self.mount.pid), "-o", str(out), "--format", "raw",
-                                     "-r", "100", "--nonblocking", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(self.mount.pid),
+                    "-o",
+                    str(out),
+                    "--format",
+                    "raw",
+                    "-r",
+                    "100",
+                    "--nonblocking",
+                    "--gil",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         except OSError as exc:
             log(f"  py-spy not started ({exc}): pip install py-spy")
             return None

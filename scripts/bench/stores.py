@@ -29,17 +29,30 @@ class S3Direct:
         import boto3
         import botocore.config
 
-        session = boto3.session.Session(aws_access_key_id=access_key, aws_secret_access_key=secret_key, region_name=region)
-        self.client = session.client("s3", endpoint_url=endpoint_url, config=botocore.config.Config(
-            s3={"addressing_style": "path"}, max_pool_connections=pool, retries={"total_max_attempts": 3},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",  # rclone sends whole-object CRCs on ranged GETs
-        ))
+        session = boto3.session.Session(
+            aws_access_key_id=access_key, aws_secret_access_key=secret_key, region_name=region
+        )
+        self.client = session.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=botocore.config.Config(
+                s3={"addressing_style": "path"},
+                max_pool_connections=pool,
+                retries={"total_max_attempts": 3},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",  # rclone sends whole-object CRCs on ranged GETs
+            ),
+        )
 
     @classmethod
     def from_env(cls, pool: int) -> "S3Direct":
-        return cls(os.environ["AWS_ENDPOINT_URL"], os.environ["AWS_ACCESS_KEY_ID"],
-                   os.environ["AWS_SECRET_ACCESS_KEY"], os.environ.get("AWS_DEFAULT_REGION", "us-east-1"), pool)
+        return cls(
+            os.environ["AWS_ENDPOINT_URL"],
+            os.environ["AWS_ACCESS_KEY_ID"],
+            os.environ["AWS_SECRET_ACCESS_KEY"],
+            os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+            pool,
+        )
 
     def get(self, bucket: str, key: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
         kwargs = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
@@ -112,11 +125,16 @@ class S3Backend(_ProxiedServer):
     @contextlib.contextmanager
     def serve(self) -> Iterator["S3Backend"]:
         from latency_proxy import ProxyProcess
+
         from bucketfs.testing.servers import rclone_s3_server
 
         with rclone_s3_server(self.root_dir) as server:
-            with ProxyProcess(server.endpoint_url, self.latency_ms, self.conn_mbps,
-                              log_path=str(self.proxy_log) if self.proxy_log else None) as proxy:
+            with ProxyProcess(
+                server.endpoint_url,
+                self.latency_ms,
+                self.conn_mbps,
+                log_path=str(self.proxy_log) if self.proxy_log else None,
+            ) as proxy:
                 self.server, self.proxy = server, proxy
                 self._unproxied = S3Direct(server.endpoint_url, server.access_key, server.secret_key, server.region, 8)
                 try:
@@ -163,7 +181,6 @@ class S3Backend(_ProxiedServer):
             self._primed[prefix] = time.monotonic()
 
 
-
 class GCSDirect:
     """Direct google-cloud-storage access (the baseline on GCS): one anonymous Client on
     the proxy endpoint, shared by `pool` threads, with at most `max_connections` requests
@@ -174,11 +191,13 @@ class GCSDirect:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
-        self.client = storage.Client(project="bench", credentials=AnonymousCredentials(),
-                                     client_options={"api_endpoint": endpoint_url})
+        self.client = storage.Client(
+            project="bench", credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint_url}
+        )
         self.client._bucket_metadata_cache = None  # no background bucket GETs (as bucketfs)
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max(1, min(pool, max_connections)),
-                                                pool_block=True)
+        adapter = requests.adapters.HTTPAdapter(
+            pool_connections=1, pool_maxsize=max(1, min(pool, max_connections)), pool_block=True
+        )
         self.client._http.mount("http://", adapter)
         self.client._http.mount("https://", adapter)
 
@@ -235,9 +254,13 @@ def _gcs_proxy_process(upstream_url: str, latency_ms: float, conn_mbps: float, l
             proxy_argv = ["--upstream", upstream_url, "--latency-ms", str(latency_ms), "--conn-mbps", str(conn_mbps)]
             if log_path:
                 proxy_argv += ["--log", log_path]
-            self.proc = subprocess.Popen([sys.executable, ENTRY, "--gcs-proxy-child", json.dumps(proxy_argv)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                         preexec_fn=latency_proxy._die_with_parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, ENTRY, "--gcs-proxy-child", json.dumps(proxy_argv)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=latency_proxy._die_with_parent,
+            )
             self.pid = self.proc.pid
             self._lock = threading.Lock()
             line = latency_proxy._readline_with_deadline(self.proc, start_deadline_s)
@@ -264,18 +287,22 @@ class GCSBackend(_ProxiedServer):
     mount_extra_args = ("--max-connections", str(GCS_MAX_CONNECTIONS))  # see GCS_MAX_CONNECTIONS
     absolute_targets = False  # set for S3 at full scale: the emulator reaches none of them
     title = f", GCS emulator, {GCS_MAX_CONNECTIONS} connections per client"
-    targets_note = (f"  (gcs: W1 1/4 readers, W2 listing and W4 ops/s are not evaluated: absolute speeds set for S3, which the\n"
-                    f"   emulator reaches for no client. Compare bucketfs with direct google-cloud-storage, both held to\n"
-                    f"   {GCS_MAX_CONNECTIONS} requests in flight, through a front that serves generations as GCS does.)")
+    targets_note = (
+        f"  (gcs: W1 1/4 readers, W2 listing and W4 ops/s are not evaluated: absolute speeds set for S3, which the\n"
+        f"   emulator reaches for no client. Compare bucketfs with direct google-cloud-storage, both held to\n"
+        f"   {GCS_MAX_CONNECTIONS} requests in flight, through a front that serves generations as GCS does.)"
+    )
 
     @contextlib.contextmanager
     def serve(self) -> Iterator["GCSBackend"]:
         from get_cost import gcs_like_front
+
         from bucketfs.testing.gcs_server import start_gcs_emulator
 
         with start_gcs_emulator() as server, gcs_like_front(server.endpoint_url) as front_url:
-            with _gcs_proxy_process(front_url, self.latency_ms, self.conn_mbps,
-                                    str(self.proxy_log) if self.proxy_log else None) as proxy:
+            with _gcs_proxy_process(
+                front_url, self.latency_ms, self.conn_mbps, str(self.proxy_log) if self.proxy_log else None
+            ) as proxy:
                 self.server, self.proxy = server, proxy
                 try:
                     yield self
@@ -304,8 +331,12 @@ class GCSBackend(_ProxiedServer):
                 return
             connection = http.client.HTTPConnection(netloc, timeout=60.0)
             try:
-                connection.request("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(rel, safe='')}",
-                                   body=data, headers={"Content-Type": "application/octet-stream"})
+                connection.request(
+                    "POST",
+                    f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={urllib.parse.quote(rel, safe='')}",
+                    body=data,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
                 response = connection.getresponse()
                 response.read()
             finally:
@@ -318,9 +349,13 @@ class GCSBackend(_ProxiedServer):
         listed = {blob.name: blob.size for blob in self.server.client.list_blobs(bucket)}
         expected = {rel: size for rel, (size, _digest) in dataset.files.items()}
         if listed != expected:
-            raise RuntimeError(f"the GCS emulator lists {len(listed)} objects after seeding, expected {len(expected)} (or sizes differ)")
-        log(f"seeded the GCS emulator with {len(expected)} objects ({sum(expected.values()) / MB:.0f} MB) "
-            f"in {time.perf_counter() - t0:.1f}s")
+            raise RuntimeError(
+                f"the GCS emulator lists {len(listed)} objects after seeding, expected {len(expected)} (or sizes differ)"
+            )
+        log(
+            f"seeded the GCS emulator with {len(expected)} objects ({sum(expected.values()) / MB:.0f} MB) "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
 
     def wds_direct_spec(self) -> dict:
         # Each DataLoader worker has its own client: together they keep to GCS_MAX_CONNECTIONS.
@@ -338,7 +373,6 @@ class GCSBackend(_ProxiedServer):
 
     def prime(self, bucket: str, prefixes) -> None:
         """Nothing to do: the emulator keeps every object's metadata in memory."""
-
 
 
 BACKENDS = {"s3": S3Backend, "gcs": GCSBackend}

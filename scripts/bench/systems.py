@@ -61,8 +61,14 @@ class _MountProcess:
         self.log_path = os.path.join(self.work_dir, f"{self.name}-{self.count}.log")
         argv = self.argv()
         with open(self.log_path, "w") as log_file:
-            self.proc = subprocess.Popen(argv, cwd=self.work_dir, env=self.env(), stdin=subprocess.DEVNULL,
-                                         stdout=log_file, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=self.work_dir,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + MOUNT_DEADLINE_S
         while not (is_mounted(self.mountpoint) and os.path.ismount(self.mountpoint)):
             if self.proc.poll() is not None:
@@ -94,7 +100,9 @@ class _MountProcess:
         if is_mounted(self.mountpoint):
             subprocess.run([*self.lazy_unmount_cmd, self.mountpoint], capture_output=True)
         if self.proc.returncode not in self.clean_exit_codes:
-            self.notes.append(f"{self.name} {self.count} ({self.label}): exited with {self.proc.returncode} after unmount")
+            self.notes.append(
+                f"{self.name} {self.count} ({self.label}): exited with {self.proc.returncode} after unmount"
+            )
         self._collect_log_notes()
         self.proc = None
 
@@ -122,8 +130,10 @@ class _MountProcess:
             kept = os.path.join(tempfile.gettempdir(), f"bucketfs-bench-{os.getpid()}-{self.name}{self.count}.log")
             shutil.copy(self.log_path, kept)
             distinct = list(dict.fromkeys(ln.strip(" |+")[:240] for ln in lines if "Traceback" not in ln))
-            self.notes.append(f"{self.name} {self.count} ({self.label}): {len(lines)} warning/error line(s), log kept in {kept}; "
-                              + " | ".join(distinct[:3]))
+            self.notes.append(
+                f"{self.name} {self.count} ({self.label}): {len(lines)} warning/error line(s), log kept in {kept}; "
+                + " | ".join(distinct[:3])
+            )
 
 
 class Mount(_MountProcess):
@@ -136,8 +146,18 @@ class Mount(_MountProcess):
         self.max_memory, self.extra_args = max_memory, list(extra_args)
 
     def argv(self) -> list:
-        return [sys.executable, "-m", "bucketfs", "mount", *self.backend.mount_argv(self.bucket), self.mountpoint,
-                "-f", "--max-memory", self.max_memory, *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "bucketfs",
+            "mount",
+            *self.backend.mount_argv(self.bucket),
+            self.mountpoint,
+            "-f",
+            "--max-memory",
+            self.max_memory,
+            *self.extra_args,
+        ]
 
     def env(self) -> dict:
         env = dict(os.environ, **self.backend.env())
@@ -145,9 +165,15 @@ class Mount(_MountProcess):
         return env
 
     def is_problem_line(self, line: str) -> bool:
-        return bool((" WARNING " in line or " ERROR " in line or "Traceback" in line
-                     or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", line))
-                    and not any(known in line for known in self.backend.expected_log_lines))
+        return bool(
+            (
+                " WARNING " in line
+                or " ERROR " in line
+                or "Traceback" in line
+                or re.search(r"^[\s|+]*\w*(Error|Exception)\b.*:", line)
+            )
+            and not any(known in line for known in self.backend.expected_log_lines)
+        )
 
     def remount(self, drop: bool = True) -> None:
         self.stop()
@@ -171,14 +197,37 @@ class RcloneMount(_MountProcess):
         config = os.path.join(self.work_dir, "rclone.conf")  # empty: the remote is all on the command line
         open(config, "a").close()
         server = self.backend.server
-        return [rclone_binary(), "mount", f":s3:{self.bucket}", self.mountpoint, "--read-only",
-                "--s3-provider", "Other", "--s3-endpoint", self.backend.proxy.url,
-                "--s3-access-key-id", server.access_key, "--s3-secret-access-key", server.secret_key,
-                "--s3-region", server.region, "--s3-force-path-style",
-                "--vfs-cache-mode", "off", "--dir-cache-time", "1h", "--attr-timeout", "1h", "--daemon-wait", "0",
-                # Without it rclone HEADs every file it stats or opens (for the mtime in its metadata):
-                # W3's 20,000 stats one after another would take ~8 min, past RUN_TIMEOUT_S.
-                "--use-server-modtime", "--config", config]
+        return [
+            rclone_binary(),
+            "mount",
+            f":s3:{self.bucket}",
+            self.mountpoint,
+            "--read-only",
+            "--s3-provider",
+            "Other",
+            "--s3-endpoint",
+            self.backend.proxy.url,
+            "--s3-access-key-id",
+            server.access_key,
+            "--s3-secret-access-key",
+            server.secret_key,
+            "--s3-region",
+            server.region,
+            "--s3-force-path-style",
+            "--vfs-cache-mode",
+            "off",
+            "--dir-cache-time",
+            "1h",
+            "--attr-timeout",
+            "1h",
+            "--daemon-wait",
+            "0",
+            # Without it rclone HEADs every file it stats or opens (for the mtime in its metadata):
+            # W3's 20,000 stats one after another would take ~8 min, past RUN_TIMEOUT_S.
+            "--use-server-modtime",
+            "--config",
+            config,
+        ]
 
     def is_problem_line(self, line: str) -> bool:
         return "ERROR" in line or "panic" in line
@@ -202,9 +251,18 @@ class S3fsMount(_MountProcess):
         passwd = os.path.join(self.work_dir, "s3fs.passwd")
         with open(os.open(passwd, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(f"{server.access_key}:{server.secret_key}\n")
-        options = [f"url={self.backend.proxy.url}", "use_path_request_style", f"endpoint={server.region}", f"passwd_file={passwd}",
-                   "ro", "stat_cache_expire=3600", "enable_noobj_cache", "max_stat_cache_size=200000", "parallel_count=16",
-                   "multireq_max=32"]
+        options = [
+            f"url={self.backend.proxy.url}",
+            "use_path_request_style",
+            f"endpoint={server.region}",
+            f"passwd_file={passwd}",
+            "ro",
+            "stat_cache_expire=3600",
+            "enable_noobj_cache",
+            "max_stat_cache_size=200000",
+            "parallel_count=16",
+            "multireq_max=32",
+        ]
         return ["s3fs", self.bucket, self.mountpoint, "-f", "-o", ",".join(options)]
 
     def is_problem_line(self, line: str) -> bool:
@@ -230,5 +288,7 @@ def _empty_disk_cache(cache_dir: str) -> None:
     if not os.path.isdir(cache_dir):
         return
     for entry in os.scandir(cache_dir):
-        if entry.is_dir() and (os.path.exists(os.path.join(entry.path, "journal")) or re.match(r"bucketfs-\d+-", entry.name)):
+        if entry.is_dir() and (
+            os.path.exists(os.path.join(entry.path, "journal")) or re.match(r"bucketfs-\d+-", entry.name)
+        ):
             shutil.rmtree(entry.path, ignore_errors=True)

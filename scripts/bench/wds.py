@@ -18,7 +18,6 @@ from .procs import machine_cpu_s
 from .readers import IterReader, iter_object_parallel
 from .stores import GCSDirect, S3Direct
 
-
 _direct_state: dict = {}
 
 
@@ -29,8 +28,11 @@ def _wds_open_direct(url, mode="rb", bufsize=8192, **_kw):
     pid = os.getpid()
     if _direct_state.get("pid") != pid:  # a DataLoader worker: its own client and threads
         gcs = _direct_state.get("gcs")
-        client = (GCSDirect(gcs["endpoint_url"], PARALLEL_PARTS, gcs["max_connections"]) if gcs
-                  else S3Direct.from_env(PARALLEL_PARTS))
+        client = (
+            GCSDirect(gcs["endpoint_url"], PARALLEL_PARTS, gcs["max_connections"])
+            if gcs
+            else S3Direct.from_env(PARALLEL_PARTS)
+        )
         _direct_state.update(pid=pid, client=client, executor=ThreadPoolExecutor(PARALLEL_PARTS))
     parts = urlsplit(url)
     key = parts.path.lstrip("/")
@@ -66,7 +68,11 @@ def wds_child(spec: dict) -> int:
     seen = list(loader)
     seconds = time.perf_counter() - t0
     busy_s, idle_s = (b - a for a, b in zip(cpu0, machine_cpu_s()))
-    expected = {(f"shards/{shard.split('/')[-1]}", key): tuple(v) for shard, entries in manifest["samples"].items() for key, v in entries.items()}
+    expected = {
+        (f"shards/{shard.split('/')[-1]}", key): tuple(v)
+        for shard, entries in manifest["samples"].items()
+        for key, v in entries.items()
+    }
     got = {(f"shards/{name}", key): (h, cls) for key, name, h, cls in seen}
     errors = []
     if len(got) != len(seen):
@@ -77,5 +83,10 @@ def wds_child(spec: dict) -> int:
     wrong = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]
     if wrong:
         errors.append(f"{len(wrong)} samples with wrong bytes, e.g. {sorted(wrong)[0]}")
-    print(json.dumps({"samples": len(seen), "seconds": seconds, "busy_cpu_s": busy_s, "idle_cpu_s": idle_s, "errors": errors}), flush=True)
+    print(
+        json.dumps(
+            {"samples": len(seen), "seconds": seconds, "busy_cpu_s": busy_s, "idle_cpu_s": idle_s, "errors": errors}
+        ),
+        flush=True,
+    )
     return 0

@@ -44,6 +44,7 @@ class Workloads:
                         def reader(group, ex):
                             for rel in group:
                                 v.check(rel, *read_object_direct(client, ds.bucket, rel, ds.size(rel), ex))
+
                         wall = run_threads(reader, list(zip(groups, executors)), v)
                         return {"MB/s": round(total / wall / MB, 1)}
                 else:
@@ -54,8 +55,10 @@ class Workloads:
                             buf = bytearray(READ_BYTES)
                             for rel in group:
                                 v.check(rel, *read_file_streaming(os.path.join(root, rel), buf))
+
                         wall = run_threads(reader, [(g,) for g in groups], v)
                         return {"MB/s": round(total / wall / MB, 1)}
+
                 run = self.measure(f"W1 {readers} reader(s)", system, fn)
                 if system == "direct":
                     for ex in executors:
@@ -76,8 +79,12 @@ class Workloads:
         for system in self.systems:
             self.cold(system)
             if system == "direct":
-                spec = {"urls": f"{self.backend.wds_scheme}://{ds.bucket}/{brace}", "mode": "direct",
-                        "sizes": {r: ds.size(r) for r in ds.shards}, **self.backend.wds_direct_spec()}
+                spec = {
+                    "urls": f"{self.backend.wds_scheme}://{ds.bucket}/{brace}",
+                    "mode": "direct",
+                    "sizes": {r: ds.size(r) for r in ds.shards},
+                    **self.backend.wds_direct_spec(),
+                }
                 env = dict(os.environ, **self.backend.env())
             else:
                 spec = {"urls": os.path.join(self.root(system), brace), "mode": "fs"}
@@ -85,8 +92,13 @@ class Workloads:
             spec["manifest"] = str(self.args.data_dir / f"{ds.bucket}.manifest.json")
 
             def fn(v, spec=spec, env=env):
-                proc = subprocess.run([sys.executable, ENTRY, "--wds-child", json.dumps(spec)], env=env,
-                                      capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                proc = subprocess.run(
+                    [sys.executable, ENTRY, "--wds-child", json.dumps(spec)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=RUN_TIMEOUT_S,
+                )
                 lines = proc.stdout.strip().splitlines()
                 if proc.returncode != 0 or not lines:
                     v.fail(f"webdataset child failed ({proc.returncode}): {proc.stderr[-1500:]}")
@@ -95,8 +107,13 @@ class Workloads:
                 for e in out["errors"]:
                     v.fail(e)
                 # Loop-only machine CPU: every process's, the server's and proxy's included.
-                return {"samples/s": round(out["samples"] / out["seconds"], 1), "samples": out["samples"],
-                        "loop_busy_cpu_s": round(out["busy_cpu_s"], 2), "loop_idle_cpu_s": round(out["idle_cpu_s"], 2)}
+                return {
+                    "samples/s": round(out["samples"] / out["seconds"], 1),
+                    "samples": out["samples"],
+                    "loop_busy_cpu_s": round(out["busy_cpu_s"], 2),
+                    "loop_idle_cpu_s": round(out["idle_cpu_s"], 2),
+                }
+
             run = self.measure("W1 webdataset", system, fn)
             self.record("W1.wds", system, run.get("samples/s"))
 
@@ -139,15 +156,21 @@ class Workloads:
                     elif temp == "rejob":
                         self.mount.remount(drop=False)  # the last epoch left the cache's files in the page cache
                     if system == "direct":
-                        run = self.measure(f"W2 epoch {temp} {threads}t", system,
-                                           lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)))
+                        run = self.measure(
+                            f"W2 epoch {temp} {threads}t",
+                            system,
+                            lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)),
+                        )
                     else:
                         root = self.root(system)
 
                         def read(rel, root=root):
                             with open(os.path.join(root, rel), "rb") as f:
                                 return f.read()
-                        run = self.measure(f"W2 epoch {temp} {threads}t", system, lambda v: self._epoch(v, order, threads, read))
+
+                        run = self.measure(
+                            f"W2 epoch {temp} {threads}t", system, lambda v: self._epoch(v, order, threads, read)
+                        )
                     self.record(f"W2.{temp}{threads}", system, run.get("files/s"))
                 if system == "direct":
                     client.close()
@@ -183,6 +206,7 @@ class Workloads:
         def one(_i, rel):
             data = read(rel)
             v.check(rel, len(data), digest(data))
+
         wall = run_threads(pull_loop(order, one), [()] * threads, v)
         return {"files/s": round(len(order) / wall, 1), "MB/s": round(self.ds.bytes_of(order) / wall / MB, 1)}
 
@@ -204,13 +228,14 @@ class Workloads:
                 for temp in temps:
                     if system == "direct":
                         client = self.backend.direct(4)
-                        fn = (lambda v: self._w3_direct(v, client, what))
+                        fn = lambda v: self._w3_direct(v, client, what)
                     else:
                         # A cached pass takes ~0.1 s, where one stall of this shared VM moves
                         # it by a third: the median of CACHED_PASSES (local disk the same).
                         passes = 1 if temp == "cold" else CACHED_PASSES
-                        fn = (lambda v: median_run(passes, lambda: self._w3_fs(v, self.root(system), what,
-                                                                                long_listing=temp == "ls")))
+                        fn = lambda v: median_run(
+                            passes, lambda: self._w3_fs(v, self.root(system), what, long_listing=temp == "ls")
+                        )
                     run = self.measure(f"W3 {what} {temp}", system, fn)
                     if system == "direct":
                         client.close()
@@ -222,8 +247,12 @@ class Workloads:
         expected = self.ds.flat if what == "flat" else self.ds.tree
         t0 = time.perf_counter()
         if long_listing:
-            out = subprocess.run(["ls", "-l", os.path.join(root, "flat")], stdout=subprocess.PIPE, check=True,
-                                 env=dict(os.environ, LC_ALL="C")).stdout.decode()
+            out = subprocess.run(
+                ["ls", "-l", os.path.join(root, "flat")],
+                stdout=subprocess.PIPE,
+                check=True,
+                env=dict(os.environ, LC_ALL="C"),
+            ).stdout.decode()
             seconds = time.perf_counter() - t0
             names = [line.split()[-1] for line in out.splitlines()[1:]]  # (after the "total" line)
             if sorted("flat/" + n for n in names) != expected:
@@ -294,6 +323,7 @@ class Workloads:
                 def read_op(i, op, client=client):
                     s, off, length = op
                     got[i] = digest(client.get(ds.bucket, ds.shards[s], off, off + length))
+
                 fds = []
             else:
                 fds = [os.open(os.path.join(self.root(system), rel), os.O_RDONLY) for rel in ds.shards]
@@ -309,6 +339,7 @@ class Workloads:
                     s, off, length = ops[bad[0]]
                     v.fail(f"{len(bad)} preads returned wrong bytes, first {ds.shards[s]} [{off}, {off + length})")
                 return {"ops/s": round(len(ops) / wall, 1), "ops": len(ops), "read_MB": round(read_bytes / MB, 2)}
+
             run = self.measure("W4 random preads", system, fn)
             if system != "direct":
                 again = self.measure("W4 random preads again", system, fn)
@@ -322,7 +353,9 @@ class Workloads:
                 amp = run["fetched_bytes"] / read_bytes
                 run["fetched_over_read"] = round(amp, 3)
                 self.record("W4.amp", system, round(amp, 3))
-                log(f"  W4 {system}: fetched {run['fetched_bytes'] / MB:.1f} MB through the proxy for {read_bytes / MB:.1f} MB read = {amp:.2f}x")
+                log(
+                    f"  W4 {system}: fetched {run['fetched_bytes'] / MB:.1f} MB through the proxy for {read_bytes / MB:.1f} MB read = {amp:.2f}x"
+                )
 
     # -- W5 mixed -------------------------------------------------------------------
     def w5(self) -> None:
@@ -361,6 +394,7 @@ class Workloads:
                 def stream(group, _ex, root=root):
                     buf = bytearray(READ_BYTES)
                     return [(rel, *read_file_streaming(os.path.join(root, rel), buf)) for rel in group]
+
                 executors = [None] * 4
 
             def fn(v):
@@ -379,6 +413,7 @@ class Workloads:
                     def body_stream(group, ex):
                         for rel, n, h in stream(group, ex):
                             v.check(rel, n, h)
+
                     args = [(body_small, None)] * 32 + [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
                     wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
                 out = {"MB/s": round(total / wall / MB, 1)}
@@ -390,6 +425,7 @@ class Workloads:
                     out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
                     out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
                 return out
+
             run = self.measure("W5 mixed", system, fn)
             if system == "direct":
                 for ex in executors:

@@ -69,6 +69,7 @@ def _unique_prefix() -> str:
 
 # -- factories ------------------------------------------------------------------
 
+
 def memory_target(request, stack: contextlib.ExitStack, versions: str = "counter") -> ContractTarget:
     backend = _closing(stack, MemoryBackend(versions=versions))
 
@@ -80,12 +81,22 @@ def memory_target(request, stack: contextlib.ExitStack, versions: str = "counter
         backend.put(key, data)
 
     name = "memory" if versions == "counter" else f"memory-{versions}"
-    return ContractTarget(name, backend, put, _unique_prefix(), put_many=put_many,
-                          versions="lastmod" if versions == "none" else "etag")
+    return ContractTarget(
+        name, backend, put, _unique_prefix(), put_many=put_many, versions="lastmod" if versions == "none" else "etag"
+    )
 
 
-def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_many, authenticates: bool,
-               curl: bool = True, put=None, versions: str = "etag") -> ContractTarget:
+def _s3_target(
+    name: str,
+    server,
+    bucket: str,
+    stack: contextlib.ExitStack,
+    put_many,
+    authenticates: bool,
+    curl: bool = True,
+    put=None,
+    versions: str = "etag",
+) -> ContractTarget:
     """`curl`: small GETs on the curl engine (else all of them on urllib3 worker threads)."""
     from bucketfs.backends.s3 import S3Backend
     from bucketfs.testing.servers import closed_port_url, inject_s3_failures, without_curl
@@ -98,8 +109,12 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
     backend = make()
     wrong_secret = "wrong-secret-key-0123456789abcdefghijklmn"
     return ContractTarget(
-        name, backend, put or (lambda key, data: server.put(bucket, key, data)), _unique_prefix(),
-        put_many=put_many, versions=versions,
+        name,
+        backend,
+        put or (lambda key, data: server.put(bucket, key, data)),
+        _unique_prefix(),
+        put_many=put_many,
+        versions=versions,
         denied_backend=(lambda: make(secret_key=wrong_secret)) if authenticates else None,
         missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
         unreachable_backend=lambda: make(endpoint_url=closed_port_url()),
@@ -112,8 +127,15 @@ def _s3_target(name: str, server, bucket: str, stack: contextlib.ExitStack, put_
 def rclone_target(request, stack: contextlib.ExitStack, curl: bool = True) -> ContractTarget:
     server = request.getfixturevalue("rclone_server")
     bucket = request.getfixturevalue("s3_bucket")
-    return _s3_target("s3-rclone" if curl else "s3-rclone-threads", server, bucket, stack,
-                      lambda objects: server.write_files(bucket, objects), authenticates=True, curl=curl)
+    return _s3_target(
+        "s3-rclone" if curl else "s3-rclone-threads",
+        server,
+        bucket,
+        stack,
+        lambda objects: server.write_files(bucket, objects),
+        authenticates=True,
+        curl=curl,
+    )
 
 
 def rclone_other_etags_target(request, stack: contextlib.ExitStack, etags: str) -> ContractTarget:
@@ -131,8 +153,16 @@ def rclone_other_etags_target(request, stack: contextlib.ExitStack, etags: str) 
     def put_many(objects: dict) -> None:
         server.write_files(bucket, objects, mtime_s=next(clock_s))
 
-    return _s3_target(f"s3-rclone-{etags}", server, bucket, stack, put_many, authenticates=True, put=put,
-                      versions="lastmod" if etags == "none" else "etag")
+    return _s3_target(
+        f"s3-rclone-{etags}",
+        server,
+        bucket,
+        stack,
+        put_many,
+        authenticates=True,
+        put=put,
+        versions="lastmod" if etags == "none" else "etag",
+    )
 
 
 def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
@@ -144,7 +174,9 @@ def moto_target(request, stack: contextlib.ExitStack) -> ContractTarget:
     return _s3_target("s3-moto", server, bucket, stack, None, authenticates=False)
 
 
-def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bool, curl: bool = True) -> ContractTarget:
+def _gcs_target(
+    name: str, request, stack: contextlib.ExitStack, generations: bool, curl: bool = True
+) -> ContractTarget:
     """`curl`: small GETs on the curl engine, the adapter answering from a real HTTP front
     before the emulator (bucketfs/testing/http_front.py); else every request on the library's
     session, the adapter mounted on it."""
@@ -188,7 +220,10 @@ def _gcs_target(name: str, request, stack: contextlib.ExitStack, generations: bo
     if not curl:
         backend.session().mount(server.endpoint_url, adapter)
     return ContractTarget(
-        name, backend, lambda key, data: server.put(bucket, key, data), _unique_prefix(),
+        name,
+        backend,
+        lambda key, data: server.put(bucket, key, data),
+        _unique_prefix(),
         put_many=lambda objects: server.put_many(bucket, objects),
         denied_backend=None,  # the emulator has no authentication: it cannot deny access
         missing_bucket_backend=lambda: make(f"missing-{uuid.uuid4().hex[:12]}"),
@@ -233,6 +268,7 @@ def contract_backend(request):
 
 # -- helpers --------------------------------------------------------------------
 
+
 async def _list_all(backend: Backend, prefix: str):
     """Every page of the listing of `prefix`."""
     pages, token = [], None
@@ -251,6 +287,7 @@ def _children(page, prefix: str) -> list:
 
 
 # -- the contract -----------------------------------------------------------------
+
 
 @pytest.mark.timeout(30)
 def test_check_bucket_accepts_an_existing_bucket_and_says_if_the_prefix_lists_anything(contract_backend):
@@ -380,9 +417,23 @@ def test_ranged_reads_at_every_boundary(contract_backend):
 
 
 SPECIAL_NAMES = [
-    "a b.txt", "100%.txt", "%41%2F", "c++.txt", "x+y", "hash#tag", "what?", "k=v&x=y",
-    "ünïcödé.txt", "日本語.txt", "emoji-😀", "semi;colon", "tilde~", "sq'uote", "dq\"uote",
-    "dir with space/inner file", "plus+dir/a+b",
+    "a b.txt",
+    "100%.txt",
+    "%41%2F",
+    "c++.txt",
+    "x+y",
+    "hash#tag",
+    "what?",
+    "k=v&x=y",
+    "ünïcödé.txt",
+    "日本語.txt",
+    "emoji-😀",
+    "semi;colon",
+    "tilde~",
+    "sq'uote",
+    'dq"uote',
+    "dir with space/inner file",
+    "plus+dir/a+b",
 ]
 
 
@@ -462,8 +513,12 @@ def test_wrong_credentials_are_access_denied(contract_backend):
     denied = t.denied_backend()
 
     async def body():
-        for call in (lambda: denied.check_bucket(t.prefix), lambda: denied.list_page(t.prefix),
-                     lambda: denied.stat(t.prefix + "x"), lambda: denied.read_range(t.prefix + "x", 0, 1, "v")):
+        for call in (
+            lambda: denied.check_bucket(t.prefix),
+            lambda: denied.list_page(t.prefix),
+            lambda: denied.stat(t.prefix + "x"),
+            lambda: denied.read_range(t.prefix + "x", 0, 1, "v"),
+        ):
             with pytest.raises(errors.AccessDenied) as caught:
                 await call()
             for secret in t.secrets:

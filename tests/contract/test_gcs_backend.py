@@ -58,8 +58,12 @@ def make_backend(gcs_server, bucket):
     made = []
     with contextlib.ExitStack() as fronts:
 
-        def make(adapter: Optional[requests.adapters.HTTPAdapter] = None, bucket_name: Optional[str] = None,
-                 path: str = "threads", **overrides) -> GCSBackend:
+        def make(
+            adapter: Optional[requests.adapters.HTTPAdapter] = None,
+            bucket_name: Optional[str] = None,
+            path: str = "threads",
+            **overrides,
+        ) -> GCSBackend:
             if path == "curl" and adapter is not None:
                 upstream = overrides.get("endpoint_url", gcs_server.endpoint_url)
                 overrides["endpoint_url"] = fronts.enter_context(adapter_front(adapter, upstream))
@@ -89,11 +93,14 @@ MODES = {
 STALE_READ_REQUESTS = {"emulator": {"get": 1, "head": 1}, "gcs-like": {"get": 1, "head": 1}, "truthful": {"get": 1}}
 
 
-@pytest.mark.parametrize("updated, expected_ns", [
-    ("2024-05-06T07:08:09.123Z", 1714979289_123000000),
-    ("2024-05-06T07:08:09Z", 1714979289_000000000),
-    ("2024-05-06T07:08:09.123456789Z", 1714979289_123456000),  # past microseconds: dropped, as the library does
-])
+@pytest.mark.parametrize(
+    "updated, expected_ns",
+    [
+        ("2024-05-06T07:08:09.123Z", 1714979289_123000000),
+        ("2024-05-06T07:08:09Z", 1714979289_000000000),
+        ("2024-05-06T07:08:09.123456789Z", 1714979289_123456000),  # past microseconds: dropped, as the library does
+    ],
+)
 def test_listed_times_and_generations_are_read_from_the_json_as_the_library_reads_them(updated, expected_ns):
     """Listings skip the library's Blob objects and its strptime (two thirds of their CPU)."""
     from google.cloud._helpers import _rfc3339_nanos_to_datetime
@@ -218,7 +225,9 @@ class _EmulatorFaultAdapter(requests.adapters.HTTPAdapter):
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
-def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_retried(path, make_backend, gcs_server, bucket):
+def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_retried(
+    path, make_backend, gcs_server, bucket
+):
     """Found by the GCS fault fuzzer (session 18): on an endpoint that names no
     generation, the answer was checked only after the retries, so a cut body of an
     unchanged object was ESTALE to the reader instead of fetched again."""
@@ -239,7 +248,9 @@ def test_without_a_generation_header_a_short_body_of_the_pinned_generation_is_re
 
 
 @pytest.mark.parametrize("path", GET_PATHS)
-def test_without_a_generation_header_an_object_deleted_after_its_download_is_stale(path, make_backend, gcs_server, bucket):
+def test_without_a_generation_header_an_object_deleted_after_its_download_is_stale(
+    path, make_backend, gcs_server, bucket
+):
     """The metadata GET that checks the generation finds nothing: ObjectChanged
     (ESTALE), as for any read of a listed object that is gone; it was NotFound, which
     a reader of an open file saw as ENOENT."""
@@ -340,12 +351,21 @@ class FaultAdapter(requests.adapters.HTTPAdapter):
         return super().send(request, **kwargs)
 
 
-@pytest.mark.parametrize("code, error", [
-    (408, errors.TransientError), (429, errors.TransientError), (500, errors.TransientError),
-    (502, errors.TransientError), (503, errors.TransientError), (504, errors.TransientError),
-    (401, errors.AccessDenied), (403, errors.AccessDenied), (412, errors.ObjectChanged),
-    (400, errors.BackendError),
-])
+@pytest.mark.parametrize(
+    "code, error",
+    [
+        (408, errors.TransientError),
+        (429, errors.TransientError),
+        (500, errors.TransientError),
+        (502, errors.TransientError),
+        (503, errors.TransientError),
+        (504, errors.TransientError),
+        (401, errors.AccessDenied),
+        (403, errors.AccessDenied),
+        (412, errors.ObjectChanged),
+        (400, errors.BackendError),
+    ],
+)
 @pytest.mark.parametrize("path", GET_PATHS)
 def test_http_status_classification(path, make_backend, gcs_server, bucket, code, error):
     gcs_server.put(bucket, "k", b"payload")
@@ -387,7 +407,7 @@ def test_concurrent_reads(path, make_backend, gcs_server, bucket):
     trio.run(main)
     assert len(results) == 32
     for (key, start), data in results.items():
-        assert data == payloads[key][start:start + 30_000]
+        assert data == payloads[key][start : start + 30_000]
     assert backend.requests["get"] == 32
 
 
@@ -436,6 +456,7 @@ def test_credentials(gcs_server, tmp_path, monkeypatch):
 
 def test_a_token_refresh_that_got_no_answer_is_retried_and_a_refused_one_is_denied():
     import google.auth.exceptions as auth_exc
+
     unanswered = auth_exc.RefreshError("metadata server unavailable", retryable=True)
     assert type(gcs.classify(unanswered)) is errors.TransientError
     wrapped = auth_exc.RefreshError("token endpoint")
@@ -447,6 +468,7 @@ def test_a_token_refresh_that_got_no_answer_is_retried_and_a_refused_one_is_deni
 def test_a_web_server_404_at_the_endpoint_is_no_missing_bucket(make_backend):
     """A page of a web server or a wrong path is not GCS saying "no such bucket" (exit 3,
     permanent): the CLI reports it as an endpoint that is not GCS (exit 5)."""
+
     class WebServer(requests.adapters.HTTPAdapter):
         def send(self, request, **kwargs):
             response = fake_response(request, 404)
@@ -470,7 +492,9 @@ def test_curl_path_asks_for_the_same_url_as_the_library(make_backend, key):
 
     backend = make_backend(path="curl")
     assert trio.run(backend.transport_ready).name == "curl"
-    library_url = storage.Blob(key, backend._bucket, generation=7)._get_download_url(backend._client, if_generation_match=7)
+    library_url = storage.Blob(key, backend._bucket, generation=7)._get_download_url(
+        backend._client, if_generation_match=7
+    )
     assert backend._downloads.url(key, 7) == library_url
 
 
@@ -533,7 +557,7 @@ def test_curl_path_sends_a_fresh_token_and_renews_it_once_after_a_401(make_backe
         async with trio.open_nursery() as nursery:
             for i in range(8):
                 nursery.start_soon(read, i)
-        assert credentials.refreshes_count == 1 and all(got[i] == data[i * 1000:i * 1000 + 1000] for i in got)
+        assert credentials.refreshes_count == 1 and all(got[i] == data[i * 1000 : i * 1000 + 1000] for i in got)
         adapter.accepted = "token-2"  # token-1 revoked
         assert await backend.read_range("k", 0, 10, info.version) == data[:10]
         assert credentials.refreshes_count == 2 and adapter.seen[-2:] == ["Bearer token-1", "Bearer token-2"]
@@ -562,7 +586,11 @@ def test_the_transport_is_chosen_once_the_client_is_built_and_logged(make_backen
     assert proxied.transport.name == "library"
     lines = [r.message for r in caplog.records if "GETs:" in r.message]
     assert len(lines) == 2
-    assert lines[0].endswith("GETs: libcurl for <= 2 MiB, the library's requests session (worker threads) for "
-                             "larger; LISTs: google-cloud-storage (worker threads)")
-    assert "GETs: the library's requests session (worker threads); LISTs: google-cloud-storage (worker threads) " \
-           "(a proxy is set for 127.0.0.1:" in lines[1]
+    assert lines[0].endswith(
+        "GETs: libcurl for <= 2 MiB, the library's requests session (worker threads) for "
+        "larger; LISTs: google-cloud-storage (worker threads)"
+    )
+    assert (
+        "GETs: the library's requests session (worker threads); LISTs: google-cloud-storage (worker threads) "
+        "(a proxy is set for 127.0.0.1:" in lines[1]
+    )

@@ -15,8 +15,8 @@ from bucketfs import errors
 from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
-from tests.contract.test_slow_body import socket_store
 from bucketfs.testing.servers import without_curl
+from tests.contract.test_slow_body import socket_store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,20 +24,31 @@ BODY_BYTES = 2000
 
 
 def _backend(endpoint: str, curl: bool = True, read_timeout_s: float = 5.0) -> S3Backend:
-    config = Config(url=BucketURL("s3", "bucket", ""), mountpoint="/nonexistent", endpoint_url=endpoint,
-                    region="us-east-1", read_timeout_s=read_timeout_s, connect_timeout_s=2.0, retry_attempts_count=2,
-                    retry_base_delay_s=0.01, retry_max_delay_s=0.05)
-    session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
-                                    region_name="us-east-1")
+    config = Config(
+        url=BucketURL("s3", "bucket", ""),
+        mountpoint="/nonexistent",
+        endpoint_url=endpoint,
+        region="us-east-1",
+        read_timeout_s=read_timeout_s,
+        connect_timeout_s=2.0,
+        retry_attempts_count=2,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+    )
+    session = boto3.session.Session(
+        aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40, region_name="us-east-1"
+    )
     backend = S3Backend(config, session=session)
     assert backend.curl is not None, "pycurl is a dependency: its engine must be there"
     return backend if curl else without_curl(backend)
 
 
 def _headers(sent_bytes: int, content_range: str) -> bytes:
-    return ("HTTP/1.1 206 Partial Content\r\n"
-            f"Content-Length: {sent_bytes}\r\nContent-Range: {content_range}\r\n"
-            'ETag: "v1"\r\nContent-Type: application/octet-stream\r\n\r\n').encode()
+    return (
+        "HTTP/1.1 206 Partial Content\r\n"
+        f"Content-Length: {sent_bytes}\r\nContent-Range: {content_range}\r\n"
+        'ETag: "v1"\r\nContent-Type: application/octet-stream\r\n\r\n'
+    ).encode()
 
 
 def test_a_cancelled_read_takes_its_transfer_back_before_it_returns():
@@ -123,9 +134,11 @@ def test_closing_the_engine_ends_a_transfer_in_flight_with_an_error():
 
         async def body():
             async with trio.open_nursery() as nursery:
+
                 async def close_inside_the_transfer():
                     await trio.to_thread.run_sync(headers_sent.wait, 10)
                     backend.curl.close()
+
                 nursery.start_soon(close_inside_the_transfer)
                 with trio.fail_after(20), pytest.raises(errors.TransientError):
                     await backend.read_range("k", 0, BODY_BYTES, "v1")

@@ -34,40 +34,47 @@ def _backend(server, bucket: str, path: str, **config) -> S3Backend:
 
 def _client_error(code: str, status: int, operation: str = "GetObject") -> botocore.exceptions.ClientError:
     return botocore.exceptions.ClientError(
-        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, operation
+    )
 
 
-@pytest.mark.parametrize("exc, expected", [
-    (_client_error("NoSuchKey", 404), errors.NotFound),
-    (_client_error("404", 404, "HeadObject"), errors.NotFound),
-    (_client_error("NoSuchBucket", 404, "ListObjectsV2"), errors.BucketNotFound),
-    (_client_error("AccessDenied", 403), errors.AccessDenied),
-    (_client_error("403", 403, "HeadObject"), errors.AccessDenied),
-    (_client_error("InvalidAccessKeyId", 403), errors.AccessDenied),
-    (_client_error("SignatureDoesNotMatch", 403), errors.AccessDenied),
-    (botocore.exceptions.NoCredentialsError(), errors.AccessDenied),
-    (botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"), errors.AccessDenied),
-    (_client_error("PreconditionFailed", 412), errors.ObjectChanged),
-    (_client_error("SlowDown", 503), errors.TransientError),
-    (_client_error("503", 503, "HeadObject"), errors.TransientError),
-    (_client_error("InternalError", 500), errors.TransientError),
-    (_client_error("BadGateway", 502), errors.TransientError),
-    (_client_error("GatewayTimeout", 504), errors.TransientError),
-    (_client_error("RequestTimeout", 400), errors.TransientError),
-    (_client_error("Throttling", 400), errors.TransientError),
-    (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), errors.TransientError),
-    (botocore.exceptions.ConnectTimeoutError(endpoint_url="http://x"), errors.TransientError),
-    (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), errors.TransientError),
-    (botocore.exceptions.ResponseStreamingError(error="reset"), errors.TransientError),
-    (botocore.exceptions.IncompleteReadError(actual_bytes=1, expected_bytes=2), errors.TransientError),
-    (urllib3.exceptions.ProtocolError("Connection broken"), errors.TransientError),
-    (http.client.IncompleteRead(b"x", 3), errors.TransientError),
-    (ConnectionResetError(), errors.TransientError),
-    (_client_error("RequestTimeTooSkewed", 403), errors.TransientError),  # the clock, not the credentials
-    (botocore.exceptions.CredentialRetrievalError(provider="sso", error_msg="timed out"), errors.TransientError),
-    (_client_error("InvalidArgument", 400), errors.BackendError),
-    (ValueError("weird"), errors.BackendError),
-])
+@pytest.mark.parametrize(
+    "exc, expected",
+    [
+        (_client_error("NoSuchKey", 404), errors.NotFound),
+        (_client_error("404", 404, "HeadObject"), errors.NotFound),
+        (_client_error("NoSuchBucket", 404, "ListObjectsV2"), errors.BucketNotFound),
+        (_client_error("AccessDenied", 403), errors.AccessDenied),
+        (_client_error("403", 403, "HeadObject"), errors.AccessDenied),
+        (_client_error("InvalidAccessKeyId", 403), errors.AccessDenied),
+        (_client_error("SignatureDoesNotMatch", 403), errors.AccessDenied),
+        (botocore.exceptions.NoCredentialsError(), errors.AccessDenied),
+        (
+            botocore.exceptions.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY"),
+            errors.AccessDenied,
+        ),
+        (_client_error("PreconditionFailed", 412), errors.ObjectChanged),
+        (_client_error("SlowDown", 503), errors.TransientError),
+        (_client_error("503", 503, "HeadObject"), errors.TransientError),
+        (_client_error("InternalError", 500), errors.TransientError),
+        (_client_error("BadGateway", 502), errors.TransientError),
+        (_client_error("GatewayTimeout", 504), errors.TransientError),
+        (_client_error("RequestTimeout", 400), errors.TransientError),
+        (_client_error("Throttling", 400), errors.TransientError),
+        (botocore.exceptions.EndpointConnectionError(endpoint_url="http://x"), errors.TransientError),
+        (botocore.exceptions.ConnectTimeoutError(endpoint_url="http://x"), errors.TransientError),
+        (botocore.exceptions.ReadTimeoutError(endpoint_url="http://x"), errors.TransientError),
+        (botocore.exceptions.ResponseStreamingError(error="reset"), errors.TransientError),
+        (botocore.exceptions.IncompleteReadError(actual_bytes=1, expected_bytes=2), errors.TransientError),
+        (urllib3.exceptions.ProtocolError("Connection broken"), errors.TransientError),
+        (http.client.IncompleteRead(b"x", 3), errors.TransientError),
+        (ConnectionResetError(), errors.TransientError),
+        (_client_error("RequestTimeTooSkewed", 403), errors.TransientError),  # the clock, not the credentials
+        (botocore.exceptions.CredentialRetrievalError(provider="sso", error_msg="timed out"), errors.TransientError),
+        (_client_error("InvalidArgument", 400), errors.BackendError),
+        (ValueError("weird"), errors.BackendError),
+    ],
+)
 def test_classify(exc, expected):
     assert type(classify(exc)) is expected
 
@@ -328,6 +335,7 @@ def test_an_object_stored_gzip_encoded_reads_as_its_stored_bytes(moto_server):
     """Listed size, ranges and ETag are those of the stored bytes; urllib3 decoding the
     body by default made every read of such an object ESTALE or EIO."""
     import gzip
+
     stored = gzip.compress(b"hello world " * 1000)
     bucket = moto_server.new_bucket()
     moto_server.client.put_object(Bucket=bucket, Key="data.json.gz", Body=stored, ContentEncoding="gzip")
@@ -404,6 +412,7 @@ def _flip(byte_index_of):
         at = byte_index_of(attempt)
         if at is not None:
             buffer[at] ^= 0x01
+
     return damage
 
 

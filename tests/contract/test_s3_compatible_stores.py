@@ -35,8 +35,10 @@ TREE_GETS_COUNT = 3 * len(SIZES) - 2
 
 
 def _tree() -> dict:
-    return {f"d/f{size}.bin": hashlib.sha256(str(size).encode()).digest() * (size // 32) + b"x" * (size % 32)
-            for size in SIZES}
+    return {
+        f"d/f{size}.bin": hashlib.sha256(str(size).encode()).digest() * (size // 32) + b"x" * (size % 32)
+        for size in SIZES
+    }
 
 
 @contextlib.contextmanager
@@ -64,8 +66,10 @@ async def _read_tree(backend: S3Backend, tree: dict) -> dict:
         assert info.size_bytes == len(data)
         assert await backend.read_range(key, 0, len(data), info.version, object_bytes=len(data)) == data
         middle = len(data) // 2
-        assert await backend.read_range(key, middle, middle + 4096, info.version, object_bytes=len(data)) == \
-            data[middle:middle + 4096]
+        assert (
+            await backend.read_range(key, middle, middle + 4096, info.version, object_bytes=len(data))
+            == data[middle : middle + 4096]
+        )
         buffer = bytearray(len(data))
         got = await backend.read_range_into(key, 0, len(data), info.version, buffer, object_bytes=len(data))
         assert bytes(buffer[:got]) == data
@@ -90,8 +94,10 @@ def test_a_store_that_sends_no_etag_at_all_reads_pinned_to_last_modified(rclone_
     server, tree = rclone_server, _tree()
     bucket = server.new_bucket()
     server.write_files(bucket, tree)
-    with started(RewritingFront(server.endpoint_url, strip_etags=True)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RewritingFront(server.endpoint_url, strip_etags=True)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         listed = trio.run(_read_tree, backend, tree)
         assert all(version.startswith(versions.LASTMOD_PREFIX) for version in listed.values())
         assert backend.caller.retries_count == 0
@@ -128,8 +134,10 @@ def test_moto_refuses_a_read_pinned_to_an_older_last_modified_with_412(moto_serv
     async def body(backend):
         info = await backend.stat("k")
         pinned_s = info.mtime_ns // versions.NS_PER_S
-        assert await backend.read_range("k", 0, 10, f"{versions.LASTMOD_PREFIX}{pinned_s}", object_bytes=10) == \
-            b"0123456789"
+        assert (
+            await backend.read_range("k", 0, 10, f"{versions.LASTMOD_PREFIX}{pinned_s}", object_bytes=10)
+            == b"0123456789"
+        )
         with pytest.raises(errors.ObjectChanged) as caught:
             await backend.read_range("k", 0, 10, f"{versions.LASTMOD_PREFIX}{pinned_s - 100}", object_bytes=10)
         cause = caught.value.__cause__
@@ -158,8 +166,10 @@ def test_a_store_that_states_neither_etag_nor_time_is_read_checked_by_size(rclon
         with pytest.raises(errors.ObjectChanged):
             await backend.read_range(info.key, 0, 100, info.version, object_bytes=info.size_bytes)
 
-    with started(RewritingFront(server.endpoint_url, strip_etags=True, epoch_times=True)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RewritingFront(server.endpoint_url, strip_etags=True, epoch_times=True)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         trio.run(body, backend)
     assert f"s3://{bucket}: {versions.PINNING_LOG[versions.SIZE_ONLY]}" in [r.message for r in caplog.records]
 
@@ -171,8 +181,11 @@ def test_listed_times_at_the_epoch_keep_etag_pinning(rclone_server, path):
     server, tree = rclone_server, _tree()
     bucket = server.new_bucket()
     server.write_files(bucket, tree)
-    with started(RewritingFront(server.endpoint_url, epoch_times=True)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RewritingFront(server.endpoint_url, epoch_times=True)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
+
         async def body():
             listed = await _read_tree(backend, tree)
             assert all(versions.kind(version) == versions.ETAG for version in listed.values())
@@ -198,8 +211,10 @@ def test_redirected_gets_are_followed_and_signed_again_for_their_host(rclone_ser
     server, tree = rclone_server, _tree()
     bucket = server.new_bucket()
     server.write_files(bucket, tree)
-    with started(RedirectFront(server.endpoint_url)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RedirectFront(server.endpoint_url)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         trio.run(_read_tree, backend, tree)
         assert front.redirects_sent == TREE_GETS_COUNT
         assert backend.redirects_count == front.redirects_sent
@@ -213,8 +228,10 @@ def test_a_redirect_followed_with_the_first_signature_is_refused_by_the_store(rc
     server = rclone_server
     bucket = server.new_bucket()
     server.put(bucket, "k", b"0123456789")
-    with started(RedirectFront(server.endpoint_url)) as front, _backend(server, bucket, "urllib3",
-                                                                        endpoint_url=front.url) as backend:
+    with (
+        started(RedirectFront(server.endpoint_url)) as front,
+        _backend(server, bucket, "urllib3", endpoint_url=front.url) as backend,
+    ):
         lean = backend.lean
         assert lean._resolve()
         url = lean.base_url + "k"
@@ -241,8 +258,10 @@ def test_a_redirect_loop_is_an_error_not_a_hang(rclone_server, path):
             with pytest.raises(errors.BackendError, match="redirected"):
                 await backend.read_range("k", 0, 10, version)
 
-    with started(RedirectFront(server.endpoint_url, loop=True)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RedirectFront(server.endpoint_url, loop=True)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         trio.run(body, backend)
         assert backend.redirects_count == REDIRECT_HOPS_MAX
         assert backend.caller.retries_count == 0  # a loop is not worth repeating
@@ -260,8 +279,10 @@ def test_a_redirect_to_an_unreachable_host_fails_within_the_retry_budget(rclone_
             with pytest.raises(errors.TransientError):
                 await backend.read_range("k", 0, 10, version)
 
-    with started(RedirectFront(server.endpoint_url, target_url=closed_port_url())) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(RedirectFront(server.endpoint_url, target_url=closed_port_url())) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         trio.run(body, backend)
         assert backend.caller.retries_count == backend.caller.policy.attempts_count - 1
 
@@ -281,8 +302,10 @@ class _LeanRefusingFront(CountingProxy):
             return
         self.refused_count += 1
         handler.request_body()
-        body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AuthorizationHeaderMalformed</Code>"
-                b"<Message>the region is wrong</Message></Error>")
+        body = (
+            b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AuthorizationHeaderMalformed</Code>"
+            b"<Message>the region is wrong</Message></Error>"
+        )
         handler.send_answer_head(400, "Bad Request", [("Content-Type", "application/xml")], len(body))
         handler.wfile.write(body)
 
@@ -307,12 +330,16 @@ def test_a_region_error_swaps_the_lean_transport_to_the_sdk_for_good(rclone_serv
         b = page.objects[1]
         assert await backend.read_range(b.key, 100, 200, b.version, object_bytes=3000) == b"b" * 100
 
-    with started(_LeanRefusingFront(server.endpoint_url)) as front, \
-            _backend(server, bucket, path, endpoint_url=front.url) as backend:
+    with (
+        started(_LeanRefusingFront(server.endpoint_url)) as front,
+        _backend(server, bucket, path, endpoint_url=front.url) as backend,
+    ):
         trio.run(body, backend)
         assert front.refused_count == 1  # only the first lean request: none after the swap
         assert backend.caller.retries_count == 0
         assert dict(backend.get_paths) == ({"curl": 1, "threads": 1} if path == "curl" else {"threads": 2})
     swaps = [r.message for r in caplog.records if "from now on" in r.message]
-    assert swaps == [f"s3://{bucket}: the lean path was refused with 400 AuthorizationHeaderMalformed; "
-                     "GETs and LISTs go through the SDK client from now on"]
+    assert swaps == [
+        f"s3://{bucket}: the lean path was refused with 400 AuthorizationHeaderMalformed; "
+        "GETs and LISTs go through the SDK client from now on"
+    ]

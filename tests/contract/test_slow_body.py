@@ -69,9 +69,11 @@ def socket_store(respond):
 
 
 def _headers(sent_bytes: int) -> bytes:
-    return ("HTTP/1.1 206 Partial Content\r\n"
-            f"Content-Length: {sent_bytes}\r\nContent-Range: bytes 0-{sent_bytes - 1}/{BODY_BYTES}\r\n"
-            'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode()
+    return (
+        "HTTP/1.1 206 Partial Content\r\n"
+        f"Content-Length: {sent_bytes}\r\nContent-Range: bytes 0-{sent_bytes - 1}/{BODY_BYTES}\r\n"
+        'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n'
+    ).encode()
 
 
 def trickling_store():
@@ -91,9 +93,17 @@ def trickling_store():
 
 
 def _config(scheme: str, endpoint: str) -> Config:
-    return Config(url=BucketURL(scheme, "bucket", ""), mountpoint="/nonexistent", endpoint_url=endpoint,
-                  region="us-east-1" if scheme == "s3" else None, read_timeout_s=READ_TIMEOUT_S, connect_timeout_s=2.0,
-                  retry_attempts_count=ATTEMPTS_COUNT, retry_base_delay_s=0.01, retry_max_delay_s=0.05)
+    return Config(
+        url=BucketURL(scheme, "bucket", ""),
+        mountpoint="/nonexistent",
+        endpoint_url=endpoint,
+        region="us-east-1" if scheme == "s3" else None,
+        read_timeout_s=READ_TIMEOUT_S,
+        connect_timeout_s=2.0,
+        retry_attempts_count=ATTEMPTS_COUNT,
+        retry_base_delay_s=0.01,
+        retry_max_delay_s=0.05,
+    )
 
 
 def _backend(kind: str, endpoint: str):
@@ -102,8 +112,9 @@ def _backend(kind: str, endpoint: str):
     if kind.startswith("gcs"):
         backend = GCSBackend(_config("gs", endpoint))
         return backend if kind == "gcs-curl" else without_curl(backend)
-    session = boto3.session.Session(aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40,
-                                    region_name="us-east-1")
+    session = boto3.session.Session(
+        aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40, region_name="us-east-1"
+    )
     backend = S3Backend(_config("s3", endpoint), session=session)
     if kind == "s3-sdk":
         return sdk_only(backend)
@@ -182,9 +193,13 @@ def whole_object_store(sent_bytes: list):
     piece = (bytes(range(251)) * (65536 // 251 + 1))[:65536]
 
     def respond(conn, _count, stop):
-        conn.sendall(("HTTP/1.1 200 OK\r\n"
-                      f"Content-Length: {WHOLE_OBJECT_BYTES}\r\n"
-                      'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n').encode())
+        conn.sendall(
+            (
+                "HTTP/1.1 200 OK\r\n"
+                f"Content-Length: {WHOLE_OBJECT_BYTES}\r\n"
+                'ETag: "v1"\r\nx-goog-generation: 1\r\nContent-Type: application/octet-stream\r\n\r\n'
+            ).encode()
+        )
         sent_bytes.append(0)
         for _ in range(WHOLE_OBJECT_BYTES // len(piece)):
             if stop.is_set():

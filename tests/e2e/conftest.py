@@ -98,10 +98,15 @@ def _mount(rclone_server, bucket, directory: pathlib.Path):
     env.pop("AWS_ENDPOINT_URL", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     with counting_proxy(rclone_server.endpoint_url) as proxy:
-        with bucketfs_mount(f"s3://{bucket}/{DATASET_PREFIX}", str(mountpoint), log_path,
-                            endpoint_url=proxy.url, env=env):
-            yield E2EMount(root=str(mountpoint), local_root=str(rclone_server.root_dir / bucket / DATASET_PREFIX),
-                           proxy=proxy, log_path=log_path)
+        with bucketfs_mount(
+            f"s3://{bucket}/{DATASET_PREFIX}", str(mountpoint), log_path, endpoint_url=proxy.url, env=env
+        ):
+            yield E2EMount(
+                root=str(mountpoint),
+                local_root=str(rclone_server.root_dir / bucket / DATASET_PREFIX),
+                proxy=proxy,
+                log_path=log_path,
+            )
 
 
 @pytest.fixture(scope="module")

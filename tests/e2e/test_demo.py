@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT
 from bucketfs.testing.mounting import force_unmount
+from tests.e2e.conftest import REPO_ROOT
 
 CLASSES, PER_CLASS, SHARDS, PER_SHARD = 2, 10, 2, 10
 
@@ -23,10 +23,28 @@ def test_demo_trains_both_loaders_cold_then_warm_and_unmounts(tmp_path):
     mountpoint.mkdir()
     try:
         proc = subprocess.run(
-            [sys.executable, str(REPO_ROOT / "scripts" / "demo.py"), "--classes", str(CLASSES),
-             "--per-class", str(PER_CLASS), "--shards", str(SHARDS), "--per-shard", str(PER_SHARD),
-             "--size", "32", "--mountpoint", str(mountpoint)],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+            [
+                sys.executable,
+                str(REPO_ROOT / "scripts" / "demo.py"),
+                "--classes",
+                str(CLASSES),
+                "--per-class",
+                str(PER_CLASS),
+                "--shards",
+                str(SHARDS),
+                "--per-shard",
+                str(PER_SHARD),
+                "--size",
+                "32",
+                "--mountpoint",
+                str(mountpoint),
+            ],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,
+        )
         assert not os.path.ismount(mountpoint), "the demo left its mount behind"
     finally:
         force_unmount(str(mountpoint))
@@ -34,11 +52,17 @@ def test_demo_trains_both_loaders_cold_then_warm_and_unmounts(tmp_path):
     assert "errors        none" in proc.stdout, proc.stdout[-3000:]
 
     # The summary table: loader, epoch, samples, seconds, samples/s, bucket requests.
-    rows = {(m[1], m[2]): (int(m[3]), int(m[4]))
-            for m in re.finditer(r"^(ImageFolder|WebDataset)\s+(cold|warm) \(.*?\)\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s*$",
-                                 proc.stdout, re.MULTILINE)}
-    assert set(rows) == {(loader, epoch) for loader in ("ImageFolder", "WebDataset") for epoch in ("cold", "warm")}, \
+    rows = {
+        (m[1], m[2]): (int(m[3]), int(m[4]))
+        for m in re.finditer(
+            r"^(ImageFolder|WebDataset)\s+(cold|warm) \(.*?\)\s+(\d+)\s+\S+\s+\S+\s+(\d+)\s*$",
+            proc.stdout,
+            re.MULTILINE,
+        )
+    }
+    assert set(rows) == {(loader, epoch) for loader in ("ImageFolder", "WebDataset") for epoch in ("cold", "warm")}, (
         proc.stdout[-3000:]
+    )
     images, samples = CLASSES * PER_CLASS, SHARDS * PER_SHARD
     assert rows["ImageFolder", "cold"][0] == rows["ImageFolder", "warm"][0] == images
     assert rows["WebDataset", "cold"][0] == rows["WebDataset", "warm"][0] == samples

@@ -21,8 +21,8 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import REPO_ROOT
 from bucketfs.testing.mounting import daemon_stats, fuse_requests_waiting, wait_for
+from tests.e2e.conftest import REPO_ROOT
 
 try:  # a missing dependency fails every test via conftest's autouse fixture, with the install line
     import torch
@@ -121,8 +121,9 @@ def test_imagefolder_dataloader_reads_every_image(shared_mount, sample_data):
     assert sorted(seen) == list(range(len(dataset)))
     # Reference: the same loader over the same files on local disk.
     local = datasets.ImageFolder(shared_mount.local_train, transform=_transform())
-    assert [os.path.relpath(p, shared_mount.local_train) for p, _ in local.samples] == \
-        [os.path.relpath(p, shared_mount.train) for p, _ in dataset.samples]
+    assert [os.path.relpath(p, shared_mount.local_train) for p, _ in local.samples] == [
+        os.path.relpath(p, shared_mount.train) for p, _ in dataset.samples
+    ]
     for index, (image, target) in seen.items():
         expected_image, expected_target = local[index]
         assert target == expected_target, dataset.samples[index][0]
@@ -154,9 +155,17 @@ def test_two_distributed_sampler_ranks_partition_the_dataset(shared_mount, sampl
     total = sum(sample_data.per_class_count.values())
     assert total % world_size == 0, "an even split, so DistributedSampler pads nothing"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    ranks = [subprocess.Popen([sys.executable, "-m", "tests.e2e.rank_worker", shared_mount.train, str(rank), str(world_size)],
-                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(world_size)]  # both ranks read the one mount at the same time
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.e2e.rank_worker", shared_mount.train, str(rank), str(world_size)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]  # both ranks read the one mount at the same time
     results = []
     try:
         for rank, proc in enumerate(ranks):
@@ -169,7 +178,7 @@ def test_two_distributed_sampler_ranks_partition_the_dataset(shared_mount, sampl
                 proc.kill()
                 proc.wait()
 
-    seeded = {key[len("train/"):] for key in sample_data.objects if key.startswith("train/")}
+    seeded = {key[len("train/") :] for key in sample_data.objects if key.startswith("train/")}
     paths = [set(result["paths"]) for result in results]
     for result, rank_paths in zip(results, paths):
         assert result["classes"] == sample_data.classes
@@ -200,10 +209,12 @@ def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
         daemon_before = daemon_stats(fresh_mount.root)
         assert len(_imagefolder_epoch(dataset)) == len(dataset)
         assert len(_wds_epoch(pattern, shardshuffle=False)) == len(sample_data.wds_sha256)
-        epoch2 = proxy.requests[len(epoch1):]
+        epoch2 = proxy.requests[len(epoch1) :]
         daemon_after = daemon_stats(fresh_mount.root)
     assert daemon_after.get("fuse.read", 0) == daemon_before.get("fuse.read", 0), "epoch 2's bytes reached the daemon"
-    assert daemon_after["fuse.open"] > daemon_before["fuse.open"]  # (the counters do count: every open still reaches it)
+    assert (
+        daemon_after["fuse.open"] > daemon_before["fuse.open"]
+    )  # (the counters do count: every open still reaches it)
 
     new_gets = [r for r in epoch2 if r.is_object_get]
     assert not new_gets, f"epoch 2 made {len(new_gets)} object GETs, e.g. {new_gets[:5]}"
@@ -213,10 +224,27 @@ def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script", ["train_imagefolder", "train_webdataset"])
 def test_example_training_script_runs_on_the_mount(shared_mount, sample_data, script):
-    data_args = (["--data", shared_mount.train] if script == "train_imagefolder"
-                 else ["--shards", sample_data.shard_pattern(shared_mount.root), "--num-classes", str(len(sample_data.classes))])
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / f"{script}.py"), *data_args,
-                           "--epochs", "1", "--workers", "2", "--batch-size", "16", "--quiet"],
-                          capture_output=True, text=True, timeout=150)
+    data_args = (
+        ["--data", shared_mount.train]
+        if script == "train_imagefolder"
+        else ["--shards", sample_data.shard_pattern(shared_mount.root), "--num-classes", str(len(sample_data.classes))]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "scripts" / f"{script}.py"),
+            *data_args,
+            "--epochs",
+            "1",
+            "--workers",
+            "2",
+            "--batch-size",
+            "16",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "epoch 1:" in proc.stdout

@@ -36,15 +36,29 @@ def mount_factory(tmp_path, request):
     """
     mounts = []
 
-    def mount(server, bucket, prefix="", *args, mountpoint=None, endpoint_url=_USE_SERVER_ENDPOINT, extra_env=None,
-              new_session=False):
+    def mount(
+        server,
+        bucket,
+        prefix="",
+        *args,
+        mountpoint=None,
+        endpoint_url=_USE_SERVER_ENDPOINT,
+        extra_env=None,
+        new_session=False,
+    ):
         mp = mountpoint or tmp_path / f"mnt{len(mounts)}"
         os.makedirs(mp, exist_ok=True)
         url = f"{getattr(server, 'scheme', 's3')}://{bucket}/{prefix}"
         if endpoint_url is _USE_SERVER_ENDPOINT:
             endpoint_url = server.endpoint_url
-        m = Mount(url, str(mp), server_env(server, **(extra_env or {})), args, new_session=new_session,
-                  endpoint_url=endpoint_url)
+        m = Mount(
+            url,
+            str(mp),
+            server_env(server, **(extra_env or {})),
+            args,
+            new_session=new_session,
+            endpoint_url=endpoint_url,
+        )
         mounts.append(m)
         return m
 
@@ -54,4 +68,6 @@ def mount_factory(tmp_path, request):
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
         for m in mounts:
-            print(f"--- log of the mount of {m.url} on {m.mountpoint} (tail) ---\n{m.stderr_text[-FAILED_LOG_TAIL_CHARS:]}")
+            print(
+                f"--- log of the mount of {m.url} on {m.mountpoint} (tail) ---\n{m.stderr_text[-FAILED_LOG_TAIL_CHARS:]}"
+            )

@@ -25,16 +25,27 @@ FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY
 def run_mount(server, url: str, mountpoint, *args, cwd=None, **extra_env):
     """`bucketfs mount URL MOUNTPOINT --endpoint-url <server's> ARGS...` with the server's
     credentials (and `extra_env`), run to its end."""
-    return run_cli("mount", url, str(mountpoint), "--endpoint-url", server.endpoint_url, *args,
-                   env=server_env(server, **extra_env), cwd=cwd)
+    return run_cli(
+        "mount",
+        url,
+        str(mountpoint),
+        "--endpoint-url",
+        server.endpoint_url,
+        *args,
+        env=server_env(server, **extra_env),
+        cwd=cwd,
+    )
 
 
-@pytest.mark.parametrize("url, fragment", [
-    ("not-a-url", "not a bucket URL"),
-    ("ftp://bucket/x", "unknown scheme"),
-    ("s3://", "not a valid bucket name"),
-    ("s3://Bad_Bucket/x", "not a valid bucket name"),
-])
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("not-a-url", "not a bucket URL"),
+        ("ftp://bucket/x", "unknown scheme"),
+        ("s3://", "not a valid bucket name"),
+        ("s3://Bad_Bucket/x", "not a valid bucket name"),
+    ],
+)
 def test_malformed_url(url, fragment, empty_dir):
     assert_one_line_error(run_cli("mount", url, empty_dir), errors.EXIT_USAGE, fragment)
     assert not os.path.ismount(empty_dir)
@@ -49,7 +60,9 @@ def test_missing_bucket(rclone_server, empty_dir, tmp_path):
 
 
 def test_access_denied(rclone_server, s3_bucket, empty_dir):
-    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, AWS_SECRET_ACCESS_KEY="wrong-secret-key-0000000000000000")
+    proc = run_mount(
+        rclone_server, f"s3://{s3_bucket}/", empty_dir, AWS_SECRET_ACCESS_KEY="wrong-secret-key-0000000000000000"
+    )
     assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "access denied")
     assert "wrong-secret" not in proc.stderr
     assert not os.path.ismount(empty_dir)
@@ -57,8 +70,11 @@ def test_access_denied(rclone_server, s3_bucket, empty_dir):
 
 def test_no_credentials(rclone_server, s3_bucket, empty_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-               AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     proc = run_cli("mount", f"s3://{s3_bucket}/", empty_dir, "--endpoint-url", rclone_server.endpoint_url, env=env)
     assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED)
     assert not os.path.ismount(empty_dir)
@@ -68,22 +84,35 @@ def test_unreachable_endpoint_answers_quickly(empty_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, never listening: connections are refused
-        proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", f"http://127.0.0.1:{port}",
-                       env=server_env(**FAKE_KEYS), timeout_s=45)
+        proc = run_cli(
+            "mount",
+            "s3://some-bucket/",
+            empty_dir,
+            "--endpoint-url",
+            f"http://127.0.0.1:{port}",
+            env=server_env(**FAKE_KEYS),
+            timeout_s=45,
+        )
     assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
 
 
 def test_bad_mountpoints(rclone_server, s3_bucket, tmp_path, mount_factory):
     url = f"s3://{s3_bucket}/"
-    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "missing"), errors.EXIT_BAD_MOUNTPOINT, "does not exist")
+    assert_one_line_error(
+        run_mount(rclone_server, url, tmp_path / "missing"), errors.EXIT_BAD_MOUNTPOINT, "does not exist"
+    )
     (tmp_path / "file").write_text("x")
-    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "file"), errors.EXIT_BAD_MOUNTPOINT, "not a directory")
+    assert_one_line_error(
+        run_mount(rclone_server, url, tmp_path / "file"), errors.EXIT_BAD_MOUNTPOINT, "not a directory"
+    )
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     assert_one_line_error(run_mount(rclone_server, url, tmp_path / "full"), errors.EXIT_BAD_MOUNTPOINT, "not empty")
     (tmp_path / "busy").mkdir()
     mount_factory(rclone_server, s3_bucket, mountpoint=tmp_path / "busy")
-    assert_one_line_error(run_mount(rclone_server, url, tmp_path / "busy"), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
+    assert_one_line_error(
+        run_mount(rclone_server, url, tmp_path / "busy"), errors.EXIT_BAD_MOUNTPOINT, "already a mount"
+    )
 
 
 def test_unusable_cache_dir(rclone_server, s3_bucket, empty_dir, tmp_path):
@@ -117,7 +146,9 @@ def test_bad_option_value():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_detaches_lets_open_readers_finish_and_exits_zero(rclone_server, s3_bucket, empty_dir, mount_factory, sig):
+def test_signal_detaches_lets_open_readers_finish_and_exits_zero(
+    rclone_server, s3_bucket, empty_dir, mount_factory, sig
+):
     data = os.urandom(3 * 1024 * 1024)
     rclone_server.write_files(s3_bucket, {"f.bin": data})
     m = mount_factory(rclone_server, s3_bucket, mountpoint=empty_dir)
@@ -147,7 +178,9 @@ def mount_daemonised(server, url: str, mountpoint, log_file, cwd=None):
     return run_mount(server, url, mountpoint, "--log-file", str(log_file), cwd=cwd)
 
 
-def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone_server, s3_bucket, empty_dir, tmp_path):
+def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(
+    rclone_server, s3_bucket, empty_dir, tmp_path
+):
     """An empty prefix (a typo) is said where the user looks: the terminal, not only
     the daemon's log."""
     rclone_server.write_files(s3_bucket, {"data/a.jpg": b"x"})
@@ -155,7 +188,8 @@ def test_a_daemonised_mount_prints_the_warnings_logged_before_it_answered(rclone
     try:
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.splitlines() == [
-            f"bucketfs: warning: s3://{s3_bucket}/dat/ is empty: nothing is stored under it (a mistyped prefix?)"]
+            f"bucketfs: warning: s3://{s3_bucket}/dat/ is empty: nothing is stored under it (a mistyped prefix?)"
+        ]
         assert os.path.ismount(empty_dir)
     finally:
         assert run_cli("unmount", empty_dir).returncode == 0
@@ -201,14 +235,21 @@ def test_a_negative_ttl_without_a_metadata_ttl_is_refused(empty_dir):
 
 def test_a_missing_profile_is_one_line_and_the_credentials_code(rclone_server, s3_bucket, empty_dir, tmp_path):
     (tmp_path / "aws-config").write_text("[profile other]\nregion = us-east-1\n")
-    proc = run_mount(rclone_server, f"s3://{s3_bucket}/", empty_dir, "--profile", "nosuchprofile",
-                     AWS_CONFIG_FILE=str(tmp_path / "aws-config"))
+    proc = run_mount(
+        rclone_server,
+        f"s3://{s3_bucket}/",
+        empty_dir,
+        "--profile",
+        "nosuchprofile",
+        AWS_CONFIG_FILE=str(tmp_path / "aws-config"),
+    )
     assert_one_line_error(proc, errors.EXIT_ACCESS_DENIED, "nosuchprofile")
     assert not os.path.ismount(empty_dir)
 
 
-@pytest.mark.parametrize("option, value", [("--endpoint-url", "notaurl"), ("--endpoint-url", "http://"),
-                                           ("--region", "bad!region")])
+@pytest.mark.parametrize(
+    "option, value", [("--endpoint-url", "notaurl"), ("--endpoint-url", "http://"), ("--region", "bad!region")]
+)
 def test_an_endpoint_or_region_that_cannot_be_is_a_usage_error(option, value, empty_dir):
     proc = run_cli("mount", "s3://some-bucket/", empty_dir, option, value, env=server_env(**FAKE_KEYS))
     assert_one_line_error(proc, errors.EXIT_USAGE, option)
@@ -217,8 +258,9 @@ def test_an_endpoint_or_region_that_cannot_be_is_a_usage_error(option, value, em
 def test_an_endpoint_botocore_refuses_inside_the_daemon_is_a_usage_error(empty_dir):
     """A URL the CLI's own check lets through but botocore refuses when the daemon
     builds its client: still one line and exit 2, not 'daemon failed'."""
-    proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--endpoint-url", "http://bad_host!name/",
-                   env=server_env(**FAKE_KEYS))
+    proc = run_cli(
+        "mount", "s3://some-bucket/", empty_dir, "--endpoint-url", "http://bad_host!name/", env=server_env(**FAKE_KEYS)
+    )
     assert_one_line_error(proc, errors.EXIT_USAGE, "endpoint")
     assert not os.path.ismount(empty_dir)
 
@@ -234,8 +276,9 @@ def test_a_metrics_port_in_use_fails_before_mounting(rclone_server, s3_bucket, e
 
 
 def test_an_unwritable_log_file_is_named_before_forking(empty_dir):
-    proc = run_cli("mount", "s3://some-bucket/", empty_dir, "--log-file", "/nonexistent/dir/x.log",
-                   env=server_env(**FAKE_KEYS))
+    proc = run_cli(
+        "mount", "s3://some-bucket/", empty_dir, "--log-file", "/nonexistent/dir/x.log", env=server_env(**FAKE_KEYS)
+    )
     assert_one_line_error(proc, errors.EXIT_USAGE, "--log-file", "/nonexistent/dir/x.log")
 
 
@@ -245,7 +288,9 @@ def test_a_symlinked_mountpoint_is_unmounted_on_sigterm(rclone_server, s3_bucket
     m = mount_factory(rclone_server, s3_bucket, mountpoint=str(link))
     assert os.path.ismount(empty_dir)
     # The mount is seen through the symlink too.
-    assert_one_line_error(run_mount(rclone_server, f"s3://{s3_bucket}/", link), errors.EXIT_BAD_MOUNTPOINT, "already a mount")
+    assert_one_line_error(
+        run_mount(rclone_server, f"s3://{s3_bucket}/", link), errors.EXIT_BAD_MOUNTPOINT, "already a mount"
+    )
     assert m.terminate(signal.SIGTERM, timeout_s=20) == 0
     assert not os.path.ismount(empty_dir)
     assert os.listdir(empty_dir) == []  # not a dead mount
@@ -294,7 +339,9 @@ def test_unmount_refuses_a_filesystem_that_is_not_bucketfs(empty_dir):
         proc = run_cli("unmount", empty_dir)
         assert_one_line_error(proc, errors.EXIT_BAD_MOUNTPOINT, "not a bucketfs mount", "tmpfs")
         assert os.path.ismount(empty_dir)
-        assert_one_line_error(run_cli("unmount", "--lazy", empty_dir), errors.EXIT_BAD_MOUNTPOINT, "not a bucketfs mount")
+        assert_one_line_error(
+            run_cli("unmount", "--lazy", empty_dir), errors.EXIT_BAD_MOUNTPOINT, "not a bucketfs mount"
+        )
         assert os.path.ismount(empty_dir)
     finally:
         subprocess.run(["umount", empty_dir], timeout=30)
@@ -308,8 +355,13 @@ def test_unmount_of_a_directory_that_is_not_mounted_says_so(empty_dir):
 def plain_http_server(root_dir):
     """`python -m http.server` on a free port: answers, but is no S3 endpoint."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)], cwd=root_dir,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+        cwd=root_dir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
     try:
         wait_for(lambda: _answers_http(port), MOUNT_DEADLINE_S, "http.server", proc)
         yield f"http://127.0.0.1:{port}"
@@ -382,7 +434,8 @@ def _pid_is_gone(pid: int) -> bool:
 
 
 def test_log_file_is_honoured_in_the_foreground_and_sighup_without_a_terminal_keeps_serving(
-        rclone_server, s3_bucket, empty_dir, tmp_path, mount_factory):
+    rclone_server, s3_bucket, empty_dir, tmp_path, mount_factory
+):
     """The systemd unit runs --foreground: --log-file was ignored there, and SIGHUP (a
     logrotate postrotate) unmounted the data under a training job."""
     rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
@@ -391,13 +444,19 @@ def test_log_file_is_honoured_in_the_foreground_and_sighup_without_a_terminal_ke
     assert "mounted s3://" in log_file.read_text()
     log_file.rename(tmp_path / "bucketfs.log.1")  # logrotate's rename
     m.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
-             "the SIGHUP line in a reopened log file", m.proc)
+    wait_for(
+        lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(),
+        MOUNT_DEADLINE_S,
+        "the SIGHUP line in a reopened log file",
+        m.proc,
+    )
     assert m.proc.poll() is None and os.path.ismount(empty_dir)
     assert open(m.path("a.txt")).read() == "a"
 
 
-def test_sighup_to_a_daemonised_mount_keeps_it_and_a_rotated_log_file_is_reopened(rclone_server, s3_bucket, empty_dir, tmp_path):
+def test_sighup_to_a_daemonised_mount_keeps_it_and_a_rotated_log_file_is_reopened(
+    rclone_server, s3_bucket, empty_dir, tmp_path
+):
     rclone_server.write_files(s3_bucket, {"a.txt": b"a"})
     log_file = tmp_path / f"daemon-{os.getpid()}-{free_port()}.log"  # unique: finds the daemon's PID
     proc = mount_daemonised(rclone_server, f"s3://{s3_bucket}/", empty_dir, log_file)
@@ -405,8 +464,11 @@ def test_sighup_to_a_daemonised_mount_keeps_it_and_a_rotated_log_file_is_reopene
     (pid,) = _pids_with_arg(str(log_file))
     log_file.rename(tmp_path / "rotated.log")
     os.kill(pid, signal.SIGHUP)
-    wait_for(lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(), MOUNT_DEADLINE_S,
-             "the SIGHUP line in a reopened log file")
+    wait_for(
+        lambda: log_file.exists() and "received SIGHUP" in log_file.read_text(),
+        MOUNT_DEADLINE_S,
+        "the SIGHUP line in a reopened log file",
+    )
     assert os.path.ismount(empty_dir) and open(os.path.join(empty_dir, "a.txt")).read() == "a"
     assert run_cli("unmount", empty_dir).returncode == 0
     wait_for(lambda: "unmounted" in log_file.read_text(), MOUNT_DEADLINE_S, "daemon exit")
@@ -428,10 +490,21 @@ def test_a_terminal_hangup_stops_a_foreground_mount(rclone_server, s3_bucket, em
 
     log_file = tmp_path / "bucketfs.log"
     with open(tmp_path / "stderr", "wb") as err:
-        proc = subprocess.Popen(mount_cmd(f"s3://{s3_bucket}/", empty_dir, "-f", "--log-file", str(log_file),
-                                          endpoint_url=rclone_server.endpoint_url),
-                                env=server_env(rclone_server), stdin=slave_fd, stdout=err, stderr=err,
-                                preexec_fn=in_its_own_terminal)
+        proc = subprocess.Popen(
+            mount_cmd(
+                f"s3://{s3_bucket}/",
+                empty_dir,
+                "-f",
+                "--log-file",
+                str(log_file),
+                endpoint_url=rclone_server.endpoint_url,
+            ),
+            env=server_env(rclone_server),
+            stdin=slave_fd,
+            stdout=err,
+            stderr=err,
+            preexec_fn=in_its_own_terminal,
+        )
     os.close(slave_fd)
     try:
         wait_for(lambda: os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "mount", proc)
@@ -464,9 +537,14 @@ def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_prob
     has connected: (process, stdout, stderr, what `while_probing(process)` returned
     just before the signal)."""
     with silent_store() as (url, listener):
-        proc = subprocess.Popen(mount_cmd("s3://some-bucket/", mountpoint, *args, endpoint_url=url),
-                                env=server_env(**FAKE_KEYS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            mount_cmd("s3://some-bucket/", mountpoint, *args, endpoint_url=url),
+            env=server_env(**FAKE_KEYS),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_die_with_parent,
+        )
         try:
             conn, _ = listener.accept()  # the probe waits on the store
             with conn:
@@ -483,8 +561,12 @@ def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_prob
 def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path):
     """The parent exited 130 silently and left the daemon running; it mounted later."""
     proc, out, err, daemon_pids = ctrl_c_while_the_store_hangs(
-        empty_dir, "--log-file", str(tmp_path / "bucketfs.log"), timeout_s=30,
-        while_probing=lambda proc: _child_pids(proc.pid))  # (the daemon probes, the parent waits for it)
+        empty_dir,
+        "--log-file",
+        str(tmp_path / "bucketfs.log"),
+        timeout_s=30,
+        while_probing=lambda proc: _child_pids(proc.pid),
+    )  # (the daemon probes, the parent waits for it)
     (daemon_pid,) = daemon_pids
     assert proc.returncode == errors.EXIT_INTERRUPTED, err
     assert err == "bucketfs: interrupted\n" and out == ""
@@ -502,10 +584,13 @@ def test_a_daemon_whose_mount_command_is_gone_unmounts_without_a_traceback(tmp_p
         env = server_env(server)
         os.kill(server.pid, signal.SIGSTOP)  # the probe waits
         try:
-            proc = subprocess.Popen(mount_cmd(f"s3://{bucket}/", empty_dir, "--log-file", str(log_file),
-                                              endpoint_url=server.endpoint_url),
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                mount_cmd(f"s3://{bucket}/", empty_dir, "--log-file", str(log_file), endpoint_url=server.endpoint_url),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
             wait_for(lambda: _child_pids(proc.pid), MOUNT_DEADLINE_S, "the daemon forked", proc)
             (daemon_pid,) = _child_pids(proc.pid)
             proc.kill()
@@ -532,16 +617,34 @@ def test_ctrl_c_in_the_foreground_is_prompt_while_the_store_hangs(empty_dir):
     assert not os.path.ismount(empty_dir)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a private /dev/fuse needs root and unshare")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="a private /dev/fuse needs root and unshare"
+)
 @pytest.mark.parametrize("foreground", [False, True])
 def test_a_mount_the_kernel_refuses_gives_libfuses_reason(rclone_server, s3_bucket, empty_dir, foreground):
     """Exit 8 said only 'fuse_session_mount failed' (libfuse's reason went to the
     daemon's /dev/null). /dev/null bound over /dev/fuse in a private mount namespace:
     the device exists, and the kernel refuses the mount."""
-    command = mount_cmd(f"s3://{s3_bucket}/", empty_dir, *(["-f"] if foreground else []), endpoint_url=rclone_server.endpoint_url)
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                           'mount --bind /dev/null /dev/fuse && exec "$@"', "-", *command],
-                          env=server_env(rclone_server), capture_output=True, text=True, timeout=60)
+    command = mount_cmd(
+        f"s3://{s3_bucket}/", empty_dir, *(["-f"] if foreground else []), endpoint_url=rclone_server.endpoint_url
+    )
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount --bind /dev/null /dev/fuse && exec "$@"',
+            "-",
+            *command,
+        ],
+        env=server_env(rclone_server),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == errors.EXIT_MOUNT_FAILED, proc.stderr
     assert len(lines) == 1 or foreground, proc.stderr  # (in the foreground the log comes first)

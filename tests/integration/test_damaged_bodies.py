@@ -27,8 +27,9 @@ ATTEMPTS = 6  # a file fails only if 6 answers in a row are damaged (6e-5 per fi
 
 def dataset() -> dict:
     rng = random.Random(SEED)
-    files = {f"train/class{c}/img{i:03d}.jpg": rng.randbytes(rng.randrange(1, 400_000))
-             for c in range(3) for i in range(30)}
+    files = {
+        f"train/class{c}/img{i:03d}.jpg": rng.randbytes(rng.randrange(1, 400_000)) for c in range(3) for i in range(30)
+    }
     files["train/class0/big.jpg"] = rng.randbytes(3 * 1024 * 1024)  # above the curl path's 2 MiB: a worker thread's GET
     files["held/back.jpg"] = rng.randbytes(50_000)  # read only once every answer is damaged
     return files
@@ -53,12 +54,15 @@ def test_damaged_bodies_are_fetched_again_and_never_served(seeded_store, mount_f
     files = dataset()
     small = sorted(key for key in files if key.startswith("train/"))
     with fault_proxy(server.endpoint_url, FLIP_RATE, SEED, kinds=("flip",), goog_hash=kind == "gcs") as proxy:
-        m = mount_factory(server, bucket, "", "--retries", str(ATTEMPTS), "--max-connections", "8",
-                          endpoint_url=proxy.url)
+        m = mount_factory(
+            server, bucket, "", "--retries", str(ATTEMPTS), "--max-connections", "8", endpoint_url=proxy.url
+        )
         proxy.faulty.set()
         readers = Readers()
         readers.run(*[(check_whole_files, m, files, small[i::4], readers) for i in range(4)])
-        assert not readers.problems, f"{len(readers.problems)} problems (errnos {readers.errnos}): {readers.problems[:5]}"
+        assert not readers.problems, (
+            f"{len(readers.problems)} problems (errnos {readers.errnos}): {readers.problems[:5]}"
+        )
         stats = m.stats()
         assert proxy.injected["flip"] >= 10, proxy.injected
         # Every damaged answer was a whole file's, caught and fetched again.

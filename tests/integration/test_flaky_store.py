@@ -87,8 +87,11 @@ def check_whole_files(mount, files: dict, keys: list, readers: Readers) -> None:
         with open(mount.path(key), "rb") as f:
             data = f.read()
         if data != files[key]:
-            readers.problem(f"{key}: {len(data)} bytes, wrong" if len(data) == len(files[key]) else
-                            f"{key}: {len(data)} bytes of {len(files[key])}")
+            readers.problem(
+                f"{key}: {len(data)} bytes, wrong"
+                if len(data) == len(files[key])
+                else f"{key}: {len(data)} bytes of {len(files[key])}"
+            )
 
 
 def stream_shard(mount, files: dict, key: str, readers: Readers) -> None:
@@ -99,7 +102,7 @@ def stream_shard(mount, files: dict, key: str, readers: Readers) -> None:
             chunk = f.read(1 * MiB)
             if not chunk:
                 break
-            if chunk != expected[offset:offset + len(chunk)]:
+            if chunk != expected[offset : offset + len(chunk)]:
                 readers.problem(f"{key}: wrong bytes at {offset}")
                 return
             offset += len(chunk)
@@ -116,7 +119,7 @@ def random_preads(mount, files: dict, keys: list, seed: int, readers: Readers) -
             size = rng.randrange(4096, 65536)
             offset = rng.randrange(0, len(files[key]) - size)
             data = os.pread(fds[key], size, offset)
-            if data != files[key][offset:offset + size]:
+            if data != files[key][offset : offset + size]:
                 readers.problem(f"{key}: pread of {size} at {offset} gave {len(data)} bytes, wrong")
     finally:
         for fd in fds.values():
@@ -125,6 +128,7 @@ def random_preads(mount, files: dict, keys: list, seed: int, readers: Readers) -
 
 def walk(mount, files: dict, readers: Readers) -> None:
     seen = set()
+
     def failed(exc: OSError) -> None:
         readers.problem(f"walk: {exc!r}")
 
@@ -143,10 +147,12 @@ def all_readers(mount, files: dict, readers: Readers) -> list:
     small = sorted(k for k in files if k.startswith("train/"))
     shards = sorted(k for k in files if k.startswith("shards/"))
     random.Random(SEED).shuffle(small)
-    return ([(walk, mount, files, readers)]
-            + [(check_whole_files, mount, files, small[i::4], readers) for i in range(4)]
-            + [(stream_shard, mount, files, key, readers) for key in shards]
-            + [(random_preads, mount, files, shards, SEED + i, readers) for i in range(2)])
+    return (
+        [(walk, mount, files, readers)]
+        + [(check_whole_files, mount, files, small[i::4], readers) for i in range(4)]
+        + [(stream_shard, mount, files, key, readers) for key in shards]
+        + [(random_preads, mount, files, shards, SEED + i, readers) for i in range(2)]
+    )
 
 
 def drop_page_cache() -> bool:
@@ -179,14 +185,31 @@ def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_sto
     files = dataset()
     with fault_proxy(server.endpoint_url, FAULT_RATE, SEED, STALL_S) as proxy:
         attempts = ATTEMPTS[getattr(server, "scheme", "s3")]
-        m = mount_factory(server, bucket, "", "--retries", str(attempts), "--read-timeout", str(READ_TIMEOUT_S),
-                          "--connect-timeout", "1", "--max-connections", "8", "--part-size", "2M", "--max-memory", "16M",
-                          endpoint_url=proxy.url)
+        m = mount_factory(
+            server,
+            bucket,
+            "",
+            "--retries",
+            str(attempts),
+            "--read-timeout",
+            str(READ_TIMEOUT_S),
+            "--connect-timeout",
+            "1",
+            "--max-connections",
+            "8",
+            "--part-size",
+            "2M",
+            "--max-memory",
+            "16M",
+            endpoint_url=proxy.url,
+        )
         proxy.faulty.set()
         readers = Readers()
         readers.run(*all_readers(m, files, readers))
         proxy.faulty.clear()
-        assert not readers.problems, f"{len(readers.problems)} problems (errnos {readers.errnos}): {readers.problems[:5]}"
+        assert not readers.problems, (
+            f"{len(readers.problems)} problems (errnos {readers.errnos}): {readers.problems[:5]}"
+        )
         # Every kind of fault happened (they are taken in turn), and was retried.
         assert all(proxy.injected[kind] >= 2 for kind in FAULT_KINDS), proxy.injected
         stats = m.stats()

@@ -46,15 +46,21 @@ def test_readers_killed_mid_read_leave_the_mount_serving_right_bytes(rclone_serv
     files = dataset()
     rclone_server.write_files(s3_bucket, files)
     with fault_proxy(rclone_server.endpoint_url, delay_s=GET_DELAY_S) as proxy:
-        m = mount_factory(rclone_server, s3_bucket, "", "--max-memory", "64M", "--part-size", "2M",
-                          endpoint_url=proxy.url)
+        m = mount_factory(
+            rclone_server, s3_bucket, "", "--max-memory", "64M", "--part-size", "2M", endpoint_url=proxy.url
+        )
         keys = sorted(files)
-        readers = [subprocess.Popen([sys.executable, "-c", READER_CODE, *[m.path(k) for k in keys[i::READERS]]])
-                   for i in range(READERS)]
+        readers = [
+            subprocess.Popen([sys.executable, "-c", READER_CODE, *[m.path(k) for k in keys[i::READERS]]])
+            for i in range(READERS)
+        ]
         try:
             # Every reader has a file open and READs are waiting on GETs.
-            wait_for(lambda: m.stats()["handles.open"] >= READERS and len(proxy.object_gets()) >= READERS,
-                     60, "readers reading")
+            wait_for(
+                lambda: m.stats()["handles.open"] >= READERS and len(proxy.object_gets()) >= READERS,
+                60,
+                "readers reading",
+            )
         finally:
             for r in readers:
                 r.send_signal(signal.SIGKILL)

@@ -45,5 +45,7 @@ def test_64_concurrent_readers_stay_within_budget(rclone_server, s3_bucket, moun
         results = dict(pool.map(read, objects))
     assert results == {k: hashlib.sha256(v).hexdigest() for k, v in objects.items()}
     peak_bytes = rss_peak_bytes(m.proc.pid)
-    assert peak_bytes <= budget_bytes + OVERHEAD_BYTES, f"peak RSS {peak_bytes >> 20} MiB (started at {baseline_bytes >> 20} MiB)"
+    assert peak_bytes <= budget_bytes + OVERHEAD_BYTES, (
+        f"peak RSS {peak_bytes >> 20} MiB (started at {baseline_bytes >> 20} MiB)"
+    )
     wait_for(lambda: os.path.ismount(m.mountpoint), 5, "mount still up")

@@ -25,8 +25,13 @@ def _files() -> dict:
     """{key: bytes}: empty, tiny, an ImageFolder-sized sample, and one past the small-file
     limit (read ahead in parts), in nested directories."""
     rng = random.Random(35)
-    return {"a.txt": b"hello, memory\n", "empty": b"", "d/b.jpg": rng.randbytes(300_000),
-            "d/e/c.bin": rng.randbytes(5 * MiB + 17), "d/e/f.txt": b"f" * 4096}
+    return {
+        "a.txt": b"hello, memory\n",
+        "empty": b"",
+        "d/b.jpg": rng.randbytes(300_000),
+        "d/e/c.bin": rng.randbytes(5 * MiB + 17),
+        "d/e/f.txt": b"f" * 4096,
+    }
 
 
 def _serve(mountpoint: str, ready_path: str) -> int:
@@ -36,8 +41,7 @@ def _serve(mountpoint: str, ready_path: str) -> int:
     from bucketfs.backends.memory import MemoryBackend
     from bucketfs.config import Config, parse_bucket_url
 
-    config = Config(url=parse_bucket_url("s3://in-memory/"), mountpoint=mountpoint, foreground=True,
-                    log_level="INFO")
+    config = Config(url=parse_bucket_url("s3://in-memory/"), mountpoint=mountpoint, foreground=True, log_level="INFO")
     daemon.setup_logging(config, daemon=False)
     built = []
 
@@ -63,9 +67,15 @@ def memory_mount(tmp_path):
     mountpoint.mkdir()
     ready_path, log_path = tmp_path / "ready", tmp_path / "daemon.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.test_memory_mount", str(mountpoint),
-                                 str(ready_path)], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integration.test_memory_mount", str(mountpoint), str(ready_path)],
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
     try:
         wait_for(ready_path.exists, MOUNT_DEADLINE_S, "the in-memory mount answers", proc)
         yield str(mountpoint), proc
@@ -94,7 +104,7 @@ def test_a_whole_mount_runs_on_the_in_memory_backend(memory_mount):
     fd = os.open(os.path.join(mountpoint, "d", "e", "c.bin"), os.O_RDONLY)
     try:
         for offset in random.Random(1).sample(range(len(big)), 20):
-            assert os.pread(fd, 70_000, offset) == big[offset:offset + 70_000]
+            assert os.pread(fd, 70_000, offset) == big[offset : offset + 70_000]
     finally:
         os.close(fd)
     stats = daemon_stats(mountpoint)

@@ -18,9 +18,18 @@ import pytest
 
 from bucketfs import errors
 from bucketfs.testing.gcs_server import closed_port_url
-from bucketfs.testing.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_one_line_error, assert_special_names_read_back, assert_tree_copies_out, run_cli,
-                            server_env, special_name_objects)
+from bucketfs.testing.mounting import (
+    SPECIAL_NAMES,
+    assert_complete_listing,
+    assert_every_write_is_erofs,
+    assert_one_line_error,
+    assert_overwrite_mid_read_is_stale,
+    assert_special_names_read_back,
+    assert_tree_copies_out,
+    run_cli,
+    server_env,
+    special_name_objects,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -51,7 +60,7 @@ def test_mixed_tree_copies_out_byte_identical(gcs_server, gcs_bucket, mount_fact
     gcs_server.put_many(gcs_bucket, objects)
     m = mount_factory(gcs_server, gcs_bucket, "ds")
     out = tmp_path / "copy"
-    files = {k[len("ds/"):]: v for k, v in objects.items() if not k.endswith("/")}
+    files = {k[len("ds/") :]: v for k, v in objects.items() if not k.endswith("/")}
     assert_tree_copies_out(m, files, out)
     assert (out / "marker-only").is_dir() and os.listdir(out / "marker-only") == []
     stats = m.stats()
@@ -112,8 +121,10 @@ def test_gzip_encoded_object_reads_as_stored_bytes(gcs_server, gcs_bucket, mount
 
 
 def test_overwrite_mid_read_gives_estale_never_mixed_bytes(gcs_server, gcs_bucket, mount_factory):
-    assert_overwrite_mid_read_is_stale(lambda *args: mount_factory(gcs_server, gcs_bucket, "", *args),
-                                       lambda objects: gcs_server.put_many(gcs_bucket, objects))
+    assert_overwrite_mid_read_is_stale(
+        lambda *args: mount_factory(gcs_server, gcs_bucket, "", *args),
+        lambda objects: gcs_server.put_many(gcs_bucket, objects),
+    )
 
 
 def test_storage_emulator_host_replaces_endpoint_url(gcs_server, gcs_bucket, mount_factory):
@@ -125,14 +136,24 @@ def test_storage_emulator_host_replaces_endpoint_url(gcs_server, gcs_bucket, mou
 
 # -- bad inputs: one line, a distinct exit code, nothing mounted --------------------
 
+
 def test_missing_bucket_exits_3(gcs_server, empty_dir):
-    proc = run_cli("mount", "gs://no-such-bucket-here/x", empty_dir, "--endpoint-url", gcs_server.endpoint_url,
-                   env=server_env(gcs_server), timeout_s=45)
+    proc = run_cli(
+        "mount",
+        "gs://no-such-bucket-here/x",
+        empty_dir,
+        "--endpoint-url",
+        gcs_server.endpoint_url,
+        env=server_env(gcs_server),
+        timeout_s=45,
+    )
     assert_one_line_error(proc, errors.EXIT_BUCKET_NOT_FOUND, "bucket does not exist")
     assert not os.path.ismount(empty_dir)
 
 
 def test_unreachable_endpoint_exits_5(empty_dir):
-    proc = run_cli("mount", "gs://some-bucket/", empty_dir, "--endpoint-url", closed_port_url(), env=server_env(), timeout_s=45)
+    proc = run_cli(
+        "mount", "gs://some-bucket/", empty_dir, "--endpoint-url", closed_port_url(), env=server_env(), timeout_s=45
+    )
     assert_one_line_error(proc, errors.EXIT_ENDPOINT_UNREACHABLE, "unreachable")
     assert not os.path.ismount(empty_dir)

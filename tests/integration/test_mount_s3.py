@@ -1,9 +1,9 @@
 """Real mounts of a real S3 server (rclone serve s3 on 127.0.0.1): reads, names, EROFS, versions."""
 
+import concurrent.futures
 import errno
 import hashlib
 import mmap
-import concurrent.futures
 import os
 import random
 import subprocess
@@ -11,9 +11,18 @@ import subprocess
 import pytest
 
 from bucketfs.diskcache import pagecache
-from bucketfs.testing.mounting import (SPECIAL_NAMES, assert_complete_listing, assert_every_write_is_erofs, assert_overwrite_mid_read_is_stale,
-                            assert_special_names_read_back, assert_tree_copies_out, mount_cmd, server_env, special_name_objects,
-                            wait_for)
+from bucketfs.testing.mounting import (
+    SPECIAL_NAMES,
+    assert_complete_listing,
+    assert_every_write_is_erofs,
+    assert_overwrite_mid_read_is_stale,
+    assert_special_names_read_back,
+    assert_tree_copies_out,
+    mount_cmd,
+    server_env,
+    special_name_objects,
+    wait_for,
+)
 from bucketfs.testing.servers import rclone_s3_server
 
 pytestmark = pytest.mark.integration
@@ -38,7 +47,7 @@ def test_mixed_tree_copies_out_byte_identical(rclone_server, s3_bucket, mount_fa
     objects["ds/shards/train-000.tar"] = rnd(20 * MiB, 99)
     rclone_server.write_files(s3_bucket, objects)
     m = mount_factory(rclone_server, s3_bucket, "ds")
-    assert_tree_copies_out(m, {k[len("ds/"):]: v for k, v in objects.items()}, tmp_path / "copy")
+    assert_tree_copies_out(m, {k[len("ds/") :]: v for k, v in objects.items()}, tmp_path / "copy")
 
 
 def test_shards_read_in_order_fetch_each_byte_once(rclone_server, s3_bucket, mount_factory):
@@ -50,7 +59,7 @@ def test_shards_read_in_order_fetch_each_byte_once(rclone_server, s3_bucket, mou
     m = mount_factory(rclone_server, s3_bucket, "wds")
     for key, data in shards.items():
         digest = hashlib.sha256()
-        with open(m.path(key[len("wds/"):]), "rb") as f:
+        with open(m.path(key[len("wds/") :]), "rb") as f:
             while chunk := f.read(1 * MiB):
                 digest.update(chunk)
         assert digest.hexdigest() == sha(data), key
@@ -90,14 +99,19 @@ def test_https_store_behind_a_private_ca(tmp_path_factory, mount_factory, empty_
         # The CA not given: one line and exit 5 at mount time, not a mount that fails every read.
         env = server_env(server)
         del env["AWS_CA_BUNDLE"]
-        refused = subprocess.run(mount_cmd("s3://tls-bucket/d", empty_dir, "-f", "--connect-timeout", "3",
-                                           endpoint_url=server.endpoint_url),
-                                 env=env, capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL)
+        refused = subprocess.run(
+            mount_cmd("s3://tls-bucket/d", empty_dir, "-f", "--connect-timeout", "3", endpoint_url=server.endpoint_url),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            stdin=subprocess.DEVNULL,
+        )
         assert refused.returncode == 5, refused.stderr
         assert "AWS_CA_BUNDLE" in refused.stderr.strip().splitlines()[-1]
         assert "Traceback" not in refused.stderr
         for key, data in objects.items():
-            with open(m.path(key[len("d/"):]), "rb") as f:
+            with open(m.path(key[len("d/") :]), "rb") as f:
                 assert sha(f.read()) == sha(data), key
 
 
@@ -125,7 +139,7 @@ def walk_listing(top: str) -> list:
     """Every directory's readdir as a program sees it: names in readdir order, inode
     numbers and types (`ls -1aUi` prints d_ino), under `top`."""
     seen = []
-    for dirpath, dirnames, _filenames in os.walk(top):
+    for dirpath, _dirnames, _filenames in os.walk(top):
         with os.scandir(dirpath) as it:
             seen.append((dirpath, [(e.name, e.inode(), e.is_dir(follow_symlinks=False)) for e in it]))
         out = subprocess.run(["ls", "-1aUi", dirpath], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -145,10 +159,13 @@ def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_serv
     m = mount_factory(rclone_server, s3_bucket, "t")
     first = walk_listing(m.mountpoint)
     assert sorted(name for name, _ino, _d in first[0][1]) == ["c0", "c1", "c2", "top.txt"]
-    expected = {os.path.dirname(k[len("t/"):]) for k in objects} | {"c0/deeper"}
+    expected = {os.path.dirname(k[len("t/") :]) for k in objects} | {"c0/deeper"}
     for rel in expected:  # every directory lists exactly its objects, after a cold walk through no handles
-        names = {os.path.relpath(k, "t/" + rel if rel else "t").split("/")[0] for k in objects
-                 if k.startswith(f"t/{rel}/" if rel else "t/")}
+        names = {
+            os.path.relpath(k, "t/" + rel if rel else "t").split("/")[0]
+            for k in objects
+            if k.startswith(f"t/{rel}/" if rel else "t/")
+        }
         assert sorted(os.listdir(m.path(rel) if rel else m.mountpoint)) == sorted(names), rel
     before = m.stats()
     assert before["fuse.opendir"] == 1 and "fuse.releasedir" not in before and "errors.ENOSYS" not in before
@@ -183,7 +200,9 @@ def test_a_second_walk_is_listed_by_the_kernel_with_the_same_entries(rclone_serv
     assert after["namespace.kernel_dir_cache_off"] == 1 and "namespace.kernel_opens_dirs" not in after
 
 
-def test_directories_listed_at_once_by_many_threads_each_list_their_own_entries(rclone_server, s3_bucket, mount_factory):
+def test_directories_listed_at_once_by_many_threads_each_list_their_own_entries(
+    rclone_server, s3_bucket, mount_factory
+):
     """With no OPENDIR, each READDIRPLUS is told its directory by the inode noted for
     its request: 32 threads listing 60 cold directories at once (and the list-ahead
     LISTs running beside them) must each get their own directory's entries."""
@@ -388,7 +407,7 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
 
     def epoch():
         for key, data in files.items():
-            with open(m.path(key[len("dc/"):]), "rb") as f:
+            with open(m.path(key[len("dc/") :]), "rb") as f:
                 assert f.read() == data, key
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the next read reaches the daemon
 
@@ -428,7 +447,11 @@ def test_disk_cache_serves_an_epoch_that_memory_cannot_hold(rclone_server, s3_bu
     # skipped store left with holes (the shard's last part, say): reading it whole would
     # read its holes too, so it is not.
     sparse_bytes = len(files["dc/shard-0.tar"]) if never_stored_count else 0
-    assert after["disk_cache.loaded_bytes"] - sparse_bytes <= after["disk_cache.read_ahead_bytes"] <= after["disk_cache.loaded_bytes"]
+    assert (
+        after["disk_cache.loaded_bytes"] - sparse_bytes
+        <= after["disk_cache.read_ahead_bytes"]
+        <= after["disk_cache.loaded_bytes"]
+    )
     assert after.get("disk_cache.bad_reads", 0) == 0
     if pagecache.no_wait_reads():  # files the last mount wrote are in the page cache: read on the event loop
         assert after.get("disk_cache.loop_reads", 0) >= len(files) // 2

@@ -43,7 +43,7 @@ def _assert_reads_back(mount, tree: dict) -> None:
         try:
             for _ in range(20):
                 offset, length = rng.randrange(len(data) + 1), rng.randrange(1, 256 * 1024)
-                assert os.pread(fd, length, offset) == data[offset:offset + length], (key, offset, length)
+                assert os.pread(fd, length, offset) == data[offset : offset + length], (key, offset, length)
         finally:
             os.close(fd)
 
@@ -126,11 +126,12 @@ def test_a_replaced_object_is_stale_for_its_reader_and_new_for_later_opens(moto_
     moto_server.put(bucket, "d/big.bin", old)
     moto_server.put(bucket, "d/small.jpg", old[:100_000])
     try:
-        mount = mount_factory(moto_server, bucket, "", "--readahead-max", "1M", "--part-size", "1M",
-                              "--small-file-bytes", "1M")
+        mount = mount_factory(
+            moto_server, bucket, "", "--readahead-max", "1M", "--part-size", "1M", "--small-file-bytes", "1M"
+        )
         fd = os.open(mount.path("d", "big.bin"), os.O_RDONLY)
         try:
-            assert os.pread(fd, 64 * 1024, 0) == old[:64 * 1024]
+            assert os.pread(fd, 64 * 1024, 0) == old[: 64 * 1024]
             with open(mount.path("d", "small.jpg"), "rb") as f:
                 assert f.read() == old[:100_000]
             moto_server.put(bucket, "d/big.bin", new)
@@ -138,7 +139,7 @@ def test_a_replaced_object_is_stale_for_its_reader_and_new_for_later_opens(moto_
             with pytest.raises(OSError) as caught:
                 for offset in range(5 * MiB, 6 * MiB, 64 * 1024):
                     data = os.pread(fd, 64 * 1024, offset)
-                    assert data == old[offset:offset + len(data)], "bytes of the new version"
+                    assert data == old[offset : offset + len(data)], "bytes of the new version"
             assert caught.value.errno == errno.ESTALE
             # Later opens of the name read the new version once the directory is listed again.
 

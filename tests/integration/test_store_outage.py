@@ -12,8 +12,8 @@ case than a refused connection, which fails at once).
 import errno
 import hashlib
 import os
-import random
 import queue
+import random
 import signal
 import threading
 import time
@@ -121,7 +121,7 @@ def read_on(fd: int, expected: bytes) -> tuple:
         except OSError as exc:
             assert exc.errno == errno.EIO, exc
             data = b""
-        assert data == expected[len(got):len(got) + len(data)], f"wrong bytes from {len(got)}"
+        assert data == expected[len(got) : len(got) + len(data)], f"wrong bytes from {len(got)}"
         got += data
         if len(got) < len(expected):
             failures += 1
@@ -144,8 +144,22 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
     files["data/shard-000000.tar"] = rnd(24 * MiB, 10)
     files["other/never-listed.bin"] = rnd(1000, 11)
     put_many(bucket, files)
-    m = mount_factory(server, bucket, "", *store_args, "--read-timeout", str(READ_TIMEOUT_S), "--connect-timeout", "1",
-                      "--retries", str(ATTEMPTS), "--part-size", "1M", "--readahead-max", "2M")
+    m = mount_factory(
+        server,
+        bucket,
+        "",
+        *store_args,
+        "--read-timeout",
+        str(READ_TIMEOUT_S),
+        "--connect-timeout",
+        "1",
+        "--retries",
+        str(ATTEMPTS),
+        "--part-size",
+        "1M",
+        "--readahead-max",
+        "2M",
+    )
     names = sorted(os.listdir(m.path("data")))  # the listing is cached from here on
     assert read_all(m.path("data", "img0.jpg")) == files["data/img0.jpg"]
     shard = files["data/shard-000000.tar"]
@@ -175,7 +189,9 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
             assert info.value.errno == errno.EIO
             # Metadata comes from the cache: the frozen store is never asked.
             assert within(EIO_DEADLINE_S, lambda: sorted(os.listdir(m.path("data")))) == names
-            assert within(EIO_DEADLINE_S, lambda: os.stat(m.path("data", "img2.jpg")).st_size) == len(files["data/img2.jpg"])
+            assert within(EIO_DEADLINE_S, lambda: os.stat(m.path("data", "img2.jpg")).st_size) == len(
+                files["data/img2.jpg"]
+            )
 
         # The store answers again: the failures were not cached, the same handle goes on.
         within(EIO_DEADLINE_S, lambda: store_answers(server, bucket, "data/shard-000000.tar"))
@@ -183,7 +199,9 @@ def test_frozen_store_gives_eio_in_bounded_time_and_the_mount_recovers(private_s
         # Read-ahead the frozen store left running may still fail (a connect attempt that
         # met the frozen listener times out after the thaw): each costs a reader one
         # EIO at most, then the store is asked again.
-        assert failures <= OUTAGE_LEFTOVER_FAILURES_MAX, f"still failing after the store came back, at {len(again)} bytes"
+        assert failures <= OUTAGE_LEFTOVER_FAILURES_MAX, (
+            f"still failing after the store came back, at {len(again)} bytes"
+        )
         assert again == shard
     finally:
         os.close(fd)

@@ -34,8 +34,9 @@ FRAGMENT_HEAP = textwrap.dedent("""
 
 
 def run_fragmented(slack_bytes: int):
-    out = subprocess.run([sys.executable, "-c", FRAGMENT_HEAP, str(slack_bytes)], capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", FRAGMENT_HEAP, str(slack_bytes)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
     return float(out[0]), float(out[1]), out[2] == "True"
 
 

@@ -6,8 +6,14 @@ import hashlib
 
 import pytest
 
-from bucketfs.backends.digests import (CorruptBody, EtagChecks, check_whole_object, gcs_hash_digest, is_whole_object,
-                                      s3_etag_digest)
+from bucketfs.backends.digests import (
+    CorruptBody,
+    EtagChecks,
+    check_whole_object,
+    gcs_hash_digest,
+    is_whole_object,
+    s3_etag_digest,
+)
 from bucketfs.backends.gcs import _crc32c_of
 
 DATA = b"the bytes of a small file" * 100
@@ -33,7 +39,9 @@ def test_gcs_x_goog_hash_prefers_crc32c_and_ignores_what_it_cannot_read():
     crc, md5 = _crc32c_of(DATA), hashlib.md5(DATA).digest()
     both = gcs_hash_digest(f"crc32c={b64(crc)}, md5={b64(md5)}", _crc32c_of)  # two headers, joined
     assert (both.name, both.expected) == ("crc32c", crc)
-    assert gcs_hash_digest(f"md5={b64(md5)}", _crc32c_of).name == "md5"  # (composite objects have no MD5; here, the reverse)
+    assert (
+        gcs_hash_digest(f"md5={b64(md5)}", _crc32c_of).name == "md5"
+    )  # (composite objects have no MD5; here, the reverse)
     assert gcs_hash_digest("crc32c=not base64!", _crc32c_of) is None
     assert gcs_hash_digest(None, _crc32c_of) is None
     check_whole_object("k", both, 0, DATA, len(DATA), None)
@@ -61,7 +69,7 @@ def test_damage_is_fetched_again_but_the_same_bytes_twice_mean_the_etag_is_no_md
     check(digest, DATA)
     for n in range(5):  # damage differs between attempts: every attempt refused
         with pytest.raises(CorruptBody, match="md5 of the 2500 bytes"):
-            check(digest, DATA[:n] + b"!" + DATA[n + 1:])
+            check(digest, DATA[:n] + b"!" + DATA[n + 1 :])
     assert checks.enabled
     other = digest._replace(expected=bytes(16))  # an ETag that is not the bytes' MD5
     with pytest.raises(CorruptBody):

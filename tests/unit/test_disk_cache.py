@@ -18,11 +18,12 @@ import trio
 
 from bucketfs.backends.base import Backend
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.diskcache import cache as disk_cache, journal, pagecache
-from bucketfs.diskcache.cache import WRITE_FAILURES_MAX, DiskCache
-from bucketfs.diskcache.directory import claim_dir
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.core.stats import Stats
+from bucketfs.diskcache import cache as disk_cache
+from bucketfs.diskcache import journal, pagecache
+from bucketfs.diskcache.cache import WRITE_FAILURES_MAX, DiskCache
+from bucketfs.diskcache.directory import claim_dir
 from tests.unit.helpers import make_config, read_all, resolve
 
 MiB = 1024 * 1024
@@ -140,15 +141,24 @@ def test_a_hit_in_the_page_cache_is_read_on_the_loop_and_one_on_disk_in_a_thread
         on_disk = {os.path.realpath(p) for p in sorted(cache_files(tmp_path))[::2]}
         epochs = []
         for pages_missing in (set(), on_disk):
-            monkeypatch.setattr(pagecache, "pread_cached", lambda fd, view, offset: (
-                os.path.realpath(f"/proc/self/fd/{fd}") not in pages_missing and real_pread_cached(fd, view, offset)))
+            monkeypatch.setattr(
+                pagecache,
+                "pread_cached",
+                lambda fd, view, offset, pages_missing=pages_missing: (
+                    os.path.realpath(f"/proc/self/fd/{fd}") not in pages_missing and real_pread_cached(fd, view, offset)
+                ),
+            )
             forget_memory(fs)
             before, gets_before = fs.stats.snapshot(), backend.requests["get"]
             await epoch(fs, SMALL_FILES)  # byte-identical, or it fails here
             after = fs.stats.snapshot()
-            epochs.append((backend.requests["get"] - gets_before,
-                           after["disk_cache.hits"] - before.get("disk_cache.hits", 0),
-                           after["disk_cache.loop_reads"] - before.get("disk_cache.loop_reads", 0)))
+            epochs.append(
+                (
+                    backend.requests["get"] - gets_before,
+                    after["disk_cache.hits"] - before.get("disk_cache.hits", 0),
+                    after["disk_cache.loop_reads"] - before.get("disk_cache.loop_reads", 0),
+                )
+            )
         return len(on_disk), epochs
 
     on_disk_count, epochs = run_cached(backend, tmp_path, body)
@@ -205,7 +215,10 @@ def test_another_version_never_reads_the_old_chunks(tmp_path):
         async with trio.open_nursery() as nursery:
             cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
             old = backend._info["k"]
-            assert await cache.read_range("k", 0, old.size_bytes, old.version, object_bytes=old.size_bytes) == b"old" * 50_000
+            assert (
+                await cache.read_range("k", 0, old.size_bytes, old.version, object_bytes=old.size_bytes)
+                == b"old" * 50_000
+            )
             await cache.wait_idle()
             new = backend.put("k", b"new" * 50_000)
             got = await cache.read_range("k", 0, new.size_bytes, new.version, object_bytes=new.size_bytes)
@@ -279,9 +292,12 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
         mine = claim_dir(str(tmp_path), identity, "s3-b")
         try:
             assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-                [held.name, other.name, pathlib.Path(shared.path).name, pathlib.Path(mine.path).name])
+                [held.name, other.name, pathlib.Path(shared.path).name, pathlib.Path(mine.path).name]
+            )
             assert mine.private and not os.listdir(mine.path)
-            os.close(os.open(tmp_path / "bucketfs-1-ghi", os.O_RDONLY | os.O_CREAT))  # (a file of that name: left alone)
+            os.close(
+                os.open(tmp_path / "bucketfs-1-ghi", os.O_RDONLY | os.O_CREAT)
+            )  # (a file of that name: left alone)
             again = claim_dir(str(tmp_path), identity, "s3-b")  # ours is held too: not removed
             assert again.private and os.path.isdir(mine.path) and os.path.isdir(again.path)
             again.close()
@@ -450,11 +466,14 @@ def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path)
     assert gets >= len(FILES)
 
 
-@pytest.mark.parametrize("tear", [
-    journal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
-    b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
-    journal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
-])
+@pytest.mark.parametrize(
+    "tear",
+    [
+        journal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
+        b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
+        journal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
+    ],
+)
 def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path, monkeypatch, tear):
     """A crash mid-append: the next mount loads what came before, cuts the tear, and
     appends after it (a third mount finds those too)."""
@@ -480,13 +499,16 @@ def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
 
     async def body(fs):
         await fs.backend.wait_idle()  # the evictions done at start
-        return fs.backend.stored_bytes, [key for key in files
-                                         if journal.entry_id(key, backend._info[key].version) in fs.backend._entries]
+        return fs.backend.stored_bytes, [
+            key for key in files if journal.entry_id(key, backend._info[key].version) in fs.backend._entries
+        ]
 
     stored_bytes, kept = run_cached(backend, tmp_path, body, cache_size_bytes=1 * MiB)
     assert 0 < stored_bytes <= 1 * MiB and len(kept) == 3  # the last stored (in the journal's order)
     assert disk_use_bytes(tmp_path) <= 1 * MiB
-    kept_first = {key: files[key] for key in [*kept, *files]}  # (an LRU cache read in order evicts each before its turn)
+    kept_first = {
+        key: files[key] for key in [*kept, *files]
+    }  # (an LRU cache read in order evicts each before its turn)
     gets, _ = mount_epoch(backend, tmp_path, kept_first, cache_size_bytes=1 * MiB)
     assert gets == 13  # the three kept come from disk; every other one is fetched
 
@@ -521,11 +543,13 @@ def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(t
         return fs.budget.disk_index_bytes, fs.budget.capacity_bytes, fs.budget.budget_bytes
 
     index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
-    definitions_bytes = sum(len(journal.entry_record(1, key, backend._info[key].version, len(data)))
-                            for key, data in FILES.items())
+    definitions_bytes = sum(
+        len(journal.entry_record(1, key, backend._info[key].version, len(data))) for key, data in FILES.items()
+    )
     # (a byte of bitmap a chunk for objects past INT_BITMAP_CHUNKS_MAX chunks)
-    bitmap_bytes = sum(n for n in (-(-len(data) // (64 * 1024)) for data in FILES.values())
-                       if n > journal.INT_BITMAP_CHUNKS_MAX)
+    bitmap_bytes = sum(
+        n for n in (-(-len(data) // (64 * 1024)) for data in FILES.values()) if n > journal.INT_BITMAP_CHUNKS_MAX
+    )
     assert bitmap_bytes  # (shards/a.tar)
     assert index_bytes == len(FILES) * journal.INDEX_ENTRY_BYTES + definitions_bytes + 4 * chunks_count + bitmap_bytes
     assert capacity_bytes == budget_bytes - index_bytes
@@ -591,7 +615,11 @@ def test_a_mount_whose_directory_was_deleted_never_writes_into_the_next_ones(tmp
             c = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
             got = {key: await read_key(c, backend, key) for key in SAME_SIZE}
             nursery.cancel_scope.cancel()
-            return got, a.stats.snapshot().get("disk_cache.write_errors", 0), c.stats.snapshot().get("disk_cache.hits", 0)
+            return (
+                got,
+                a.stats.snapshot().get("disk_cache.write_errors", 0),
+                c.stats.snapshot().get("disk_cache.hits", 0),
+            )
 
     got, a_write_errors, c_hits = trio.run(main)
     assert got == SAME_SIZE
@@ -634,7 +662,9 @@ def tiny_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True, timeout=30).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True, timeout=30
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield disk
@@ -699,6 +729,7 @@ def test_a_journal_rewrite_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
 
     def failing_fsync(fd):
         raise OSError(errno.EIO, "I/O error")
+
     monkeypatch.setattr(os, "fsync", failing_fsync)
     opened = journal.Journal(os.open(tmp_path / "cache", os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
     with pytest.raises(OSError):
@@ -757,6 +788,7 @@ def test_bytes_waiting_for_the_disk_are_held_within_the_memory_budget(tmp_path, 
     def slow_write(*args):
         disk_free.wait(30)
         return real_write_chunks(*args)
+
     monkeypatch.setattr(disk_cache, "_write_chunks", slow_write)
     backend = MemoryBackend(files)
     peaks = {"pending": 0, "over": 0}
@@ -832,8 +864,20 @@ def test_the_disk_cache_defines_every_name_of_the_backend_contract_itself():
     """An explicit wrapper: a name of the contract it did not define would reach the
     store past the cache (as a forwarding __getattr__ let every new method do)."""
     names = contract_names()
-    assert {"list_page", "stat", "read_range", "read_range_into", "check_bucket", "aclose", "confirm_past_end",
-            "receives_into", "redirects_count", "requests", "bytes_fetched", "get_paths"} <= names
+    assert {
+        "list_page",
+        "stat",
+        "read_range",
+        "read_range_into",
+        "check_bucket",
+        "aclose",
+        "confirm_past_end",
+        "receives_into",
+        "redirects_count",
+        "requests",
+        "bytes_fetched",
+        "get_paths",
+    } <= names
     assert sorted(names - set(vars(DiskCache))) == []
     assert "__getattr__" not in vars(DiskCache) and DiskCache.__mro__ == (DiskCache, object)
 

@@ -54,6 +54,7 @@ def answer(flags: DirCacheFlags, monkeypatch, requests):
     async def main():
         for c, _inode in requests:
             await pyfuse3.fuse_opendir_async(c)
+
     trio.run(main)
     return marked
 
@@ -89,18 +90,21 @@ def test_a_request_not_laid_out_as_expected_is_left_untouched_and_turns_the_flag
     assert stats["namespace.kernel_dir_cache_off"] == 1
 
 
-@pytest.mark.parametrize("version, layout", [
-    ((3, 10, 5), FlagLayout(40, 1 << 2, 1 << 6)),
-    ((3, 14, 0), FlagLayout(40, 1 << 2, 1 << 6)),
-    ((3, 14, 1), None),  # not known which side of libfuse's ABI break it is on
-    ((3, 15, 0), FlagLayout(40, 1 << 2, 1 << 7)),  # parallel_direct_writes after keep_cache
-    ((3, 16, 2), FlagLayout(40, 1 << 2, 1 << 7)),
-    ((3, 17, 1), FlagLayout(64, 1 << 2, 1 << 6)),  # moved back; a larger struct
-    ((3, 18, 0), FlagLayout(64, 1 << 2, 1 << 6)),
-    ((3, 19, 0), None),  # newer than the table
-    ((2, 9, 9), None),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "version, layout",
+    [
+        ((3, 10, 5), FlagLayout(40, 1 << 2, 1 << 6)),
+        ((3, 14, 0), FlagLayout(40, 1 << 2, 1 << 6)),
+        ((3, 14, 1), None),  # not known which side of libfuse's ABI break it is on
+        ((3, 15, 0), FlagLayout(40, 1 << 2, 1 << 7)),  # parallel_direct_writes after keep_cache
+        ((3, 16, 2), FlagLayout(40, 1 << 2, 1 << 7)),
+        ((3, 17, 1), FlagLayout(64, 1 << 2, 1 << 6)),  # moved back; a larger struct
+        ((3, 18, 0), FlagLayout(64, 1 << 2, 1 << 6)),
+        ((3, 19, 0), None),  # newer than the table
+        ((2, 9, 9), None),
+        (None, None),
+    ],
+)
 def test_the_layout_follows_the_libfuse_version(version, layout):
     assert layout_for(version) == layout
 
@@ -110,7 +114,10 @@ def test_a_larger_fuse_file_info_moves_the_inode(monkeypatch):
     where a 3.14 build puts it is then not accepted."""
     flags = DirCacheFlags(collections.Counter(), layout=layout_for((3, 17, 0)))
     right = container(1, ino_offset=FILE_INFO_OFFSET + 64)
-    assert answer(flags, monkeypatch, [(right, 1), (container(2, ino_offset=FILE_INFO_OFFSET + 40), 2)]) == [True, False]
+    assert answer(flags, monkeypatch, [(right, 1), (container(2, ino_offset=FILE_INFO_OFFSET + 40), 2)]) == [
+        True,
+        False,
+    ]
     assert flag_bits(right) == (1 << 2) | (1 << 6)
 
 

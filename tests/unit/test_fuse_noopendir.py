@@ -12,8 +12,15 @@ import pytest
 from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.fuse.noopendir import (
-    _READDIRPLUS_C, LOWLEVEL_OPS, OPS_OFFSET_MAX_BYTES, POINTER_BYTES, PYFUSE3_OPS,
-    TOKEN_REQ_OFFSET, KernelOpensDirs, code_ranges, find_ops_table,
+    _READDIRPLUS_C,
+    LOWLEVEL_OPS,
+    OPS_OFFSET_MAX_BYTES,
+    POINTER_BYTES,
+    PYFUSE3_OPS,
+    TOKEN_REQ_OFFSET,
+    KernelOpensDirs,
+    code_ranges,
+    find_ops_table,
 )
 from bucketfs.fuse.ops import FuseOperations
 from tests.unit.helpers import resolve, run_fs
@@ -74,7 +81,9 @@ def test_the_table_is_found_at_any_offset_searched():
 @pytest.mark.parametrize("change", ["handler missing", "extra handler", "outside pyfuse3", "too far", "no code"])
 def test_anything_but_pyfuse3s_pattern_is_refused_and_nothing_is_written(change):
     original = Original()
-    session = FakeSession(original.address, OPS_OFFSET_MAX_BYTES + POINTER_BYTES if change == "too far" else TABLE_OFFSET_BYTES)
+    session = FakeSession(
+        original.address, OPS_OFFSET_MAX_BYTES + POINTER_BYTES if change == "too far" else TABLE_OFFSET_BYTES
+    )
     code = [] if change == "no code" else original.code
     if change == "handler missing":
         session.slot("lookup").value = None
@@ -100,10 +109,14 @@ def test_pointers_into_unmapped_memory_are_refused_without_reading_them():
     """A request or session pointer that is not one (a layout not as expected) must
     not crash the daemon: it is checked against the process's mappings first."""
     original = Original()
-    assert not KernelOpensDirs(collections.Counter()).skips_opendir(lambda: 0x1000, original.code)  # page 1: never mapped
+    assert not KernelOpensDirs(collections.Counter()).skips_opendir(
+        lambda: 0x1000, original.code
+    )  # page 1: never mapped
     session = FakeSession(original.address)
     session.request.value = 0x1000  # a request whose session pointer leads nowhere
-    assert not KernelOpensDirs(collections.Counter()).skips_opendir(lambda: ctypes.addressof(session.request), original.code)
+    assert not KernelOpensDirs(collections.Counter()).skips_opendir(
+        lambda: ctypes.addressof(session.request), original.code
+    )
 
 
 def test_readdirplus_notes_its_inode_and_always_runs_pyfuse3s_handler():
@@ -204,6 +217,7 @@ def test_readdir_with_no_handle_and_nothing_noted_is_an_error_not_a_wrong_listin
 
 def test_a_ttl_mount_keeps_opendir():
     """Listings that change must not be kept by the kernel: no ENOSYS, no handle-less READDIR."""
+
     async def body(fs):
         ops = FuseOperations(fs, fs.config)
         d = await resolve(fs, "d")

@@ -103,11 +103,17 @@ def test_dot_and_dotdot_come_first_with_the_directory_and_its_parent_and_take_no
         root = ReplyBuffer(100)
         await ops.readdir(root_dh, 0, root)
         a, b = await resolve(fs, "d/sub/a"), await resolve(fs, "d/sub/b")
-        return (first.entries + rest.entries, root.entries[:2], (d.ino, sub.ino, a.ino, b.ino),
-                lookups_before, (d.lookups, sub.lookups, a.lookups))
+        return (
+            first.entries + rest.entries,
+            root.entries[:2],
+            (d.ino, sub.ino, a.ino, b.ino),
+            lookups_before,
+            (d.lookups, sub.lookups, a.lookups),
+        )
 
     entries, root_dots, (d_ino, sub_ino, a_ino, b_ino), before, after = run_fs(
-        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=60)
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=60
+    )
     assert entries == [(".", sub_ino, 1), ("..", d_ino, 2), ("a", a_ino, 3), ("b", b_ino, 4)]
     assert root_dots == [(".", pyfuse3.ROOT_INODE, 1), ("..", pyfuse3.ROOT_INODE, 2)]
     # Counted: d once (a child in the root's listing), a once; sub not at all, though
@@ -123,6 +129,7 @@ def test_the_stats_file_is_found_at_the_root_only_read_as_one_snapshot_and_never
 
     async def body(fs):
         from bucketfs.metrics import STATS_FILE_NAME
+
         ops = FuseOperations(fs, fs.config)
         name = STATS_FILE_NAME.encode()
         entry = await ops.lookup(pyfuse3.ROOT_INODE, name)
@@ -137,7 +144,15 @@ def test_the_stats_file_is_found_at_the_root_only_read_as_one_snapshot_and_never
         listing = ReplyBuffer(100)
         await ops.readdir(dh, 0, listing)
         await ops.getattr(entry.st_ino, None)
-        return entry, in_subdir.st_ino, info, head + rest, [e[0] for e in listing.entries], ops._stats_reads, dict(fs.stats)
+        return (
+            entry,
+            in_subdir.st_ino,
+            info,
+            head + rest,
+            [e[0] for e in listing.entries],
+            ops._stats_reads,
+            dict(fs.stats),
+        )
 
     entry, in_subdir_ino, info, raw, names, left_open, counts = run_fs(backend, body)
     # Reading the counters is not counted as the mount's work (2 lookups: d, and the name in d).
@@ -150,6 +165,7 @@ def test_the_stats_file_is_found_at_the_root_only_read_as_one_snapshot_and_never
 
 def test_an_object_named_like_the_stats_file_wins():
     from bucketfs.metrics import STATS_FILE_NAME
+
     backend = MemoryBackend({STATS_FILE_NAME: b"the bucket's bytes"})
 
     async def body(fs):
@@ -167,7 +183,10 @@ def test_extended_attributes_answer_enosys_so_the_kernel_stops_asking():
     async def body(fs):
         ops = FuseOperations(fs, fs.config)
         answers = []
-        for call in (ops.getxattr(pyfuse3.ROOT_INODE, b"security.selinux", None), ops.listxattr(pyfuse3.ROOT_INODE, None)):
+        for call in (
+            ops.getxattr(pyfuse3.ROOT_INODE, b"security.selinux", None),
+            ops.listxattr(pyfuse3.ROOT_INODE, None),
+        ):
             try:
                 await call
             except pyfuse3.FUSEError as exc:

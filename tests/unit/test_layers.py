@@ -17,12 +17,17 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 PKG = REPO / "bucketfs"
 SDKS = ("boto3", "botocore", "google", "pyfuse3")
 RANK = {
-    "__init__": 0, "errors": 0, "config": 0, "allocator": 0,
+    "__init__": 0,
+    "errors": 0,
+    "config": 0,
+    "allocator": 0,
     "backends": 1,
     "diskcache": 2,  # a backend wrapper: below the core, which builds it
     "core": 3,
-    "fuse": 4, "metrics": 4,
-    "app": 5, "__main__": 5,
+    "fuse": 4,
+    "metrics": 4,
+    "app": 5,
+    "__main__": 5,
     "testing": 6,
 }
 PACKAGES = {"app", "fuse", "core", "diskcache", "backends", "backends/http", "testing"}
@@ -149,8 +154,10 @@ def adapter_problems(source: str):
                 problems.append(f"from {'.' * node.level}{module} import ...")
         elif isinstance(node, ast.Attribute):
             value = node.value
-            if not ((isinstance(value, ast.Name) and value.id == "fs")
-                    or (isinstance(value, ast.Attribute) and value.attr == "fs")):
+            if not (
+                (isinstance(value, ast.Name) and value.id == "fs")
+                or (isinstance(value, ast.Attribute) and value.attr == "fs")
+            ):
                 continue
             accesses += 1
             if node.attr in CORE_PARTS or node.attr.startswith("_"):

@@ -7,32 +7,49 @@ from bucketfs.backends.s3_lean import _parse_fast, _parse_tree, parse_list_page
 NS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 
 
-def page(contents: str, prefixes: str = "", encoding: str = "<EncodingType>url</EncodingType>",
-         truncated: str = "<IsTruncated>false</IsTruncated>", root_attrs: str = NS) -> bytes:
-    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult {root_attrs}>'
-            f"<Name>b</Name><Prefix>p/</Prefix><KeyCount>3</KeyCount><MaxKeys>1000</MaxKeys>"
-            f"<Delimiter>/</Delimiter>{encoding}{truncated}{contents}{prefixes}</ListBucketResult>").encode()
+def page(
+    contents: str,
+    prefixes: str = "",
+    encoding: str = "<EncodingType>url</EncodingType>",
+    truncated: str = "<IsTruncated>false</IsTruncated>",
+    root_attrs: str = NS,
+) -> bytes:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<ListBucketResult {root_attrs}>'
+        f"<Name>b</Name><Prefix>p/</Prefix><KeyCount>3</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"<Delimiter>/</Delimiter>{encoding}{truncated}{contents}{prefixes}</ListBucketResult>"
+    ).encode()
 
 
-AWS_OBJECT = ("<Contents><Key>{key}</Key><LastModified>2024-05-01T10:20:30.123Z</LastModified>"
-              "<ETag>&quot;{etag}&quot;</ETag><ChecksumAlgorithm>CRC32</ChecksumAlgorithm><Size>{size}</Size>"
-              "<Owner><ID>abc</ID><DisplayName>me</DisplayName></Owner><StorageClass>STANDARD</StorageClass></Contents>")
-REORDERED_OBJECT = ("<Contents>\n  <Size>{size}</Size>\n  <ETag>{etag}</ETag>\n  <Key>{key}</Key>\n"
-                    "  <LastModified>2024-05-01T10:20:30Z</LastModified>\n</Contents>")
+AWS_OBJECT = (
+    "<Contents><Key>{key}</Key><LastModified>2024-05-01T10:20:30.123Z</LastModified>"
+    "<ETag>&quot;{etag}&quot;</ETag><ChecksumAlgorithm>CRC32</ChecksumAlgorithm><Size>{size}</Size>"
+    "<Owner><ID>abc</ID><DisplayName>me</DisplayName></Owner><StorageClass>STANDARD</StorageClass></Contents>"
+)
+REORDERED_OBJECT = (
+    "<Contents>\n  <Size>{size}</Size>\n  <ETag>{etag}</ETag>\n  <Key>{key}</Key>\n"
+    "  <LastModified>2024-05-01T10:20:30Z</LastModified>\n</Contents>"
+)
 
 PAGES = {
     "aws, url-encoded keys": page(
         AWS_OBJECT.format(key="p/a%20b%2Bc.jpg", etag="e1", size=5)
         + AWS_OBJECT.format(key="p/%C3%A9t%C3%A9.jpg", etag="e2", size=0)
         + AWS_OBJECT.format(key="p/x%26y%3C.jpg", etag="e3-2", size=12345678901),
-        "<CommonPrefixes><Prefix>p/sub%20dir/</Prefix></CommonPrefixes><CommonPrefixes><Prefix>p/z/</Prefix></CommonPrefixes>"),
+        "<CommonPrefixes><Prefix>p/sub%20dir/</Prefix></CommonPrefixes><CommonPrefixes><Prefix>p/z/</Prefix></CommonPrefixes>",
+    ),
     "no encoding type: XML escapes": page(
         AWS_OBJECT.format(key="p/a&amp;b&lt;c&#62;.jpg", etag="e", size=7)
-        + AWS_OBJECT.format(key="p/&amp;copy;", etag="f", size=8), encoding=""),
-    "fields in another order": page(REORDERED_OBJECT.format(key="p/k1", etag="a", size=1)
-                                    + REORDERED_OBJECT.format(key="p/k2", etag="b", size=2)),
-    "truncated with a token": page(AWS_OBJECT.format(key="p/k", etag="e", size=1),
-                                   truncated="<IsTruncated>true</IsTruncated><NextContinuationToken>tok/+=</NextContinuationToken>"),
+        + AWS_OBJECT.format(key="p/&amp;copy;", etag="f", size=8),
+        encoding="",
+    ),
+    "fields in another order": page(
+        REORDERED_OBJECT.format(key="p/k1", etag="a", size=1) + REORDERED_OBJECT.format(key="p/k2", etag="b", size=2)
+    ),
+    "truncated with a token": page(
+        AWS_OBJECT.format(key="p/k", etag="e", size=1),
+        truncated="<IsTruncated>true</IsTruncated><NextContinuationToken>tok/+=</NextContinuationToken>",
+    ),
     "empty": page(""),
     "prefixes only": page("", "<CommonPrefixes><Prefix>p/a/</Prefix></CommonPrefixes>"),
 }
@@ -60,14 +77,23 @@ def test_decoded_values():
     assert parse_list_page(PAGES["truncated with a token"])[2:] == ("tok/+=", True)
 
 
-@pytest.mark.parametrize("body", [
-    # A namespace prefix on every tag: only a real XML parser reads it.
-    page("<s3:Contents><s3:Key>p/k</s3:Key><s3:LastModified>2024-05-01T10:20:30Z</s3:LastModified>"
-         "<s3:ETag>e</s3:ETag><s3:Size>1</s3:Size></s3:Contents>").replace(b"<ListBucketResult", b"<s3:ListBucketResult")
-    .replace(b"</ListBucketResult", b"</s3:ListBucketResult").replace(b'xmlns="', b'xmlns:s3="'),
-    page("<Contents><Key><![CDATA[p/k]]></Key><LastModified>2024-05-01T10:20:30Z</LastModified>"
-         "<ETag>e</ETag><Size>1</Size></Contents>"),
-    page("<Contents><Key>p/k</Key><Size>1</Size></Contents>"),  # no LastModified: not a shape we know
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        # A namespace prefix on every tag: only a real XML parser reads it.
+        page(
+            "<s3:Contents><s3:Key>p/k</s3:Key><s3:LastModified>2024-05-01T10:20:30Z</s3:LastModified>"
+            "<s3:ETag>e</s3:ETag><s3:Size>1</s3:Size></s3:Contents>"
+        )
+        .replace(b"<ListBucketResult", b"<s3:ListBucketResult")
+        .replace(b"</ListBucketResult", b"</s3:ListBucketResult")
+        .replace(b'xmlns="', b'xmlns:s3="'),
+        page(
+            "<Contents><Key><![CDATA[p/k]]></Key><LastModified>2024-05-01T10:20:30Z</LastModified>"
+            "<ETag>e</ETag><Size>1</Size></Contents>"
+        ),
+        page("<Contents><Key>p/k</Key><Size>1</Size></Contents>"),  # no LastModified: not a shape we know
+    ],
+)
 def test_unusual_pages_go_to_elementtree(body):
     assert _parse_fast(body) is None

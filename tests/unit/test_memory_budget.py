@@ -30,12 +30,14 @@ def demand(budget, granted, name, n_bytes):
     async def task():
         await budget.reserve(n_bytes)
         granted.append(name)
+
     return task
 
 
 def test_the_oldest_waiting_read_is_served_first():
     """Woken together, waiters raced for each release: a smaller, later one took the
     freed bytes and the oldest READ waited on (16-19 s on a real mount at 16 MiB)."""
+
     async def body(budget, granted):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(demand(budget, granted, "old", 6 * MiB))
@@ -102,6 +104,7 @@ def test_read_ahead_takes_nothing_while_a_read_waits():
 
 def test_a_cancelled_oldest_read_hands_its_turn_on():
     """Nothing is released when the oldest waiter goes: the next must be woken by its going."""
+
     async def body(budget, granted):
         async with trio.open_nursery() as nursery:
             old_scope = trio.CancelScope()
@@ -109,6 +112,7 @@ def test_a_cancelled_oldest_read_hands_its_turn_on():
             async def old():
                 with old_scope:
                     await demand(budget, granted, "old", 6 * MiB)()
+
             nursery.start_soon(old)
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(demand(budget, granted, "young", 4 * MiB))
@@ -127,6 +131,7 @@ def test_a_cancelled_oldest_read_hands_its_turn_on():
 def test_a_cancelled_waiter_leaves_only_its_own_place(cancelled):
     """Two waiters asking the same size: removing one by equality dropped the other's
     place and left the cancelled one's as a ghost the survivor waited behind."""
+
     async def body(budget, granted):
         scopes = {"older": trio.CancelScope(), "younger": trio.CancelScope()}
 
@@ -134,7 +139,9 @@ def test_a_cancelled_waiter_leaves_only_its_own_place(cancelled):
             async def task():
                 with scopes[name]:
                     await demand(budget, granted, name, 4 * MiB)()
+
             return task
+
         async with trio.open_nursery() as nursery:
             for name in ("older", "younger"):
                 nursery.start_soon(waiter(name))

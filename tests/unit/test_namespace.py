@@ -15,22 +15,33 @@ def names(nodes):
 
 
 def test_tree_from_keys_prefixes_and_markers(caplog):
-    backend = MemoryBackend({
-        "data/a.txt": b"a", "data/sub/b.txt": b"bb", "data/empty/": b"", "data/sub/deeper/c": b"c", "other/x": b"x",
-        "data/sub/": b"marker bytes",  # a marker with content: the directory wins, and says so
-    })
+    backend = MemoryBackend(
+        {
+            "data/a.txt": b"a",
+            "data/sub/b.txt": b"bb",
+            "data/empty/": b"",
+            "data/sub/deeper/c": b"c",
+            "other/x": b"x",
+            "data/sub/": b"marker bytes",  # a marker with content: the directory wins, and says so
+        }
+    )
 
     async def body(fs):
         root = await fs.ns.list_dir(1)
         sub = await resolve(fs, "sub")
-        return names(root), names(await fs.ns.list_dir(sub.ino)), names(await fs.ns.list_dir((await resolve(fs, "empty")).ino))
+        return (
+            names(root),
+            names(await fs.ns.list_dir(sub.ino)),
+            names(await fs.ns.list_dir((await resolve(fs, "empty")).ino)),
+        )
 
     root, sub, empty = run_fs(backend, body, prefix="data")
     assert root == [("a.txt", False), ("empty", True), ("sub", True)]
     assert sub == [("b.txt", False), ("deeper", True)]
     assert empty == []
     assert [r.message for r in caplog.records if "skipping key" in r.message] == [
-        "skipping key 'data/sub/': a directory marker holding 12 bytes: not shown"]
+        "skipping key 'data/sub/': a directory marker holding 12 bytes: not shown"
+    ]
 
 
 def test_listed_file_stat_and_open_cost_no_head():
@@ -61,9 +72,17 @@ def test_pagination_lists_every_entry_once_in_order():
 
 
 def test_invalid_components_are_skipped_and_neighbours_survive(caplog):
-    backend = MemoryBackend({
-        "ok1": b"1", "a//b": b"x", "./x": b"x", "../y": b"y", ("n" * 256): b"long", "ok2": b"2", "nul\x00name": b"z",
-    })
+    backend = MemoryBackend(
+        {
+            "ok1": b"1",
+            "a//b": b"x",
+            "./x": b"x",
+            "../y": b"y",
+            ("n" * 256): b"long",
+            "ok2": b"2",
+            "nul\x00name": b"z",
+        }
+    )
 
     async def body(fs):
         root = sorted(n.name for n in await fs.ns.list_dir(1))
@@ -207,9 +226,14 @@ def test_metadata_ttl_gives_a_changed_object_a_new_inode():
             data = await fs.read(fh, 0, 100)
         finally:
             fs.release(fh)
-        return ((await fs.lookup(1, "d")).ino == d.ino, (await fs.lookup(d.ino, "same")).ino == same.ino,
-                new.ino != old.ino, (old.size_bytes, old.version != new.version, new.size_bytes), data,
-                (await fs.lookup(d.ino, "g")).size_bytes)
+        return (
+            (await fs.lookup(1, "d")).ino == d.ino,
+            (await fs.lookup(d.ino, "same")).ino == same.ino,
+            new.ino != old.ino,
+            (old.size_bytes, old.version != new.version, new.size_bytes),
+            data,
+            (await fs.lookup(d.ino, "g")).size_bytes,
+        )
 
     # A mock clock: the TTL expires in virtual time, not by waiting.
     result = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1)
@@ -241,15 +265,29 @@ def test_ttl_drops_a_vanished_node_once_the_kernel_lets_go():
         ns.forget(held.ino, 1)
         with pytest.raises(errors.NotFound):
             ns.node(held.ino)
-        assert fs.budget.listings_bytes == ns.entries_count * LISTED_ENTRY_BYTES  # a dropped node's memory is given back
+        assert (
+            fs.budget.listings_bytes == ns.entries_count * LISTED_ENTRY_BYTES
+        )  # a dropped node's memory is given back
         ns.forget(stays.ino, 3)  # more than it was counted: still listed, so kept
         assert ns.node(stays.ino) is stays
         backend.put("d/held", b"again")
         await trio.sleep(0.2)
         again = await fs.lookup(d.ino, "held")
-        return entries_before, ns.entries_count, again.ino != held.ino, again.size_bytes, fs.stats["namespace.nodes_dropped"]
+        return (
+            entries_before,
+            ns.entries_count,
+            again.ino != held.ino,
+            again.size_bytes,
+            fs.stats["namespace.nodes_dropped"],
+        )
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1) == (5, 4, True, 5, 2)
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), metadata_ttl_s=0.1) == (
+        5,
+        4,
+        True,
+        5,
+        2,
+    )
 
 
 def test_ttl_drops_a_vanished_directory_with_its_subtree():
@@ -329,7 +367,9 @@ def test_listing_error_reaches_every_waiter_then_recovers():
 
 
 def test_walking_one_directory_twice_does_not_list_its_neighbours():
-    backend = MemoryBackend({"walked/d1/f": b"1", "walked/d2/f": b"2", "other1/f": b"x", "other2/f": b"x", "other3/f": b"x"})
+    backend = MemoryBackend(
+        {"walked/d1/f": b"1", "walked/d2/f": b"2", "other1/f": b"x", "other2/f": b"x", "other3/f": b"x"}
+    )
 
     async def body(fs):
         await fs.ns.list_dir(1)
@@ -354,15 +394,17 @@ def test_memory_per_listed_entry_is_bounded():
     from bucketfs.backends.base import ListPage, ObjectInfo
 
     dirs_count, files_per_dir = 20, 1000
-    backend = MemoryBackend({
-        f"train/n{d:08d}/n{d:08d}_{i:05d}.JPEG": b"" for d in range(dirs_count) for i in range(files_per_dir)
-    })
+    backend = MemoryBackend(
+        {f"train/n{d:08d}/n{d:08d}_{i:05d}.JPEG": b"" for d in range(dirs_count) for i in range(files_per_dir)}
+    )
     list_page = backend.list_page
 
     async def fresh_page(prefix, token=None):
         page = await list_page(prefix, token)
-        fresh = [ObjectInfo(o.key, 110_000 + i, 1_700_000_000_123_000_000 + i, hashlib.md5(o.key.encode()).hexdigest())
-                 for i, o in enumerate(page.objects)]
+        fresh = [
+            ObjectInfo(o.key, 110_000 + i, 1_700_000_000_123_000_000 + i, hashlib.md5(o.key.encode()).hexdigest())
+            for i, o in enumerate(page.objects)
+        ]
         return ListPage(fresh, page.prefixes, page.next_token)
 
     backend.list_page = fresh_page
@@ -421,8 +463,14 @@ def test_a_negative_ttl_shorter_than_the_metadata_ttl_finds_a_new_name():
         assert (await fs.lookup(d.ino, "a")).size_bytes == 1  # a hit never re-lists
         return found.size_bytes, backend.requests["list"] - lists_before
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                  metadata_ttl_s=60, negative_ttl_s=1, list_ahead_count=0) == (1, 1)
+    assert run_fs(
+        backend,
+        body,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        metadata_ttl_s=60,
+        negative_ttl_s=1,
+        list_ahead_count=0,
+    ) == (1, 1)
 
 
 def test_a_directory_dropped_while_its_listing_is_in_flight_gets_no_children():

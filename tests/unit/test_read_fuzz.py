@@ -53,9 +53,11 @@ class Scenario:
 
     def describe(self) -> str:
         sizes = sorted(len(v) for v in self.files.values())
-        return (f"seed {self.seed}: {self.overrides}, disk_cache={self.disk_cache}, "
-                f"get_fail_rate={self.get_fail_rate}, replace_objects={self.replace_objects}, "
-                f"readers={self.reader_count}, sizes={sizes}")
+        return (
+            f"seed {self.seed}: {self.overrides}, disk_cache={self.disk_cache}, "
+            f"get_fail_rate={self.get_fail_rate}, replace_objects={self.replace_objects}, "
+            f"readers={self.reader_count}, sizes={sizes}"
+        )
 
 
 def make_scenario(seed: int) -> Scenario:
@@ -64,13 +66,17 @@ def make_scenario(seed: int) -> Scenario:
     part = rng.choice([64 * KiB, 256 * KiB, 1 * MiB])
     small = rng.choice([4 * KiB, 64 * KiB, 1 * MiB])
     budget = rng.choice([16 * MiB, 32 * MiB, 64 * MiB])  # (16 MiB: the smallest --max-memory)
-    overrides = dict(block_size_bytes=block, part_size_bytes=part, small_file_bytes=small,
-                     max_memory_bytes=budget,
-                     readahead_initial_bytes=rng.choice([block, part]),
-                     readahead_max_bytes=rng.choice([part, 4 * part, 16 * part]),
-                     shard_readahead_initial_bytes=rng.choice([part, 4 * part]),
-                     list_ahead_count=rng.choice([0, 4]),
-                     read_timeout_s=5.0)
+    overrides = dict(
+        block_size_bytes=block,
+        part_size_bytes=part,
+        small_file_bytes=small,
+        max_memory_bytes=budget,
+        readahead_initial_bytes=rng.choice([block, part]),
+        readahead_max_bytes=rng.choice([part, 4 * part, 16 * part]),
+        shard_readahead_initial_bytes=rng.choice([part, 4 * part]),
+        list_ahead_count=rng.choice([0, 4]),
+        read_timeout_s=5.0,
+    )
     if rng.random() < 0.3:  # a prefix that changes: listings expire, opens see new versions
         overrides.update(metadata_ttl_s=0.01, negative_ttl_s=0.01)
     edge_sizes = [0, 1, block - 1, block, block + 1, small - 1, small, small + 1, 3 * part + 17]
@@ -80,9 +86,15 @@ def make_scenario(seed: int) -> Scenario:
         # Shards (read-ahead from a wide window, the next one's head warmed) and plain files.
         key = f"shards/shard-{i:04d}.tar" if rng.random() < 0.4 else f"imgs/c{i % 3}/img{i:03d}.jpg"
         files[key] = rng.randbytes(size)
-    return Scenario(seed, overrides, disk_cache=rng.random() < 0.25,
-                    get_fail_rate=rng.choice([0.0, 0.0, 0.05, 0.2]),
-                    replace_objects=rng.random() < 0.2, files=files, reader_count=rng.randint(2, 8))
+    return Scenario(
+        seed,
+        overrides,
+        disk_cache=rng.random() < 0.25,
+        get_fail_rate=rng.choice([0.0, 0.0, 0.05, 0.2]),
+        replace_objects=rng.random() < 0.2,
+        files=files,
+        reader_count=rng.randint(2, 8),
+    )
 
 
 class Store(MemoryBackend):
@@ -132,6 +144,7 @@ class InFlight:
                 if not self.count:
                     self.idle.set()
                     self.idle = trio.Event()
+
         return counted
 
 
@@ -187,8 +200,17 @@ async def one_file(fs, store: Store, scenario: Scenario, rng: random.Random, pro
                 width = rng.randint(1, 4)
                 async with trio.open_nursery() as nursery:
                     for n in range(width):
-                        nursery.start_soon(read_checked, fs, handles[0], off + n * 128 * KiB, 128 * KiB, expected,
-                                           allowed, problems, what)
+                        nursery.start_soon(
+                            read_checked,
+                            fs,
+                            handles[0],
+                            off + n * 128 * KiB,
+                            128 * KiB,
+                            expected,
+                            allowed,
+                            problems,
+                            what,
+                        )
                 off += width * 128 * KiB
         elif pattern == "killed":
             # A killed reader: the kernel releases its file while its READs are still in
@@ -196,8 +218,17 @@ async def one_file(fs, store: Store, scenario: Scenario, rng: random.Random, pro
             async with trio.open_nursery() as nursery:
                 for _ in range(rng.randint(1, 3)):
                     off = rng.randrange(0, size + 1)
-                    nursery.start_soon(read_checked, fs, handles[0], off, 128 * KiB, expected,
-                                       allowed + (errors.NotFound,), problems, what)
+                    nursery.start_soon(
+                        read_checked,
+                        fs,
+                        handles[0],
+                        off,
+                        128 * KiB,
+                        expected,
+                        allowed + (errors.NotFound,),
+                        problems,
+                        what,
+                    )
                 await trio.sleep(rng.choice([0, 0.001, 0.02]))
                 fs.release(handles[0])
         elif pattern == "reordered":
@@ -210,8 +241,9 @@ async def one_file(fs, store: Store, scenario: Scenario, rng: random.Random, pro
         else:
             for _ in range(rng.randint(1, 30)):
                 off = rng.randrange(0, size + 2 * KiB)
-                await read_checked(fs, rng.choice(handles), off, rng.randint(1, 64 * KiB), expected, allowed,
-                                   problems, what)
+                await read_checked(
+                    fs, rng.choice(handles), off, rng.randint(1, 64 * KiB), expected, allowed, problems, what
+                )
     finally:
         for fh in handles:
             fs.release(fh)
@@ -273,10 +305,12 @@ def run_scenario(scenario: Scenario, tmp_path) -> tuple:
     async def phase(fs, in_flight, name: str):
         async with trio.open_nursery() as nursery:
             for r in range(scenario.reader_count):
+
                 async def reader(r=r):
                     reader_rng = random.Random(rng.random())
                     for n in range(reader_rng.randint(2, 6)):
                         await one_file(fs, store, scenario, reader_rng, problems, f"{name} reader {r} file {n}")
+
                 nursery.start_soon(reader)
             if scenario.replace_objects and name == "epoch 1":
                 nursery.start_soon(replace_some, fs, store, scenario, rng)

@@ -96,9 +96,14 @@ def test_the_window_grows_only_while_the_reader_waits_for_parts(pause_s, window_
         fs.release(fh)
         return max(windows), ahead_bytes
 
-    window_bytes, ahead_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                                       part_size_bytes=4 * MiB, shard_readahead_initial_bytes=8 * MiB,
-                                       readahead_max_bytes=32 * MiB)
+    window_bytes, ahead_bytes = run_fs(
+        backend,
+        body,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        part_size_bytes=4 * MiB,
+        shard_readahead_initial_bytes=8 * MiB,
+        readahead_max_bytes=32 * MiB,
+    )
     assert window_bytes == window_expected
     assert ahead_bytes < window_expected + 4 * MiB  # (a top-up's last part may pass the window)
 
@@ -123,9 +128,14 @@ def test_shard_streams_running_together_share_the_initial_width():
             fs.release(fh)
         return [window for _, window in started], (await start(nodes[9]))[1]
 
-    windows, after_four_closed = run_fs(backend, body, small_file_bytes=1 * MiB, part_size_bytes=4 * MiB,
-                                        shard_readahead_initial_bytes=32 * MiB,
-                                        readahead_max_bytes=64 * MiB)
+    windows, after_four_closed = run_fs(
+        backend,
+        body,
+        small_file_bytes=1 * MiB,
+        part_size_bytes=4 * MiB,
+        shard_readahead_initial_bytes=32 * MiB,
+        readahead_max_bytes=64 * MiB,
+    )
     assert windows == [32 * MiB // n for n in range(1, 9)] + [4 * MiB]
     assert after_four_closed == 32 * MiB // 6
 
@@ -424,8 +434,10 @@ def test_a_read_that_meets_a_part_failed_earlier_is_not_remembered_as_failed():
         store_down[0] = False
         return bytes(await fs.read(fh, 0, 4096))  # the kernel's immediate second try
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                  read_timeout_s=READ_TIMEOUT_S) == files["small.jpg"][:4096]
+    assert (
+        run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), read_timeout_s=READ_TIMEOUT_S)
+        == files["small.jpg"][:4096]
+    )
 
 
 def test_small_files_read_together_past_the_budget_are_each_fetched_once():
@@ -451,8 +463,9 @@ def test_small_files_read_together_past_the_budget_are_each_fetched_once():
                 nursery.start_soon(reader, key)
         return fs.stats["memory.overcommits"], fs.budget.peak_bytes
 
-    overcommits, peak_bytes = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                                     max_memory_bytes=16 * MiB, list_ahead_count=0)
+    overcommits, peak_bytes = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB, list_ahead_count=0
+    )
     assert backend.requests["get"] == len(files)
     assert overcommits == 0 and peak_bytes <= 16 * MiB
 
@@ -476,8 +489,9 @@ def test_a_small_file_opened_and_left_unread_does_not_hold_memory_for_long():
             fs.release(idle_fh)
         return data, waited_s, fs.stats["memory.overcommits"]
 
-    data, waited_s, overcommits = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                                         max_memory_bytes=16 * MiB, list_ahead_count=0)
+    data, waited_s, overcommits = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB, list_ahead_count=0
+    )
     assert data == files["b.jpg"]
     assert overcommits == 0
     assert waited_s <= blockcache.PIN_FRESH_S + memory.RECLAIM_RETRY_S + 0.5
@@ -505,7 +519,8 @@ def test_reclaims_that_find_only_pinned_files_do_not_walk_them_again_and_again()
         return freed, walked_once, freed_after_release, freed_after_lapse
 
     freed, walked_once, freed_after_release, freed_after_lapse = run_fs(
-        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), list_ahead_count=0)
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), list_ahead_count=0
+    )
     assert freed == [0] * 100
     assert walked_once == blocks_pinned
     assert freed_after_release == 3 * MiB and freed_after_lapse == 3 * MiB
@@ -587,7 +602,8 @@ def test_listings_are_charged_to_the_memory_budget_and_push_out_the_cache():
         return cached_before_bytes, fs.cache.cached_bytes, budget.used_bytes, budget.capacity_bytes
 
     cached_before_bytes, cached_after_bytes, used_bytes, capacity_bytes = run_fs(
-        MemoryBackend(files), body, max_memory_bytes=budget_bytes)
+        MemoryBackend(files), body, max_memory_bytes=budget_bytes
+    )
     assert cached_before_bytes == 8 * MiB > capacity_bytes
     assert used_bytes <= capacity_bytes and cached_after_bytes <= capacity_bytes
 
@@ -735,8 +751,12 @@ def test_a_reader_of_consecutive_shards_grows_its_window_across_them(pause_s, wi
             fs.release(fh)
         return windows
 
-    windows = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0),
-                     **dict(SMALL_WINDOW, readahead_max_bytes=128 * MiB))
+    windows = run_fs(
+        backend,
+        body,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        **dict(SMALL_WINDOW, readahead_max_bytes=128 * MiB),
+    )
     assert max(windows) == window_expected
     assert windows[-1] == window_expected  # kept to the last shard, not restarted at each
 
@@ -887,7 +907,11 @@ def test_reordered_reads_behind_the_stream_do_not_reset_it():
             assert await fs.read(fh, off, MiB) == data[off : off + MiB]
         return fs.stats["prefetch.streams"], fs.stats["prefetch.seeks"], fs.stats["prefetch.reordered_reads"]
 
-    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), small_file_bytes=1 * MiB) == (1, 0, 1)
+    assert run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), small_file_bytes=1 * MiB) == (
+        1,
+        0,
+        1,
+    )
     assert backend.bytes_fetched <= len(data) + 2 * MiB  # nothing fetched twice but the late read
 
 
@@ -1037,8 +1061,9 @@ def test_memory_freed_while_a_reader_waits_goes_to_that_reader_not_the_pool():
             await got.wait()
         return fs.stats["memory.overcommits"], prefetcher.pool.pooled_bytes, budget.used_bytes
 
-    overcommits, pooled_bytes, used_bytes = run_fs(MemoryBackend({}), body, max_memory_bytes=16 * MiB,
-                                                   clock=trio.testing.MockClock(autojump_threshold=0))
+    overcommits, pooled_bytes, used_bytes = run_fs(
+        MemoryBackend({}), body, max_memory_bytes=16 * MiB, clock=trio.testing.MockClock(autojump_threshold=0)
+    )
     assert (overcommits, pooled_bytes, used_bytes) == (0, 0, 1 * MiB)
 
 
@@ -1222,8 +1247,14 @@ def test_many_readers_on_a_tiny_budget_never_wait_out_the_memory_deadline(part_s
                 nursery.start_soon(reader, f"f{i % 16:02d}.bin")
         return fs.stats["memory.overcommits"], fs.budget.peak_bytes
 
-    overcommits, peak_bytes = run_fs(backend, body, max_memory_bytes=16 * MiB, part_size_bytes=part_size_bytes,
-                                     small_file_bytes=small_file_bytes, clock=trio.testing.MockClock(autojump_threshold=0))
+    overcommits, peak_bytes = run_fs(
+        backend,
+        body,
+        max_memory_bytes=16 * MiB,
+        part_size_bytes=part_size_bytes,
+        small_file_bytes=small_file_bytes,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
     assert overcommits == 0
     assert peak_bytes <= 16 * MiB
 

@@ -8,8 +8,6 @@ with a TTL."""
 
 import math
 
-from bucketfs.core.stats import Stats
-
 import pytest
 import trio
 import trio.testing
@@ -17,6 +15,7 @@ import trio.testing
 from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.memory import MemoryBackend
+from bucketfs.core.stats import Stats
 from bucketfs.diskcache.cache import DiskCache
 from tests.unit.helpers import read_all, resolve, run_fs
 
@@ -131,7 +130,10 @@ def test_objects_with_no_version_stay_out_of_the_disk_cache(tmp_path):
             cache = DiskCache(backend, str(tmp_path / "cache"), 100 * MiB, 64 * 1024, stats, nursery, None)
             info = (await backend.list_page("pinned/")).objects[0]
             for _ in range(2):
-                assert await cache.read_range("pinned/a", 0, 100_000, info.version, object_bytes=100_000) == tree["pinned/a"]
+                assert (
+                    await cache.read_range("pinned/a", 0, 100_000, info.version, object_bytes=100_000)
+                    == tree["pinned/a"]
+                )
             await trio.testing.wait_all_tasks_blocked()
             assert backend.requests["get"] == 2
             assert stats["disk_cache.written_bytes"] == 0 and stats["disk_cache.hits"] == 0

@@ -116,7 +116,9 @@ def test_the_core_marks_read_ahead_and_listings_ahead_as_speculative():
     run_fs(backend, body, small_file_bytes=1 * MiB)
     small_gets = [urgent for op, key, urgent in seen if op == "get" and key == "small.bin"]
     shard_gets = [urgent for op, key, urgent in seen if op == "get" and key == "s/shard-0.tar"]
-    ahead_lists = [urgent for op, key, urgent in seen if op == "list" and key.startswith("classes/c") and key >= "classes/c02"]
+    ahead_lists = [
+        urgent for op, key, urgent in seen if op == "list" and key.startswith("classes/c") and key >= "classes/c02"
+    ]
     assert small_gets == [True]
     assert len(shard_gets) >= 4 and shard_gets.count(False) >= 2
     assert len(ahead_lists) == 10 and not any(ahead_lists)

@@ -16,7 +16,11 @@ def test_the_version_is_the_etag_else_the_listed_second_else_nothing():
     assert versions.of_s3("e317eb2e70dbf7ad", 5 * NS) == "e317eb2e70dbf7ad"  # XXH3: a version all the same
     assert versions.of_s3('""', 1_700_000_000 * NS + 783_000_000) == "lastmod 1700000000"  # to the second
     assert versions.of_s3("", 0) == versions.UNPINNED == ""
-    assert [versions.kind(v) for v in ("abc", "lastmod 12", "")] == [versions.ETAG, versions.LASTMOD, versions.SIZE_ONLY]
+    assert [versions.kind(v) for v in ("abc", "lastmod 12", "")] == [
+        versions.ETAG,
+        versions.LASTMOD,
+        versions.SIZE_ONLY,
+    ]
 
 
 def test_no_etag_can_read_as_a_time_pin():
@@ -32,10 +36,16 @@ def test_conditions_sent_for_each_kind():
     assert versions.condition_headers("") == {}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("Thu, 01 Jan 1970 00:00:01 GMT", 1), ("Fri, 27 Nov 2026 07:23:40 GMT", 1795764220), (None, None), ("", None),
-    ("not a date", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Thu, 01 Jan 1970 00:00:01 GMT", 1),
+        ("Fri, 27 Nov 2026 07:23:40 GMT", 1795764220),
+        (None, None),
+        ("", None),
+        ("not a date", None),
+    ],
+)
 def test_http_dates(text, expected):
     assert versions.http_date_s(text) == expected
 

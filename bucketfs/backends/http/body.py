@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-
 # A body must keep arriving. The socket's read timeout bounds each wait for bytes, not
 # a body that trickles in (a byte every few seconds held a reader for hours, past
 # --read-timeout x --retries). An attempt gets the read timeout plus its body at this
@@ -52,7 +51,7 @@ def read_body(response, deadline_s: float, start: int = 0, end: Optional[int] = 
             if not chunk:
                 break
             # (The whole chunk, the common case, is the same object: no copy.)
-            piece = chunk[max(start - offset_bytes, 0):None if end is None else end - offset_bytes]
+            piece = chunk[max(start - offset_bytes, 0) : None if end is None else end - offset_bytes]
             if piece:
                 chunks.append(piece)
             offset_bytes += len(chunk)

@@ -100,22 +100,22 @@ class Transfer:
     def on_body(self, data: bytes):
         if self.status not in (200, 206):
             room = ERROR_BODY_MAX_BYTES - len(self.error_body)
-            self.error_body += data[:max(room, 0)]
+            self.error_body += data[: max(room, 0)]
             return None
         ranged = "content-range" in self.headers
         start = self._body_seen_bytes
         self._body_seen_bytes += len(data)
         # A 200 without Content-Range: the server ignored Range and sends the whole object.
-        piece = data if ranged else data[max(self.skip_bytes - start, 0):]
+        piece = data if ranged else data[max(self.skip_bytes - start, 0) :]
         at = self.received_bytes
         if len(piece) > len(self.buffer) - at:
             if not ranged:  # the range ends here, and so does the transfer
-                piece = piece[:len(self.buffer) - at]
+                piece = piece[: len(self.buffer) - at]
                 self._ended_early = True
             else:
                 self._overflow = True  # a ranged answer longer than its range: a broken server
                 return 0  # (aborts the transfer)
-        self.buffer[at:at + len(piece)] = piece
+        self.buffer[at : at + len(piece)] = piece
         self.received_bytes = at + len(piece)
         return 0 if self._ended_early else None
 
@@ -133,8 +133,9 @@ class Transfer:
 
 
 class CurlEngine:
-    def __init__(self, max_transfers_count: int, connect_timeout_s: float, read_timeout_s: float,
-                 ca_bundle_path: Optional[str]):
+    def __init__(
+        self, max_transfers_count: int, connect_timeout_s: float, read_timeout_s: float, ca_bundle_path: Optional[str]
+    ):
         self.max_transfers_count = max_transfers_count
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -232,9 +233,11 @@ class CurlEngine:
                         os.eventfd_read(fd)
                         self._take_queue(multi, active, free_handles)
                     else:
-                        flags = ((pycurl.CSELECT_IN if mask & select.EPOLLIN else 0)
-                                 | (pycurl.CSELECT_OUT if mask & select.EPOLLOUT else 0)
-                                 | (pycurl.CSELECT_ERR if mask & (select.EPOLLERR | select.EPOLLHUP) else 0))
+                        flags = (
+                            (pycurl.CSELECT_IN if mask & select.EPOLLIN else 0)
+                            | (pycurl.CSELECT_OUT if mask & select.EPOLLOUT else 0)
+                            | (pycurl.CSELECT_ERR if mask & (select.EPOLLERR | select.EPOLLHUP) else 0)
+                        )
                         multi.socket_action(fd, flags)
                 if timer[0] is not None and time.monotonic() >= timer[0]:
                     timer[0] = None

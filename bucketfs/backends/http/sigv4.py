@@ -62,22 +62,35 @@ class Signer:
         names = sorted(canonical)
         signed_names = ";".join(names)
         _, _, rest = url.partition("://")
-        path_and_query = rest[rest.find("/"):] if "/" in rest else "/"
+        path_and_query = rest[rest.find("/") :] if "/" in rest else "/"
         path, _, query = path_and_query.partition("?")
         if query:  # sorted as botocore does: by (name, value), both already encoded
-            query = "&".join("=".join(pair) for pair in sorted(
-                (name, value) for name, _, value in (item.partition("=") for item in query.split("&"))))
-        canonical_request = "\n".join((
-            "GET", path, query,
-            "".join(f"{name}:{canonical[name]}\n" for name in names),
-            signed_names, EMPTY_SHA256,
-        ))
+            query = "&".join(
+                "=".join(pair)
+                for pair in sorted(
+                    (name, value) for name, _, value in (item.partition("=") for item in query.split("&"))
+                )
+            )
+        canonical_request = "\n".join(
+            (
+                "GET",
+                path,
+                query,
+                "".join(f"{name}:{canonical[name]}\n" for name in names),
+                signed_names,
+                EMPTY_SHA256,
+            )
+        )
         date = amz_date[:8]
         scope = f"{date}/{self.region}/{self.service}/aws4_request"
-        string_to_sign = "\n".join((
-            "AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest()))
-        signature = hmac.new(self._signing_key(credentials.secret_key, date), string_to_sign.encode(),
-                             hashlib.sha256).hexdigest()
-        signed["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
-                                   f"SignedHeaders={signed_names}, Signature={signature}")
+        string_to_sign = "\n".join(
+            ("AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest())
+        )
+        signature = hmac.new(
+            self._signing_key(credentials.secret_key, date), string_to_sign.encode(), hashlib.sha256
+        ).hexdigest()
+        signed["Authorization"] = (
+            f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope}, "
+            f"SignedHeaders={signed_names}, Signature={signature}"
+        )
         return signed
