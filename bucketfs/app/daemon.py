@@ -37,6 +37,7 @@ def syslog_available() -> bool:
 def setup_logging(config: Config, daemon: bool) -> None:
     root = logging.getLogger()
     root.handlers.clear()
+    handler: logging.Handler
     if config.log_file:
         # Watched: once logrotate has renamed the file, the next line opens a new one
         # by itself (no SIGHUP, no copytruncate). With --foreground too: the user asked.

@@ -263,7 +263,7 @@ async def _serve(
     hangup_stops: bool,
 ) -> None:
     mounted = False
-    detached = []  # set by the signal handler once it has lazily unmounted
+    detached: list = []  # set by the signal handler once it has lazily unmounted
     try:
         async with trio.open_nursery() as nursery:
             fs = Filesystem(backend, config, nursery, *((cache_dir.path, cache_dir.fd) if cache_dir else ()))

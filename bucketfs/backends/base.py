@@ -53,7 +53,6 @@ class Backend(abc.ABC):
     # Elsewhere it only copies read_range's bytes into it, and the prefetcher does
     # better to keep those bytes than to pay a second copy into a part buffer.
     receives_into = False
-    redirects_count = 0  # redirects followed (S3: AIStore's gateways send GETs to targets)
 
     def __init__(self) -> None:
         self.requests: collections.Counter = collections.Counter()
@@ -61,6 +60,11 @@ class Backend(abc.ABC):
         # GETs by the way they went, where a backend has more than one (S3 and GCS:
         # "curl" or "threads"); the counters show which one a mount's reads take.
         self.get_paths: collections.Counter = collections.Counter()
+
+    @property
+    def redirects_count(self) -> int:
+        """Redirects followed (S3: AIStore's gateways send GETs to their targets)."""
+        return 0
 
     @abc.abstractmethod
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:

@@ -249,6 +249,7 @@ class GCSBackend(Backend):
     def session(self) -> requests.Session:
         """The shared HTTP session (tests mount fault-injecting adapters on it). Blocks."""
         self._get_bucket()
+        assert self._client is not None  # (built by _get_bucket)
         return self._client._http
 
     # -- contract ---------------------------------------------------------------

@@ -95,7 +95,9 @@ class MemoryBackend(Backend):
             if token
             else bisect.bisect_left(self._sorted_keys, prefix)
         )
-        objects, prefixes, last = [], [], None
+        objects: list = []
+        prefixes: list = []
+        last = None
         while i < len(self._sorted_keys) and len(objects) + len(prefixes) < self.page_size_count:
             key = self._sorted_keys[i]
             if not key.startswith(prefix):
@@ -144,7 +146,7 @@ class MemoryBackend(Backend):
         if what == version_kinds.ETAG:
             return info.version == version
         if what == version_kinds.LASTMOD:
-            return info.mtime_ns // version_kinds.NS_PER_S <= version_kinds.lastmod_s(version)
+            return info.mtime_ns // version_kinds.NS_PER_S <= (version_kinds.lastmod_s(version) or 0)
         return True
 
     async def check_bucket(self, prefix: str) -> bool:

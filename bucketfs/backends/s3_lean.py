@@ -37,7 +37,7 @@ import os
 import re
 import time
 import xml.etree.ElementTree as ElementTree
-from typing import Optional
+from typing import Any, Optional
 from urllib.parse import quote, unquote, urlencode, urljoin, urlsplit
 
 import botocore.exceptions
@@ -124,8 +124,8 @@ def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
     readinto reads into a temporary bytes object and copies it; the socket reader
     under http.client's response receives into the buffer itself, one receive at a
     time (readinto1) so that a body trickling in meets `deadline_s` (body.read_body)."""
-    raw = getattr(response, "_fp", None)  # http.client's response
-    stream = getattr(raw, "fp", None)  # its socket's buffered reader
+    raw: Any = getattr(response, "_fp", None)  # http.client's response
+    stream: Any = getattr(raw, "fp", None)  # its socket's buffered reader
     length = getattr(response, "length_remaining", None)
     if length is None or length > len(buffer) or getattr(raw, "chunked", True) or not hasattr(stream, "readinto1"):
         data = read_body(response, deadline_s)
@@ -223,8 +223,8 @@ def _parse_tree(body: bytes) -> tuple:
     objects = [
         (
             decode(item.findtext(f"{ns}Key")),
-            int(item.findtext(f"{ns}Size")),
-            _mtime_ns(item.findtext(f"{ns}LastModified")),
+            int(item.findtext(f"{ns}Size") or ""),
+            _mtime_ns(item.findtext(f"{ns}LastModified") or ""),
             item.findtext(f"{ns}ETag") or "",
         )
         for item in root.iterfind(f"{ns}Contents")
@@ -319,6 +319,11 @@ class LeanS3:
             "get_object", Params={"Bucket": self.bucket, "Key": _DUMMY_KEY}, ExpiresIn=60
         )
 
+    def _base(self) -> str:
+        """base_url, once resolved (the callers checked _resolve())."""
+        assert self.base_url is not None
+        return self.base_url
+
     def _resolve(self) -> bool:
         if self.base_url is None:
             # Where resolve_early could not, worker threads call this at once on first
@@ -392,6 +397,7 @@ class LeanS3:
             signed = self.signed_for(url, headers)
         expected_bytes = getattr(response, "length_remaining", None) or (len(buffer) if buffer is not None else 0)
         deadline_s = body_deadline_s(self.read_timeout_s, expected_bytes)
+        body: Any  # the bytes, or with `buffer` how many of them it received
         try:
             if buffer is not None and response.status in (200, 206) and "Content-Range" in response.headers:
                 body = _receive_into(response, buffer, deadline_s)
@@ -404,7 +410,8 @@ class LeanS3:
         status = response.status
         if status in ok_statuses:
             return status, response.headers, body
-        return self._refused(status, body)
+        self._refused(status, body)
+        return None
 
     def _refused(self, status: int, body: bytes) -> None:
         """An answer not in the expected statuses: None, having switched this path off
@@ -429,7 +436,7 @@ class LeanS3:
         states one. `last_modified`: the Last-Modified header, or None."""
         if not self._resolve():
             return None
-        url = self.base_url + quote(key, safe="/~")
+        url = self._base() + quote(key, safe="/~")
         answer = self._send(url, self.range_headers(start, end, version), (200, 206, 416), buffer, (start, end))
         if answer is None:
             return None
@@ -452,7 +459,7 @@ class LeanS3:
         if this path cannot serve the bucket. Its answer: answer_of(transfer)."""
         if not self._resolve():
             return None
-        url = self.base_url + quote(key, safe="/~")
+        url = self._base() + quote(key, safe="/~")
         return Transfer.ranged(
             url, self._headers(url, self.range_headers(start, end, version)), buffer, start, self.read_timeout_s
         )
@@ -482,7 +489,8 @@ class LeanS3:
         if transfer.error is not None:
             raise transfer.error
         if transfer.status not in (200, 206, 416):
-            return self._refused(transfer.status, bytes(transfer.error_body))
+            self._refused(transfer.status, bytes(transfer.error_body))
+            return None
         headers = transfer.headers
         return (
             transfer.status,
@@ -507,7 +515,7 @@ class LeanS3:
         if token:
             params["continuation-token"] = token
         # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".
-        url = self.base_url + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
+        url = self._base() + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
         answer = self._send(url, {}, (200,))
         if answer is None:
             return None

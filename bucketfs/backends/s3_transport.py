@@ -123,9 +123,9 @@ class Sdk(S3Transport):
         self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]
     ) -> Optional[tuple]:
         backend = self.backend
-        condition = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
+        condition: dict = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
         if versions.kind(version) == versions.LASTMOD:
-            condition = {"IfUnmodifiedSince": versions.lastmod_s(version) + 1}
+            condition = {"IfUnmodifiedSince": (versions.lastmod_s(version) or 0) + 1}
         try:
             response = backend.client.get_object(
                 Bucket=backend.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition

@@ -131,7 +131,7 @@ class Filesystem:
         self._fh_counter = itertools.count(1)
         # Directory inode -> (its listing, its children in order), for readdir_inode.
         # A few: the kernel reads one directory's READDIRs in a row and then keeps them.
-        self._dir_children = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
+        self._dir_children: cachetools.LRUCache = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
 
     # -- metadata ----------------------------------------------------------------
     async def lookup(self, parent_ino: int, name: str) -> Node:
@@ -245,7 +245,7 @@ class Filesystem:
                 handle.failed_reads = handle.failed_reads[-(FAILED_READS_KEPT - 1) :] + [(off, end, now_s)]
             raise
         finally:
-            self.stats["read.wait_seconds"] += time.monotonic() - started_s
+            self.stats["read.wait_seconds"] += time.monotonic() - started_s  # type: ignore[assignment]  # (a float counter)
         if end == handle.size_bytes:
             handle.node.served = True
         if handle.pinned:

@@ -63,7 +63,7 @@ class MemoryBudget:
         self.listings_bytes = 0
         self.disk_index_bytes = 0
         self._headroom_fixed = demand_headroom_bytes is not None
-        self.demand_headroom_bytes = demand_headroom_bytes
+        self.demand_headroom_bytes: int = demand_headroom_bytes or 0  # (set from the capacity below when None)
         self._set_capacity(budget_bytes)
         self._listings_over_logged = False
         self.used_bytes = 0

@@ -294,8 +294,9 @@ class Namespace:
             # state re-check: the shared listing may have failed or been replaced
             if ino in self._load_errors:
                 raise self._load_errors[ino]
-            if loading.listing is not None and loading.listing is node.listing:
-                return loading.listing  # fresh when this call began waiting, whatever the TTL
+            shared = loading.listing
+            if shared is not None and node.listing is loading.listing:
+                return shared  # fresh when this call began waiting, whatever the TTL
 
     @staticmethod
     def _older_than(listing: Listing, max_age_s: float) -> bool:

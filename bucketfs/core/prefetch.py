@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import mmap
-from typing import Optional
+from typing import Any, Optional
 
 import trio
 
@@ -82,7 +82,7 @@ class Part:
     def __init__(self, start: int, end: int, demanded: bool = False):
         self.start, self.end = start, end
         self.demanded = demanded  # a reader asked for these bytes when the part was issued
-        self.data: Optional[bytes] = None
+        self.data: Optional[Any] = None  # bytes-like: bytes, or the part's own buffer
         self.buffer: Optional[bytearray | mmap.mmap] = None  # a pooled buffer the data is received into
         self.error: Optional[BaseException] = None
         self.done = trio.Event()

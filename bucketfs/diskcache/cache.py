@@ -48,7 +48,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import trio
 
@@ -138,7 +138,7 @@ class DiskCache:
             self._unit_bytes = os.fstatvfs(dir_fd).f_frsize or 4096
         except OSError as exc:
             raise dir_error(directory, exc) from None
-        self._data_fd = None
+        self._data_fd: Any = None  # the data directory's descriptor (an int) once it is open
         self._journal = self._load()
         self._charge_index(force=True)
         self.nursery.start_soon(self._delete_worker)
@@ -356,7 +356,8 @@ class DiskCache:
     def _span(self, start: int, end: int, object_bytes: Optional[int]):
         """The chunk-aligned span [lo, hi) around [start, end), clipped to the object."""
         cb = self.chunk_bytes
-        return start // cb * cb, min(-(-end // cb) * cb, object_bytes)
+        hi = -(-end // cb) * cb
+        return start // cb * cb, hi if object_bytes is None else min(hi, object_bytes)
 
     def _on_disk(self, eid: bytes, lo: int, hi: int) -> Optional[tuple]:
         entry = self._entries.get(eid)

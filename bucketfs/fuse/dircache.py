@@ -150,7 +150,7 @@ class DirCacheFlags:
     def install() -> None:
         """Wrap pyfuse3's OPENDIR handler (looked up by name for every request) so
         `mark` can see the request it runs in. Once per daemon: it serves one mount."""
-        original = pyfuse3.fuse_opendir_async
+        original = pyfuse3.fuse_opendir_async  # type: ignore[attr-defined]  # (pyfuse3's Cython internals)
 
         async def fuse_opendir_async(container):
             token = _request.set(container)
@@ -159,7 +159,7 @@ class DirCacheFlags:
             finally:
                 _request.reset(token)
 
-        pyfuse3.fuse_opendir_async = fuse_opendir_async
+        pyfuse3.fuse_opendir_async = fuse_opendir_async  # type: ignore[attr-defined]
 
     def mark(self, inode: int) -> bool:
         """Ask the kernel to cache the listing of `inode`, whose OPENDIR is being
@@ -203,15 +203,16 @@ class DirCacheFlags:
     def _checked_bits(self, container, inode: int):
         """The `fuse_file_info` flag word of `container`, if its memory holds this
         request as expected; None otherwise."""
-        base = id(container)
-        ino_offset = FILE_INFO_OFFSET + self.layout.file_info_bytes
+        base, layout = id(container), self.layout
+        assert layout is not None  # (marking is on only with a known layout)
+        ino_offset = FILE_INFO_OFFSET + layout.file_info_bytes
         if ino_offset + 8 > type(container).__basicsize__:
             return None
         if ctypes.c_uint64.from_address(base + ino_offset).value != inode:
             return None
         open_flags = ctypes.c_int32.from_address(base + FILE_INFO_OFFSET).value
         bits = ctypes.c_uint32.from_address(base + FILE_INFO_OFFSET + 4)
-        wanted = self.layout.keep_cache_bit | self.layout.cache_readdir_bit
+        wanted = layout.keep_cache_bit | layout.cache_readdir_bit
         if open_flags & os.O_ACCMODE != os.O_RDONLY or bits.value & wanted:
             return None  # a directory is opened read-only, and libfuse clears the bits
         return bits

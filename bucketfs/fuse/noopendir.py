@@ -196,7 +196,7 @@ class KernelOpensDirs:
         self.active = False
         self.refused = False  # tried once and not possible: never again for this mount
         self._noted: dict = {}  # request pointer -> inode, from the READDIRPLUS handler
-        self._handler = None  # the C callable in the table: kept alive as long as the mount
+        self._handler: Optional[tuple] = None  # the C callable in the table: kept alive as long as the mount
 
     def skips_opendir(self, request_of: Callable[[], Optional[int]], code: Optional[list] = None) -> bool:
         """Whether to answer this OPENDIR with ENOSYS (and so every later one). The
@@ -227,7 +227,7 @@ class KernelOpensDirs:
             )
             return False
         slot = ctypes.c_void_p.from_address(table + READDIRPLUS_SLOT * POINTER_BYTES)
-        original = _READDIRPLUS_PY(slot.value)
+        original = _READDIRPLUS_PY(slot.value or 0)  # (not NULL: checked with the table above)
         noted = self._noted
 
         def readdirplus(req, ino, size, off, fi):
@@ -238,8 +238,9 @@ class KernelOpensDirs:
             finally:
                 original(req, ino, size, off, fi)  # always: a request must get its reply
 
-        self._handler = (_READDIRPLUS_C(readdirplus), original)
-        slot.value = ctypes.cast(self._handler[0], ctypes.c_void_p).value
+        handler = _READDIRPLUS_C(readdirplus)
+        self._handler = (handler, original)
+        slot.value = ctypes.cast(handler, ctypes.c_void_p).value
         self.active = True
         self.stats["namespace.kernel_opens_dirs"] = 1
         log.debug("OPENDIR answered ENOSYS: the kernel opens directories and keeps their listings")

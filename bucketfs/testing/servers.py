@@ -167,11 +167,17 @@ class S3Server:
         self.client.create_bucket(Bucket=name)
         return name
 
+    def _root(self) -> pathlib.Path:
+        """rclone's served directory (rclone only)."""
+        if self.root_dir is None:
+            raise NotImplementedError(f"{self.kind} serves no directory")
+        return self.root_dir
+
     def delete_bucket(self, bucket: str) -> None:
         """Best effort: delete every object, then the bucket."""
         if self.kind == "rclone":
             # On disk, then make rclone forget it: DeleteObjects of 2,500 keys takes ~5 s.
-            shutil.rmtree(self.root_dir / bucket, ignore_errors=True)
+            shutil.rmtree(self._root() / bucket, ignore_errors=True)
             with contextlib.suppress(OSError):
                 self.rclone_rc("vfs/forget")
             return
@@ -198,7 +204,7 @@ class S3Server:
         `mtime_s`: the files' modification time (rclone's Last-Modified)."""
         if self.kind != "rclone":
             raise NotImplementedError("write_files needs rclone's served directory")
-        bucket_dir = self.root_dir / bucket
+        bucket_dir = self._root() / bucket
         for key, data in objects.items():
             path = bucket_dir / key
             if key.endswith("/"):
@@ -220,7 +226,7 @@ class S3Server:
 
     def config(self, bucket: str, prefix: str = "", **overrides) -> Config:
         """A bucketfs Config pointing at this server (fast retries by default)."""
-        fields = dict(
+        fields: dict = dict(
             url=BucketURL("s3", bucket, prefix),
             mountpoint="/nonexistent",  # backends never look at it
             endpoint_url=self.endpoint_url,
@@ -414,7 +420,7 @@ def _answers_http(port: int, tls: bool = False) -> bool:
     if tls:  # a readiness probe only: the certificate is checked by the tests themselves
         import ssl
 
-        connection = http.client.HTTPSConnection(
+        connection: http.client.HTTPConnection = http.client.HTTPSConnection(
             "127.0.0.1", port, timeout=1.0, context=ssl._create_unverified_context()
         )
     else:

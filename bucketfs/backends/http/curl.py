@@ -90,9 +90,9 @@ class Transfer:
             self.status = int(line.split(None, 2)[1])
             self.headers = {}  # (a later status line replaces an interim answer's)
             return
-        name, sep, value = line.partition(b":")
+        raw_name, sep, raw_value = line.partition(b":")
         if sep:
-            name, value = name.strip().lower().decode("latin-1"), value.strip().decode("latin-1")
+            name, value = raw_name.strip().lower().decode("latin-1"), raw_value.strip().decode("latin-1")
             # A repeated header is one list, comma-joined (RFC 9110), as urllib3 reads it:
             # GCS sends x-goog-hash twice, crc32c= and md5=.
             self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
@@ -140,7 +140,7 @@ class CurlEngine:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.ca_bundle_path = ca_bundle_path
-        self._token = None
+        self._token: Optional[trio.lowlevel.TrioToken] = None
         self._thread: Optional[threading.Thread] = None
         self._queue: collections.deque = collections.deque()  # ("add" | "abort", Transfer), from trio
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -313,6 +313,7 @@ class CurlEngine:
     def _deliver(self, finished: list) -> None:
         if not finished:
             return
+        assert self._token is not None  # (set before the thread that delivers starts)
         try:
             self._token.run_sync_soon(_set_done, finished)
         except trio.RunFinishedError:

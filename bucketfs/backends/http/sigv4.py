@@ -29,7 +29,7 @@ def _hmac(key: bytes, text: str) -> bytes:
 def host_of(url: str) -> str:
     """The Host value botocore signs: the URL's netloc without a default port."""
     parts = urlsplit(url)
-    if parts.port is not None and parts.port == _DEFAULT_PORTS.get(parts.scheme):
+    if parts.hostname is not None and parts.port is not None and parts.port == _DEFAULT_PORTS.get(parts.scheme):
         return parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
     return parts.netloc
 
