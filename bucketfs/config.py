@@ -407,7 +407,7 @@ class Config:
         kind="size",
         low=MAX_MEMORY_MIN_BYTES,
         group=CACHING,
-        help="one budget for listings (560 B per entry), the disk cache's index (~550 B per object), "
+        help="one budget for listings (560 B per entry), the disk cache's index (~590 B per object), "
         "the block cache and all prefetch buffers; at least {min}",
     )
     small_file_bytes: int = option(  # whole-object GET at open below this size

@@ -58,8 +58,8 @@ CHUNKS_PER_RECORD_MAX = 8192
 RECORD_MAX_BYTES = 1024 * 1024
 # Memory an Entry and its place in the index take, past its definition record and 4
 # bytes a chunk: 406 bytes traced for a 2-chunk object (a 200,000-entry index), plus
-# allocator slack.
-INDEX_ENTRY_BYTES = 440
+# allocator slack, plus the policy's clock stamp (a slot and an int: policy.py).
+INDEX_ENTRY_BYTES = 480
 
 
 def entry_id(key: str, version: str) -> bytes:
@@ -80,7 +80,17 @@ class Entry:
     """One object version in the cache: which chunks of its data file hold its bytes,
     and their CRC-32s. Memory: `index_bytes()`."""
 
-    __slots__ = ("entry_no", "object_bytes", "definition", "present", "crcs", "stored_bytes", "gone", "recorded")
+    __slots__ = (
+        "entry_no",
+        "object_bytes",
+        "definition",
+        "present",
+        "crcs",
+        "stored_bytes",
+        "gone",
+        "recorded",
+        "read_at",
+    )
 
     def __init__(self, entry_no: int, object_bytes: int, chunk_bytes: int, definition: bytes):
         self.entry_no, self.object_bytes = entry_no, object_bytes
@@ -92,6 +102,7 @@ class Entry:
         self.stored_bytes = 0  # of the object's bytes, on disk
         self.gone = False  # evicted: a write still in flight must delete what it wrote
         self.recorded = False  # the journal has its definition
+        self.read_at = 0  # the replacement policy's clock at its last read (policy.py)
 
     def has(self, first: int, last: int) -> bool:
         """Chunks [first, last) are all on disk."""
