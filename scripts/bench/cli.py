@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .common import HASH_NAME, MB, REPO, log
+from .copythenread import S5CMD_WORKERS
 from .datasets import Dataset, Spec, ensure_dataset
 from .procs import drop_caches, is_mounted
 from .report import print_report
@@ -64,6 +65,12 @@ def parse_args(argv):
         action="store_true",
         help="also run every workload over existing FUSE mounts (rclone mount; s3fs where installed) for comparison (s3 only)",
     )
+    p.add_argument(
+        "--s5cmd-workers",
+        type=int,
+        default=S5CMD_WORKERS,
+        help=f"W2 copy-then-read: s5cmd --numworkers (default {S5CMD_WORKERS}; s5cmd's own default is 256)",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -85,6 +92,9 @@ def main(argv=None) -> int:
         return 2
     if args.alternatives and args.backend != "s3":
         print("bench: --alternatives needs --backend s3 (rclone mount :s3:, s3fs)", file=sys.stderr)
+        return 2
+    if args.s5cmd_workers < 1:
+        print("bench: --s5cmd-workers must be at least 1", file=sys.stderr)
         return 2
     if not 0 < args.scale <= 1:
         print("bench: --scale must be in (0, 1]", file=sys.stderr)

@@ -18,6 +18,7 @@ import traceback
 from typing import Callable, Optional
 
 from .common import MB, RUN_TIMEOUT_S, SYSTEMS, log
+from .copythenread import CopyThenRead
 from .datasets import Dataset, Verifier
 from .procs import CpuCensus, drop_caches, proc_cpu_s, self_cpu_s, steal_s
 from .report import Report
@@ -36,9 +37,10 @@ class Row:
     met: Optional[bool] = None
 
 
-class Bench(Workloads, Report):
+class Bench(Workloads, CopyThenRead, Report):
     """One benchmark over a data set and a store: the systems it compares, the rows of the
-    result and every run's costs. The workloads (W1-W5) and the report are its mixins."""
+    result and every run's costs. The workloads (W1-W5, W2's copy-then-read) and the
+    report are its mixins."""
 
     def __init__(self, args, dataset: Dataset, backend, work_dir: str):
         self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
@@ -70,6 +72,8 @@ class Bench(Workloads, Report):
         self.systems = SYSTEMS + tuple(self.alt_mounts)
         self.dropped_ok = True
         self.census = CpuCensus()
+        self.copy_then_read_runs: dict = {}  # W2 threads -> {"copy": run, "epoch": run}
+        self.copy_then_read_note: Optional[str] = None  # why it was not measured
 
     # -- bookkeeping ------------------------------------------------------------
     def row(self, key, label, unit, higher_is_better, target="") -> Row:

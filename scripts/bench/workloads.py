@@ -1,6 +1,6 @@
 """The workloads, as methods of `Bench` (runner.py): W1 shard streaming (threads and a
 webdataset DataLoader), W2 ImageFolder (listing, cold, warm, evicted and remounted
-epochs), W3 metadata (listdir, walk+stat, ls -l), W4 random preads, W5 small files and
+epochs; then copy-then-read, copythenread.py), W3 metadata (listdir, walk+stat, ls -l), W4 random preads, W5 small files and
 shards at once. Each registers its rows and records every system's value."""
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class Workloads:
                     self.record(f"W2.{temp}{threads}", system, run.get("files/s"))
                 if system == "direct":
                     client.close()
+        self.w2_copy_then_read()  # copy-then-read (s5cmd), after the other systems (copythenread.py)
 
     def _w2_list_fs(self, v: Verifier, root: str) -> dict:
         t0 = time.perf_counter()
