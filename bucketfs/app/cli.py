@@ -136,6 +136,47 @@ def mount_option_specs() -> list:
     return specs
 
 
+# The Config fields `bucketfs warm` takes (as `mount` does): the store's, and the disk
+# cache's (a mount reads what warm stored only with the same --cache-dir and --block-size).
+WARM_FIELDS = (
+    "endpoint_url",
+    "region",
+    "profile",
+    "no_sign_request",
+    "key_file",
+    "addressing_style",
+    "retry_attempts_count",
+    "connect_timeout_s",
+    "read_timeout_s",
+    "cache_dir",
+    "cache_size_bytes",
+    "block_size_bytes",
+)
+
+
+def warm_option_specs() -> list:
+    """[(Option, Config field name or None, default)] of `bucketfs warm`."""
+    from bucketfs.app.warm import CONCURRENCY, DEFAULT_CONCURRENCY
+
+    specs = [(opt, field.name, field.default) for field, opt in config.options() if field.name in WARM_FIELDS]
+    specs.insert(0, (CONCURRENCY, None, DEFAULT_CONCURRENCY))
+    return specs
+
+
+def warm_config_from_args(args) -> Config:
+    """The Config of `bucketfs warm`'s arguments (mount's defaults for the rest)."""
+    values = {name: getattr(args, name) for name in WARM_FIELDS}
+    if not values["cache_dir"]:
+        raise errors.UserError("warm needs --cache-dir DIR (the disk cache to fill)", errors.EXIT_USAGE)
+    for name in ("cache_dir", "key_file"):
+        if values[name]:
+            values[name] = os.path.abspath(values[name])
+    try:
+        return Config(url=parse_bucket_url(args.url), source=args.url, mountpoint="", **values)
+    except ValueError as exc:
+        raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
+
+
 def _add_option(group, opt: Option, dest: str, default) -> None:
     help_text = opt.help_line(default).replace("%", "%%")
     if opt.kind == "flag":
@@ -180,6 +221,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     u.add_argument("mountpoint")
     u.add_argument("--lazy", action="store_true", help="detach now even if files are open; finish when they close")
+
+    w = sub.add_parser(
+        "warm",
+        help="fill --cache-dir with URL (or PATHs under it) before mounting",
+        description="Fetch s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] (or the PATHs under it) into the disk "
+        "cache a later `bucketfs mount URL --cache-dir DIR` reads, with many GETs in flight. Resumable: what the "
+        "cache holds at the listed version is not fetched again. Progress on a terminal; quiet without one.",
+        epilog=SIZE_HELP,
+    )
+    w.add_argument("url", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
+    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under the URL (default: all of it)")
+    wgroups: dict = {}
+    for opt, field_name, default in warm_option_specs():
+        if opt.group not in wgroups:
+            wgroups[opt.group] = w.add_argument_group(opt.group)
+        _add_option(wgroups[opt.group], opt, field_name or opt.flag[2:].replace("-", "_"), default)
 
     s = sub.add_parser(
         "stats",
@@ -314,6 +371,10 @@ def main(argv=None) -> int:
             # realpath: mountinfo lists the resolved path, whatever symlink led to it.
             mountpoints.unmount(os.path.realpath(args.mountpoint), lazy=args.lazy)
             return errors.EXIT_OK
+        if args.command == "warm":
+            from bucketfs.app import warm
+
+            return warm.run_warm(warm_config_from_args(args), args.paths, args.concurrency)
         if args.command == "stats":
             return print_stats(args.mountpoint, args.json)
     except errors.UserError as exc:

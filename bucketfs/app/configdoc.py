@@ -37,6 +37,7 @@ definitions, and the fstab helper accepts the same ones.
 bucketfs mount URL MOUNTPOINT [OPTIONS]     # URL: s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]
 bucketfs unmount MOUNTPOINT [--lazy]
 bucketfs stats MOUNTPOINT [--json]
+bucketfs warm URL [PATH...] --cache-dir DIR [--concurrency N] [store and cache options]
 bucketfs --version
 ```
 
@@ -55,6 +56,10 @@ may be a symlink (it is resolved).
 Other commands: `bucketfs unmount MOUNTPOINT [--lazy]` detaches only a bucketfs mount
 (or a dead FUSE mount left by a crash), never another file system; `bucketfs stats
 MOUNTPOINT [--json]` prints the mount's counters ([operations.md](operations.md#stats));
+`bucketfs warm URL [PATH...] --cache-dir DIR` fills the disk cache before mounting,
+with `--concurrency N` GETs in flight (default 256) and the store options above, plus
+`--cache-size` and `--block-size` (the mount's must match), and the same exit codes
+([operations.md](operations.md#warm));
 `bucketfs --version`. `python3 -m bucketfs ...` is the same command, for an environment
 whose scripts are not on `PATH`.
 

@@ -35,7 +35,7 @@ from bucketfs.app.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_
 from bucketfs.backends import Backend, make_backend
 from bucketfs.config import Config
 from bucketfs.core.filesystem import Filesystem
-from bucketfs.diskcache.directory import CacheDir, claim_dir
+from bucketfs.diskcache.directory import CacheDir, claim_dir, mount_identity
 from bucketfs.fuse.ops import FuseOperations
 
 log = logging.getLogger(__name__)
@@ -233,11 +233,7 @@ async def serve(
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
         # Locked while this process lives; a private one if another mount holds it.
-        cache_dir = claim_dir(
-            config.cache_dir,
-            f"{config.url} at {config.endpoint_url or 'the default endpoint'}",
-            f"{config.url.scheme}-{config.url.bucket}",
-        )
+        cache_dir = claim_dir(config.cache_dir, *mount_identity(config.url, config.endpoint_url))
     except errors.UserError:
         await backend.aclose()
         raise

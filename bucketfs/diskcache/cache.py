@@ -390,6 +390,17 @@ class DiskCache:
         self._entries.read(eid, entry)
         return entry, entry.crcs[first:last]
 
+    def holds(self, key: str, version: str, start: int, end: int) -> bool:
+        """Bytes [start, end) of `key` at `version` are on disk (an object with no
+        version never is). Asks only: no read counts for the replacement policy."""
+        if not versions.persistent(version) or start >= end:
+            return False
+        entry = self._entries.get(journal.entry_id(key, version))
+        if entry is None:
+            return False
+        lo, hi = self._span(start, end, entry.object_bytes)
+        return entry.has(lo // self.chunk_bytes, -(-hi // self.chunk_bytes))
+
     async def _read_disk(self, eid: bytes, start: int, end: int, object_bytes: Optional[int], into=None):
         """The bytes of [start, end) of the object version `eid` from disk (into `into`
         if given), or None."""

@@ -17,6 +17,8 @@ Invariants:
   with -9, in whatever PID namespace): every mount removes those before it starts.
   One whose lock is held is never touched (a PID says nothing across namespaces or
   after reuse).
+- `bucketfs warm` locks the same kept directory a mount of its URL would, and fails
+  (exit 9) rather than warming a private one if a running mount holds it.
 - No space to make a directory (ENOSPC, EDQUOT, EIO): the mount runs without a disk
   cache (logged). A directory that cannot be made for any other reason (EACCES,
   EROFS, ENOTDIR...) is the user's to fix: exit 9.
@@ -131,8 +133,7 @@ def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
     endpoint), kept across mounts and locked until closed (or the process ends). If
     another live mount holds it: a private directory, removed by close(). None if the
     disk has no room for one (the mount then runs without a disk cache)."""
-    digest = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    directory = os.path.join(path, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name_hint)[:64]}-{digest}")
+    directory = shared_dir_path(path, identity, name_hint)
     try:
         remove_stale_private_dirs(path)
         fd = _open_locked(directory)
@@ -153,6 +154,37 @@ def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
         private.path,
     )
     return private
+
+
+def mount_identity(url, endpoint_url: Optional[str]) -> tuple:
+    """(identity, name hint) of the cache directory of a mount of `url` (a BucketURL)
+    at `endpoint_url`: what claim_dir and claim_shared_dir are given."""
+    return f"{url} at {endpoint_url or 'the default endpoint'}", f"{url.scheme}-{url.bucket}"
+
+
+def shared_dir_path(path: str, identity: str, name_hint: str) -> str:
+    """The directory under `path` kept across mounts of `identity`."""
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(path, f"{re.sub(r'[^A-Za-z0-9._-]', '_', name_hint)[:64]}-{digest}")
+
+
+def claim_shared_dir(path: str, identity: str, name_hint: str) -> CacheDir:
+    """The directory under `path` kept across mounts of `identity`, locked until closed
+    (`bucketfs warm`: a private directory would be removed at exit, so one held by a
+    running mount is an error, exit 9, not a fallback)."""
+    directory = shared_dir_path(path, identity, name_hint)
+    try:
+        remove_stale_private_dirs(path)
+        fd = _open_locked(directory)
+    except OSError as exc:
+        raise dir_error(path, exc) from None
+    if fd is None:
+        raise errors.UserError(
+            f"cache directory {directory} is in use by a running mount or warm of {identity} "
+            "(warm before mounting, e.g. as ExecStartPre=, or warm through the mountpoint)",
+            errors.EXIT_BAD_CACHE_DIR,
+        )
+    return CacheDir(directory, fd, private=False)
 
 
 def _make_private_dir(path: str) -> CacheDir:

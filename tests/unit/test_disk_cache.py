@@ -16,6 +16,7 @@ import zlib
 import pytest
 import trio
 
+from bucketfs.backends import versions
 from bucketfs.backends.base import Backend
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.core.filesystem import Filesystem
@@ -1005,3 +1006,37 @@ def test_a_new_working_set_takes_the_disk_cache_over_after_a_few_epochs(tmp_path
     assert shares[:2] == [0, 1]
     assert max(shares[2:4]) < 0.5 and shares[-2:] == [1, 1]
     assert peak_bytes <= 3 * MiB
+
+
+def test_holds_says_which_parts_of_a_version_are_on_disk_without_a_read(tmp_path):
+    """`bucketfs warm` asks before each GET: held parts are skipped, other versions and
+    objects with no version never are held, and asking reads nothing."""
+    data = blob(200_000, 7)
+    backend = MemoryBackend({"k": data})
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            stats = Stats()
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, stats, nursery)
+            version = backend._info["k"].version
+            before = cache.holds("k", version, 0, 200_000)
+            buffer = bytearray(131_072)
+            await cache.read_range_into("k", 0, 131_072, version, buffer, object_bytes=200_000)
+            answers = (
+                before,
+                cache.holds("k", version, 0, 131_072),
+                cache.holds("k", version, 65_536, 131_072),
+                cache.holds("k", version, 0, 200_000),  # (the last chunk is not stored yet)
+                cache.holds("k", "another-version", 0, 131_072),
+                cache.holds("k", versions.UNPINNED, 0, 131_072),
+            )
+            await cache.read_range_into("k", 131_072, 200_000, version, buffer, object_bytes=200_000)
+            whole = cache.holds("k", version, 0, 200_000)
+            reads = stats["disk_cache.hits"] + stats["disk_cache.misses"]
+            nursery.cancel_scope.cancel()
+        return answers, whole, reads
+
+    answers, whole, reads = trio.run(main)
+    assert answers == (False, True, True, False, False, False)
+    assert whole
+    assert reads == 2  # the two reads' misses: holds() counts none
