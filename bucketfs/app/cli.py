@@ -177,6 +177,25 @@ def warm_config_from_args(args) -> Config:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
 
 
+def warm_mount_root(args) -> str:
+    """`bucketfs warm MOUNTPOINT`: the directory to read (a bucketfs mount or a path in
+    one); the store and cache options are the mount's, so none may be given."""
+    for opt, field_name, default in warm_option_specs():
+        if field_name is not None and getattr(args, field_name) != default:
+            raise errors.UserError(
+                f"{opt.flag} is for warming a URL: a MOUNTPOINT is warmed with its mount's own options",
+                errors.EXIT_USAGE,
+            )
+    path = os.path.realpath(args.url)
+    entry = mountpoints.mount_entry(_stats_root(path))
+    if entry is None or entry[0] != mountpoints.FUSE_TYPE:
+        raise errors.UserError(
+            f"{args.url} is neither a bucket URL (s3://, gs://) nor a bucketfs mount or a path inside one",
+            errors.EXIT_BAD_MOUNTPOINT,
+        )
+    return path
+
+
 def _add_option(group, opt: Option, dest: str, default) -> None:
     help_text = opt.help_line(default).replace("%", "%%")
     if opt.kind == "flag":
@@ -230,8 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cache holds at the listed version is not fetched again. Progress on a terminal; quiet without one.",
         epilog=SIZE_HELP,
     )
-    w.add_argument("url", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
-    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under the URL (default: all of it)")
+    w.add_argument(
+        "url",
+        metavar="URL-or-MOUNTPOINT",
+        help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]; or a running bucketfs mount (or a path in one), "
+        "whose files are then read through it, filling its own caches",
+    )
+    w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under it (default: all of it)")
     wgroups: dict = {}
     for opt, field_name, default in warm_option_specs():
         if opt.group not in wgroups:
@@ -374,6 +398,8 @@ def main(argv=None) -> int:
         if args.command == "warm":
             from bucketfs.app import warm
 
+            if "://" not in args.url and os.path.lexists(args.url):  # (else a URL, malformed: exit 2)
+                return warm.run_warm_mount(warm_mount_root(args), args.paths, args.concurrency)
             return warm.run_warm(warm_config_from_args(args), args.paths, args.concurrency)
         if args.command == "stats":
             return print_stats(args.mountpoint, args.json)

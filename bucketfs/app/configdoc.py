@@ -38,6 +38,7 @@ bucketfs mount URL MOUNTPOINT [OPTIONS]     # URL: s3://BUCKET[/PREFIX] or gs://
 bucketfs unmount MOUNTPOINT [--lazy]
 bucketfs stats MOUNTPOINT [--json]
 bucketfs warm URL [PATH...] --cache-dir DIR [--concurrency N] [store and cache options]
+bucketfs warm MOUNTPOINT [PATH...] [--concurrency N]
 bucketfs --version
 ```
 
@@ -58,8 +59,9 @@ Other commands: `bucketfs unmount MOUNTPOINT [--lazy]` detaches only a bucketfs 
 MOUNTPOINT [--json]` prints the mount's counters ([operations.md](operations.md#stats));
 `bucketfs warm URL [PATH...] --cache-dir DIR` fills the disk cache before mounting,
 with `--concurrency N` GETs in flight (default 256) and the store options above, plus
-`--cache-size` and `--block-size` (the mount's must match), and the same exit codes
-([operations.md](operations.md#warm));
+`--cache-size` and `--block-size` (the mount's must match), and the same exit codes;
+`bucketfs warm MOUNTPOINT [PATH...]` reads a running mount's files through it, filling
+its own caches ([operations.md](operations.md#warm));
 `bucketfs --version`. `python3 -m bucketfs ...` is the same command, for an environment
 whose scripts are not on `PATH`.
 

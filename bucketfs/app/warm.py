@@ -1,5 +1,6 @@
 """`bucketfs warm URL [PATH...]`: fill the local disk cache (--cache-dir) with a prefix,
-or the given sub-paths of it, before training, with many GETs in flight.
+or the given sub-paths of it, before training, with many GETs in flight (or, given a
+MOUNTPOINT, read a running mount's files through it).
 
 It reuses what a mount reads through: the store's backend (make_backend, the same
 URL, credential and endpoint options, the same pre-flight checks and exit codes as
@@ -22,6 +23,10 @@ Invariants:
   (--concurrency is warm's --max-connections).
 - A part is stored before its worker takes the next (read_range_into stores inline),
   so a slow disk slows the GETs instead of dropping bytes.
+- `bucketfs warm MOUNTPOINT [PATH...]` (run_warm_mount) reads a running mount's files
+  through it instead, with `concurrency` threads of one READ_BYTES buffer each and a
+  bounded queue of paths: the mount's own caches fill as for a reader, and it opens
+  no backend and claims no cache directory.
 - Progress (files, bytes, rate, time left) goes to stderr only when it is a terminal;
   without one warm prints nothing but errors, each one line.
 """
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import stat as stat_mod
 import sys
 import time
 from typing import Optional
@@ -58,7 +65,7 @@ CONCURRENCY = Option(
     high=MAX_CONNECTIONS_MAX,
     group=STORE,
     help="GETs in flight, {range}; the connection pool is sized to it (warm's --max-connections); "
-    f"memory in flight is at most N x {PART_BYTES // 1024 // 1024} MiB",
+    f"memory in flight is at most N x {PART_BYTES // 1024 // 1024} MiB; with a MOUNTPOINT: reader threads",
 )
 
 
@@ -90,8 +97,10 @@ class Progress:
             text += f", {_duration(left_s)} left"
         return text
 
-    def summary(self) -> str:
+    def summary(self, through_mount: bool = False) -> str:
         elapsed_s = time.monotonic() - self.started_s
+        if through_mount:
+            return f"warm: {self.done_files} files, {_bytes(self.done_bytes)} read through the mount in {_duration(elapsed_s)}"
         return (
             f"warm: {self.done_files} files, {_bytes(self.done_bytes)} in the cache "
             f"({_bytes(self.fetched_bytes)} fetched, {self.skipped_files} files already cached) "
@@ -307,6 +316,106 @@ async def _show_progress(progress: Progress) -> None:
         sys.stderr.write("\r\033[K" + progress.line())
         sys.stderr.flush()
         await trio.sleep(PROGRESS_INTERVAL_S)
+
+
+# -- the MOUNTPOINT form -----------------------------------------------------------
+READ_BYTES = 1024 * 1024  # one read() through the mount
+
+
+def run_warm_mount(root: str, paths: list, concurrency: int) -> int:
+    """Read every file under `root` (a running bucketfs mount), or under its PATHs,
+    with `concurrency` threads: the mount's own caches (page cache, disk cache) fill as
+    they would for a reader, and what they hold costs no GET. Memory: each thread holds
+    one READ_BYTES buffer; the walk is streamed into a bounded queue."""
+    import queue
+    import threading
+
+    _setup_logging()
+    subpaths = [normalise_path(p) for p in paths] or [""]
+    starts = []
+    for sub in subpaths:
+        path = os.path.join(root, sub) if sub else root
+        if not os.path.lexists(path):
+            raise errors.UserError(f"{path}: no such file or directory", errors.EXIT_USAGE)
+        starts.append(path)
+    tty = sys.stderr.isatty()
+    progress = Progress()
+    lock = threading.Lock()
+    todo: queue.Queue = queue.Queue(maxsize=concurrency * 4)
+    done = object()
+
+    def walk() -> None:
+        try:
+            for start in starts:
+                for path, size in _files_under(start):
+                    with lock:
+                        progress.listed_files += 1
+                        progress.listed_bytes += size
+                    todo.put(path)
+        finally:
+            progress.listing_done = True
+            for _ in range(concurrency):
+                todo.put(done)
+
+    def read_files() -> None:
+        buffer = bytearray(READ_BYTES)
+        while (path := todo.get()) is not done:
+            read_bytes = 0
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while got := f.readinto(buffer):
+                        read_bytes += got
+                        with lock:
+                            progress.done_bytes += got
+                            progress.fetched_bytes += got
+            except OSError as exc:
+                with lock:
+                    progress.failed.append((path, exc.strerror or str(exc)))
+            with lock:
+                progress.done_files += 1
+
+    threads = [threading.Thread(target=walk, daemon=True)]
+    threads += [threading.Thread(target=read_files, daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(PROGRESS_INTERVAL_S)
+            if tty:
+                with lock:
+                    line = progress.line()
+                sys.stderr.write("\r\033[K" + line)
+                sys.stderr.flush()
+    if tty:
+        sys.stderr.write("\r\033[K" + progress.summary(through_mount=True) + "\n")
+    if progress.failed:
+        path, message = progress.failed[0]
+        raise errors.UserError(
+            f"{len(progress.failed)} of {progress.listed_files} files could not be read (first: {path}: {message})",
+            errors.EXIT_ENDPOINT_UNREACHABLE,
+        )
+    return errors.EXIT_OK
+
+
+def _files_under(path: str):
+    """(path, size) of every regular file at or under `path`, depth first, streamed."""
+    st = os.stat(path)
+    if not stat_mod.S_ISDIR(st.st_mode):
+        if stat_mod.S_ISREG(st.st_mode):
+            yield path, st.st_size
+        return
+    pending = [path]
+    while pending:
+        directory = pending.pop()
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        yield entry.path, entry.stat(follow_symlinks=False).st_size
+        except OSError as exc:
+            log.error("%s: %s", directory, exc.strerror or exc)
 
 
 def _first_user_error(group: BaseExceptionGroup) -> Optional[errors.UserError]:

@@ -208,3 +208,38 @@ def test_progress_shows_on_a_terminal(rclone_server, s3_bucket, tmp_path):
     last = shown.decode().replace("\r\n", "\n").split("\r")[-1]
     files = sum(1 for key in tree if key.startswith("data/"))
     assert f"warm: {files} files" in last and "fetched" in last, shown
+
+
+def test_warm_through_a_mountpoint_fills_its_disk_cache(rclone_server, mount_factory, tmp_path):
+    """The MOUNTPOINT form reads the tree through a running mount: its disk cache holds
+    it all after, so a later mount with the same --cache-dir makes no object GET."""
+    tree = _tree()
+    bucket = rclone_server.new_bucket()
+    rclone_server.write_files(bucket, tree)
+    cache_dir = tmp_path / "cache"
+    with started(RewritingFront(rclone_server.endpoint_url)) as front:
+        mount = mount_factory(rclone_server, bucket, "data/", "--cache-dir", str(cache_dir), endpoint_url=front.url)
+        proc = run_cli("warm", str(mount.mountpoint), timeout_s=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""
+        gets = len(front.object_gets())
+        assert gets > 0
+        # PATHs under it, and a path inside the mount, are read through it too (cached: no GET).
+        again = run_cli("warm", mount.path("class1"), timeout_s=120)
+        assert again.returncode == 0, again.stderr
+        sub = run_cli("warm", str(mount.mountpoint), "class2", "f03-100000.bin", timeout_s=120)
+        assert sub.returncode == 0, sub.stderr
+        assert len(front.object_gets()) == gets
+        mount.close()
+        later = mount_factory(rclone_server, bucket, "data/", "--cache-dir", str(cache_dir), endpoint_url=front.url)
+        _read_all(later, tree, "data/")
+        assert len(front.object_gets()) == gets
+
+
+def test_a_directory_that_is_no_mount_is_exit_6(tmp_path):
+    assert_one_line_error(run_cli("warm", str(tmp_path)), errors.EXIT_BAD_MOUNTPOINT, "nor a bucketfs mount")
+
+
+def test_store_options_with_a_mountpoint_are_exit_2(tmp_path):
+    proc = run_cli("warm", str(tmp_path), "--cache-dir", str(tmp_path / "c"))
+    assert_one_line_error(proc, errors.EXIT_USAGE, "--cache-dir")
