@@ -31,8 +31,9 @@ SYSTEM = "copy-then-read"  # its system name in the runs (--json)
 # Objects in flight (s5cmd --numworkers; --s5cmd-workers changes it). Not s5cmd's own
 # default of 256: s5cmd keeps few idle connections, so most GETs open a new one (~7,500
 # connections for 10,000 files at 256 workers here), and through this proxy on 2 cores
-# 256 workers copied W2's 10,000 files in 22-26 s where 32, 64 and 128 took 12-18 s
-# (16: 19 s). 64 is the faster setting a user would pick: the stronger baseline.
+# 256 workers copied W2's 10,000 files in 16-26 s (5 copies) where 64 took 12-18 s (6
+# copies; 32 and 128: 13 and 14 s; 16: 19 s). 64 is the setting a user would pick: the
+# stronger baseline.
 S5CMD_WORKERS = 64
 THREADS = (8, 32)  # W2's cold-epoch thread counts
 # Issue 36's targets for bucketfs's cold epoch: (x copy-then-read, x direct) by threads.
