@@ -123,9 +123,8 @@ class Sdk(S3Transport):
         self, key: str, start: int, end: int, version: str, buffer: Optional[bytearray]
     ) -> Optional[tuple]:
         backend = self.backend
-        condition: dict = {"IfMatch": f'"{version}"'} if versions.kind(version) == versions.ETAG else {}
-        if versions.kind(version) == versions.LASTMOD:
-            condition = {"IfUnmodifiedSince": (versions.lastmod_s(version) or 0) + 1}
+        # The lean paths' conditional header, as the client's parameter of the same name.
+        condition = {name.replace("-", ""): value for name, value in versions.condition_headers(version).items()}
         try:
             response = backend.client.get_object(
                 Bucket=backend.bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
