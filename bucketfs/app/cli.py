@@ -227,11 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("url", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
     m.add_argument("mountpoint", help="an existing empty directory")
-    groups: dict = {}
-    for opt, field_name, default in mount_option_specs():
-        if opt.group not in groups:
-            groups[opt.group] = m.add_argument_group(opt.group)
-        _add_option(groups[opt.group], opt, field_name or opt.flag[2:].replace("-", "_"), default)
+    _add_options(m, mount_option_specs())
 
     u = sub.add_parser(
         "unmount",
@@ -256,11 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whose files are then read through it, filling its own caches",
     )
     w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under it (default: all of it)")
-    wgroups: dict = {}
-    for opt, field_name, default in warm_option_specs():
-        if opt.group not in wgroups:
-            wgroups[opt.group] = w.add_argument_group(opt.group)
-        _add_option(wgroups[opt.group], opt, field_name or opt.flag[2:].replace("-", "_"), default)
+    _add_options(w, warm_option_specs())
 
     s = sub.add_parser(
         "stats",
@@ -270,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print the raw counters as JSON")
     return parser
+
+
+def _add_options(parser: argparse.ArgumentParser, specs) -> None:
+    """Every (Option, field name or None, default) of `specs`, in its group of `parser`."""
+    groups: dict = {}
+    for opt, field_name, default in specs:
+        if opt.group not in groups:
+            groups[opt.group] = parser.add_argument_group(opt.group)
+        _add_option(groups[opt.group], opt, field_name or opt.flag[2:].replace("-", "_"), default)
 
 
 def mount_parser() -> argparse.ArgumentParser:
