@@ -77,6 +77,7 @@ CACHE_SIZE_MIN_BYTES = 1 * MiB
 # Each connection is a worker thread: thousands would be threads, not throughput.
 MAX_CONNECTIONS_MAX = 1024
 LIST_AHEAD_MAX = 1024
+FETCH_AHEAD_REQUESTS_MAX = 4096
 RETRIES_MAX = 100
 ID_MAX = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel: not an owner
 PORT_MAX = 65535
@@ -246,6 +247,7 @@ def option(default: Any, **spec: Any) -> Any:
 STORE, PRESENTATION, CACHING, PROCESS = "store access", "presentation", "caching and prefetch", "process"
 GROUPS = (STORE, PRESENTATION, CACHING, PROCESS)
 KERNEL_DIR_CACHE_MODES = ("auto", "off")
+FETCH_AHEAD_MODES = ("auto", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -491,6 +493,32 @@ class Config:
         high=LIST_AHEAD_MAX,
         group=CACHING,
         help="subdirectory listings run concurrently ahead of a directory walk, {range} (default {default}; 0 disables)",
+    )
+    # A shuffled epoch over small files has one request in flight per loader worker;
+    # a parallel copier keeps hundreds (core/fetchahead.py).
+    fetch_ahead: str = option(
+        "auto",
+        flag="--fetch-ahead",
+        kind="choice",
+        choices=FETCH_AHEAD_MODES,
+        group=CACHING,
+        help="auto: once small files of a tree are opened in an order that is not the listing's (a shuffled "
+        "epoch), the rest of the tree is fetched ahead of the reader, with many GETs in flight, into memory "
+        "the readers do not need; off: only what is read is fetched",
+        details="only in the immutable default (not with --metadata-ttl); each file at most once per pass, "
+        "none already cached; a file fetched ahead is kept until it is read or the pass stops; with "
+        "--cache-dir the fetched files are stored on disk too",
+    )
+    fetch_ahead_requests_count: int = option(
+        256,
+        flag="--fetch-ahead-requests",
+        kind="int",
+        low=1,
+        high=FETCH_AHEAD_REQUESTS_MAX,
+        group=CACHING,
+        help="GETs fetch-ahead keeps in flight, on top of --max-connections, {range}",
+        details="requests a reader waits for never queue behind them; without pycurl (GETs on worker "
+        "threads) fetch-ahead shares --max-connections instead",
     )
     # The kernel's directory cache needs writes into pyfuse3's and libfuse's private
     # memory (fuse/dircache.py, fuse/noopendir.py): "off" makes none.

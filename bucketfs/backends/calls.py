@@ -57,9 +57,14 @@ class BlockingCaller:
     """
 
     def __init__(
-        self, max_threads_count: int, policy: RetryPolicy, classify: Callable[[BaseException], errors.BucketfsError]
+        self,
+        max_threads_count: int,
+        policy: RetryPolicy,
+        classify: Callable[[BaseException], errors.BucketfsError],
+        fetch_ahead_slots_count: int = 0,
     ):
-        self.slots = PrioritySlots(max_threads_count)  # who goes next: urgent calls first
+        # Who goes next: urgent calls first; fetch-ahead in a pool of its own (slots.py).
+        self.slots = PrioritySlots(max_threads_count, fetch_ahead_slots_count)
         self.limiter = trio.CapacityLimiter(max_threads_count)  # threads, abandoned ones included
         self.policy = policy
         self.classify = classify

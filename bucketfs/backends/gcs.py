@@ -51,6 +51,7 @@ from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path
 from bucketfs.backends.gcs_transport import CurlGets, GCSTransport, LibraryGets
 from bucketfs.backends.gcs_transport import crc32c_of as _crc32c_of  # noqa: F401 - (tests import it from here)
 from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.slots import fetch_ahead_slots
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ class GCSBackend(Backend):
         self._timeout_s = (config.connect_timeout_s, config.read_timeout_s)
         self.read_timeout_s = config.read_timeout_s
         policy = RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s)
-        self.caller = BlockingCaller(config.max_connections_count, policy, classify)
+        fetch_ahead_slots_count = fetch_ahead_slots(config) if CurlEngine.available() else 0
+        self.caller = BlockingCaller(config.max_connections_count, policy, classify, fetch_ahead_slots_count)
         self._client_lock = threading.Lock()
         self._client: Optional[storage.Client] = None
         self._bucket: Optional[storage.Bucket] = None
@@ -161,7 +163,12 @@ class GCSBackend(Backend):
         # Without pycurl, or where CurlDownloads is not usable (mTLS, a proxy), every GET
         # takes the library's path on a worker thread.
         self.curl = (
-            CurlEngine(config.max_connections_count, config.connect_timeout_s, config.read_timeout_s, ca_bundle_path())
+            CurlEngine(
+                config.max_connections_count + fetch_ahead_slots_count,
+                config.connect_timeout_s,
+                config.read_timeout_s,
+                ca_bundle_path(),
+            )
             if CurlEngine.available()
             else None
         )

@@ -54,6 +54,7 @@ from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
 from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
+from bucketfs.backends.slots import fetch_ahead_slots
 from bucketfs.config import Config
 
 log = logging.getLogger(__name__)
@@ -182,11 +183,16 @@ class S3Backend(Backend):
         )
         self.lean.resolve_early()  # (no request: where it resolves, what the transport can be)
         # The curl engine, where pycurl is installed and the lean path serves the bucket.
+        usable_curl = CurlEngine.available() and self.lean.usable
+        fetch_ahead_slots_count = fetch_ahead_slots(config) if usable_curl else 0
         self.curl = (
             CurlEngine(
-                config.max_connections_count, config.connect_timeout_s, config.read_timeout_s, ca_bundle(self._session)
+                config.max_connections_count + fetch_ahead_slots_count,
+                config.connect_timeout_s,
+                config.read_timeout_s,
+                ca_bundle(self._session),
             )
-            if CurlEngine.available() and self.lean.usable
+            if usable_curl
             else None
         )
         self.etag_checks = EtagChecks()
@@ -195,6 +201,7 @@ class S3Backend(Backend):
             config.max_connections_count,
             RetryPolicy(config.retry_attempts_count, config.retry_base_delay_s, config.retry_max_delay_s),
             classify,
+            fetch_ahead_slots_count,
         )
         self.sdk = Sdk(self)
         self._swap_lock = threading.Lock()

@@ -13,6 +13,13 @@ needed.
 The core marks a task's calls as speculative with `mark_speculative(ticket)`, a
 context variable, so the backend methods keep their signatures. `ticket.urgent`
 is read again each time a slot frees.
+
+Fetch-ahead (core/fetchahead.py) keeps hundreds of GETs in flight, far more than
+--max-connections. Its tickets say `own_slots`: they take slots of a second pool
+(`fetch_ahead_count`, on top of the shared one), so a reader's call never queues
+behind them; only when that pool is empty does one wait in the shared pool, as any
+speculative call. A backend gives the second pool only where its GETs do not block a
+thread each (the curl engine): `fetch_ahead_count` is 0 otherwise.
 """
 
 from __future__ import annotations
@@ -32,24 +39,38 @@ def mark_speculative(ticket) -> None:
     _SPECULATIVE.set(ticket)
 
 
+def fetch_ahead_slots(config) -> int:
+    """The second pool's size for a mount of `config` whose GETs run on the curl engine:
+    --fetch-ahead-requests where fetch-ahead can run (on, in the immutable default)."""
+    return config.fetch_ahead_requests_count if config.fetch_ahead != "off" and config.immutable else 0
+
+
 class PrioritySlots:
     """At most `capacity` calls at once; urgent waiters first, then oldest first."""
 
-    def __init__(self, capacity_count: int):
+    def __init__(self, capacity_count: int, fetch_ahead_count: int = 0):
         self.capacity_count = capacity_count
         self.busy_count = 0
+        self.fetch_ahead_count = fetch_ahead_count
+        self.fetch_ahead_busy_count = 0
         self._waiting: dict = {}  # sequence number -> (ticket or None, trio.Event), oldest first
         self._sequence = itertools.count()
         self.queued_count = 0  # calls that found every slot busy
         self.overtakes_count = 0  # slots given to an urgent call ahead of older speculative ones
 
     async def __aenter__(self) -> None:
+        ticket = _SPECULATIVE.get()
+        if ticket is not None and getattr(ticket, "own_slots", False):
+            if self.fetch_ahead_busy_count < self.fetch_ahead_count:
+                self.fetch_ahead_busy_count += 1
+                ticket.in_own_slot = True
+                return
         if self.busy_count < self.capacity_count:
             self.busy_count += 1
             return
         seq = next(self._sequence)
         event = trio.Event()
-        self._waiting[seq] = (_SPECULATIVE.get(), event)
+        self._waiting[seq] = (ticket, event)
         self.queued_count += 1
         try:
             await event.wait()
@@ -61,6 +82,11 @@ class PrioritySlots:
             raise
 
     async def __aexit__(self, *exc_info) -> None:
+        ticket = _SPECULATIVE.get()
+        if ticket is not None and getattr(ticket, "in_own_slot", False):
+            ticket.in_own_slot = False
+            self.fetch_ahead_busy_count -= 1
+            return
         self._release()
 
     def _release(self) -> None:

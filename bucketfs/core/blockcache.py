@@ -15,6 +15,10 @@ Invariants:
 - Every cached byte is reserved in the MemoryBudget; eviction releases it.
 - Two readers that miss the same block wait on one GET (a Flight); a failed
   flight hands its error to every waiter and caches nothing.
+- An object fetched ahead (`fetch_ahead`, for core/fetchahead.py) is held: never
+  evicted until `release_hold` (its reader opened it, or the pass stopped). Its GET
+  is speculative, in fetch-ahead's own connection pool (backends/slots.py), until a
+  reader waits on it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.slots import mark_speculative
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +42,26 @@ PIN_FRESH_S = 2.0
 
 
 class Flight:
-    __slots__ = ("done", "error", "blocks")
+    """One GET of a run of blocks. Also the ticket of its GET's connection slot
+    (backends/slots.py): a fetch-ahead flight is speculative until someone waits on it."""
 
-    def __init__(self):
+    __slots__ = ("done", "error", "blocks", "speculative", "waiters", "in_own_slot")
+
+    def __init__(self, speculative: bool = False):
         self.done = trio.Event()
-        self.error = None
+        self.error: Optional[BaseException] = None
         self.blocks: dict = {}  # block index -> Block, kept for the waiters even if evicted
+        self.speculative = speculative
+        self.waiters = 0
+        self.in_own_slot = False  # (set by PrioritySlots)
+
+    @property
+    def urgent(self) -> bool:
+        return not self.speculative or self.waiters > 0
+
+    @property
+    def own_slots(self) -> bool:
+        return self.speculative
 
 
 class Block:
@@ -71,6 +90,8 @@ class BlockCache:
         self._flights: dict = {}  # (key, version, idx) -> Flight
         self.cached_bytes = 0
         self._pins: dict = {}  # (key, version) -> [open handles reading it, trio time of their last open or READ]
+        self._held: dict = {}  # (key, version) -> bytes, fetched ahead and not yet opened: never evicted
+        self.held_bytes = 0
         # Under a budget the pinned files fill, every waiting READ's reclaim would walk
         # all their blocks to find nothing: the last such walk is remembered, until a
         # run lands, a pin goes or the first of them lapses.
@@ -114,6 +135,10 @@ class BlockCache:
         first_lapse_s = math.inf
         while freed_bytes < wanted_bytes and len(self._blocks) > passed:
             (key, version, i), block = next(iter(self._blocks.items()))
+            if self._held and (key, version) in self._held:
+                self._blocks.move_to_end((key, version, i))
+                passed += 1
+                continue
             pin = self._pins.get((key, version)) if self._pins else None
             if pin is not None and now_s - pin[1] < PIN_FRESH_S:
                 self._blocks.move_to_end((key, version, i))
@@ -131,6 +156,7 @@ class BlockCache:
                     del self._blocks[(key, version, j)]
                     freed_bytes += len(sibling)
                     self.stats["cache.evictions"] += 1
+        # (Held runs lapse never: only a release_hold, which counts as a change, frees them.)
         self._fruitless = (self._changes, first_lapse_s) if passed and not freed_bytes else None
         self.cached_bytes -= freed_bytes
         self.budget.release(freed_bytes)
@@ -174,7 +200,11 @@ class BlockCache:
                 # (Only then: a READ over 16 blocks of one flight would otherwise pass 16
                 # scheduler rounds, holding the flight's buffer all along, however soon
                 # the budget evicted its blocks.)
-                await flight.done.wait()
+                flight.waiters += 1  # a fetch-ahead GET someone waits on is urgent now
+                try:
+                    await flight.done.wait()
+                finally:
+                    flight.waiters -= 1
             if flight.error is not None:
                 raise flight.error
             found[i] = flight.blocks[i]
@@ -207,23 +237,29 @@ class BlockCache:
             waits.extend(self._start_fetch(key, version, size_bytes, missing_run))
         return found, waits
 
-    def _start_fetch(self, key, version, size_bytes, run: list) -> list:
-        """Register one flight for a run of consecutive missing blocks; return its waits."""
-        flight = Flight()
+    def _start_fetch(
+        self, key, version, size_bytes, run: list, flight: Optional[Flight] = None, reserved_bytes=0
+    ) -> list:
+        """Register one flight for a run of consecutive missing blocks; return its waits.
+        `reserved_bytes`: memory the caller already reserved for it."""
+        flight = flight or Flight()
         for i in run:
             self._flights[(key, version, i)] = flight
         bs = self.block_size_bytes
         start, end = run[0] * bs, min((run[-1] + 1) * bs, size_bytes)
         # The fetch runs in its own task, so a reader that gives up (interrupt) does not
         # strand the other waiters of this flight.
-        self.nursery.start_soon(self._fetch, key, version, size_bytes, start, end, run, flight)
+        self.nursery.start_soon(self._fetch, key, version, size_bytes, start, end, run, flight, reserved_bytes)
         return [(i, flight) for i in run]
 
-    async def _fetch(self, key, version, object_bytes, start, end, run, flight: Flight) -> None:
-        reserved_bytes = 0  # set once reserved: a reserve cancelled at unmount released nothing
+    async def _fetch(self, key, version, object_bytes, start, end, run, flight: Flight, reserved_bytes: int) -> None:
+        # reserved_bytes: set once reserved (a reserve cancelled at unmount released nothing)
+        if flight.speculative:
+            mark_speculative(flight)
         try:
-            await self.budget.reserve(end - start)
-            reserved_bytes = end - start
+            if not reserved_bytes:
+                await self.budget.reserve(end - start)
+                reserved_bytes = end - start
             # The blocks are views of the answer, not copies (slicing it into blocks was a
             # second copy of every byte, and both were alive at once outside the budget).
             data = memoryview(
@@ -251,4 +287,38 @@ class BlockCache:
                 self.budget.release(reserved_bytes)
             for i in run:
                 self._flights.pop((key, version, i), None)
+            if flight.error is not None:
+                self.release_hold(key, version)  # nothing was cached to hold
             flight.done.set()
+
+    # -- fetched ahead of its reader (core/fetchahead.py) ---------------------------
+    def fetch_ahead(self, key: str, version: str, size_bytes: int) -> Optional[Flight]:
+        """Start one speculative GET of the whole object and hold it until `release_hold`;
+        None when any of it is cached or in flight already, or the budget has no room
+        for it now (it takes memory only as read-ahead does: try_reserve)."""
+        bs = self.block_size_bytes
+        last = (size_bytes - 1) // bs
+        if size_bytes <= 0 or any(
+            (key, version, i) in self._blocks or (key, version, i) in self._flights for i in range(last + 1)
+        ):
+            return None
+        if not self.budget.try_reserve(size_bytes, refused_stat="fetch_ahead.memory_refused"):
+            return None
+        self._held[(key, version)] = size_bytes
+        self.held_bytes += size_bytes
+        flight = Flight(speculative=True)
+        self._start_fetch(key, version, size_bytes, list(range(last + 1)), flight, size_bytes)
+        return flight
+
+    def is_held(self, key: str, version: str) -> bool:
+        return (key, version) in self._held
+
+    def release_hold(self, key: str, version: str) -> int:
+        """The object may be evicted again (read, or no longer expected); its bytes held
+        (0 if it was not held)."""
+        size_bytes = self._held.pop((key, version), 0)
+        if size_bytes:
+            self.held_bytes -= size_bytes
+            self._changes += 1
+            self.budget.reclaimable_grew()
+        return size_bytes

@@ -2,9 +2,9 @@
 
 `build_components` makes, from `Config`, everything `Filesystem` orchestrates: the
 counters, the memory budget, the disk cache in front of the backend (with
---cache-dir), the namespace, the block cache, the prefetcher and the shard-warming
-policy. `Filesystem.__init__` calls it, so the mount (bucketfs/app/mount.py) and the
-unit tests build a filesystem the same way.
+--cache-dir), the namespace, the block cache, the prefetcher, the shard-warming
+policy and fetch-ahead. `Filesystem.__init__` calls it, so the mount
+(bucketfs/app/mount.py) and the unit tests build a filesystem the same way.
 
 Invariants:
 - Nothing else in bucketfs constructs these components for a mount.
@@ -24,6 +24,7 @@ from typing import Any, Optional
 import trio
 
 from bucketfs.core.blockcache import BlockCache
+from bucketfs.core.fetchahead import FetchAhead
 from bucketfs.core.memory import MemoryBudget
 from bucketfs.core.namespace import Namespace
 from bucketfs.core.prefetch import Prefetcher
@@ -45,6 +46,7 @@ class Components:
     cache: BlockCache
     prefetcher: Prefetcher
     shards: ShardWarming
+    fetch_ahead: FetchAhead
 
 
 def build_components(
@@ -86,4 +88,5 @@ def build_components(
     cache = BlockCache(backend, budget, stats, config.block_size_bytes, nursery)
     prefetcher = Prefetcher(backend, budget, stats, nursery, config.part_size_bytes)
     shards = ShardWarming(config, namespace, prefetcher, stats)
-    return Components(stats, budget, backend, disk_cache, namespace, cache, prefetcher, shards)
+    fetch_ahead = FetchAhead(config, namespace, cache, disk_cache, budget, stats, nursery)
+    return Components(stats, budget, backend, disk_cache, namespace, cache, prefetcher, shards, fetch_ahead)

@@ -15,6 +15,8 @@ Invariants:
   page cache is kept across opens, and a node is one version): a second epoch is
   served from the page cache and must not cost a GET. If the kernel did evict it,
   the first READ fetches it whole.
+- Small files opened are told to `FetchAhead` (fetchahead.py), which fetches the
+  rest of a tree ahead of a shuffled pass over it.
 - Shard-like files are read through a `HandleReader` whose read-ahead window warms
   the heads of the shards after them; the policy is `ShardWarming` (shards.py),
   told of every open and release.
@@ -126,6 +128,7 @@ class Filesystem:
         self.cache = parts.cache
         self.prefetcher = parts.prefetcher
         self.shards = parts.shards
+        self.fetch_ahead = parts.fetch_ahead
         self._handles: dict = {}
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
@@ -210,6 +213,7 @@ class Filesystem:
         if reader is None and node.size_bytes:
             self.cache.pin(key, node.version)
             handle.pinned = True
+            self.fetch_ahead.note_open(node, key)  # (after the pin: a held file is never evictable between)
         self.shards.handle_opened(key)
         return fh
 
@@ -347,6 +351,7 @@ class Filesystem:
                 "memory.listings_bytes": self.budget.listings_bytes,
                 "memory.disk_index_bytes": self.budget.disk_index_bytes,
                 "cache.bytes": self.cache.cached_bytes,
+                "fetch_ahead.held_bytes": self.cache.held_bytes,
                 "namespace.entries": self.ns.entries_count,
                 "handles.open": len(self._handles),
             }

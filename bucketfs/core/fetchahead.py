@@ -1,0 +1,289 @@
+"""Fetch-ahead of a random-order pass over small files.
+
+A DataLoader(shuffle=True) over an ImageFolder opens its files in random order, each
+worker one file at a time, so a cold epoch has only as many GETs in flight as there
+are workers (8 workers at 20 ms to first byte: at best 400 files/s). A parallel copier
+keeps hundreds in flight. `FetchAhead` notices a shuffled pass and fetches the rest
+of its tree ahead of the loader, the way a copier would, into memory the readers do
+not need; the loader's opens then find their files cached.
+
+Detection (`note_open`, told of every open of a small file):
+- An open is in order when the entry before it in its directory's listing was
+  opened among the last RECENT_OPENS_KEPT small-file opens (loader workers reading in
+  listing order interleave, so "the previous open" is not enough), or it is the
+  directory's first entry.
+- When at least OUT_OF_ORDER_MIN of the last DETECT_WINDOW opens were out of order, a
+  pass begins over the deepest directory holding all of those files (for an
+  ImageFolder, the root above its class directories). A walk in listing order, a
+  find or du (no opens), a reader of a few files and --metadata-ttl mounts never
+  start one.
+
+A pass (`_run_pass`):
+- walks its tree in listing order, once, and fetches each small file not yet opened
+  in this pass and not cached (block cache, disk cache, or the kernel's page cache:
+  a node already served whole) with one whole-object GET (BlockCache.fetch_ahead):
+  each object at most once per pass;
+- keeps at most --fetch-ahead-requests GETs in flight, in a connection pool of their
+  own, so a reader's GET never queues behind them, and a fetch-ahead GET a reader
+  waits on turns urgent (backends/slots.py);
+- holds what it fetched (never evicted) until the loader opens it; the held bytes
+  stay under ROOM_SHARE of the buffer budget, and fetching waits for opens to free
+  room: the loader's reads are what make room, so fetch-ahead never runs further
+  ahead than that;
+- ends when a file of it is opened a second time (the next epoch: a new pass is
+  detected afresh) or when no file of it is opened for PASS_IDLE_S. Held files
+  not yet opened are released then (kept in the cache, evictable: counted unused).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+from typing import Optional
+
+import trio
+
+from bucketfs import errors
+from bucketfs.core.namespace import Node
+
+log = logging.getLogger(__name__)
+
+# Opens remembered to tell an in-order reader: several workers' interleaved streams
+# (a worker's previous file is a few opens back). Few: on a small data set, a long
+# memory would hold every file and call any order "in order".
+RECENT_OPENS_KEPT = 64
+# Of the last DETECT_WINDOW small-file opens, this many out of order start a pass. A
+# shuffled order has nearly all out of order; loader workers reading in listing order
+# have a few (a batch's first file, its predecessor not opened yet).
+DETECT_WINDOW = 32
+OUT_OF_ORDER_MIN = 24
+# Fetched-ahead files held unread may take this share of the memory for buffers; the
+# rest stays for readers, read-ahead and the disk cache's queued writes.
+ROOM_SHARE = 0.5
+# A pass none of whose files is opened for this long is over (the loader stopped, or
+# moved on): what it holds is let go.
+PASS_IDLE_S = 30.0
+# When the budget refuses memory with room left (held by readers or read-ahead), the
+# walk tries again this often; opens and landed fetches wake it sooner.
+RETRY_S = 0.25
+
+
+class _PassOver(Exception):
+    """The pass went idle while its walk waited."""
+
+
+class _Pass:
+    __slots__ = ("root", "opened", "held", "last_open_s", "cancel_scope", "fetched_count")
+
+    def __init__(self, root: Node, now_s: float):
+        self.root = root
+        self.opened: set = set()  # inos of files opened in this pass
+        self.held: dict = {}  # key -> (version, bytes) fetched ahead, not yet opened
+        self.last_open_s = now_s
+        self.cancel_scope = trio.CancelScope()
+        self.fetched_count = 0
+
+
+def is_under(node: Node, directory: Node) -> bool:
+    parent = node.parent
+    while True:
+        if parent is directory:
+            return True
+        if parent.parent is parent:  # the root
+            return False
+        parent = parent.parent
+
+
+def common_directory(nodes) -> Node:
+    """The deepest directory holding every node of `nodes` (not empty)."""
+    nodes = iter(nodes)
+    directory = next(nodes).parent
+    for node in nodes:
+        while not is_under(node, directory) and directory.parent is not directory:
+            directory = directory.parent
+    return directory
+
+
+class FetchAhead:
+    """One mount's fetch-ahead. `Filesystem.open` calls `note_open` for every small file."""
+
+    def __init__(self, config, namespace, cache, disk_cache, budget, stats, nursery: trio.Nursery):
+        self.enabled = config.fetch_ahead != "off" and config.immutable
+        self.key_prefix = config.url.prefix
+        self.small_file_bytes = config.small_file_bytes
+        self.requests_max_count = config.fetch_ahead_requests_count
+        self._ns = namespace
+        self._cache = cache
+        self._disk_cache = disk_cache
+        self._budget = budget
+        self._stats = stats
+        self._nursery = nursery
+        self._recent: collections.deque = collections.deque()  # inos of the last small-file opens
+        self._recent_set: collections.Counter = collections.Counter()
+        self._window: collections.deque = collections.deque(maxlen=DETECT_WINDOW)  # (node, out of order)
+        self._pass: Optional[_Pass] = None
+        self._in_flight_count = 0
+        self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
+
+    @property
+    def room_bytes(self) -> int:
+        return int(self._budget.capacity_bytes * ROOM_SHARE)
+
+    # -- what Filesystem tells it ---------------------------------------------------
+    def note_open(self, node: Node, key: str) -> None:
+        """`node` (a small file, as `key`) is being opened for reading."""
+        if not self.enabled:
+            return
+        now_s = trio.current_time()
+        held_bytes = self._cache.release_hold(key, node.version)
+        current = self._pass
+        if current is not None:
+            if held_bytes:
+                current.held.pop(key, None)
+                self._stats["fetch_ahead.used_files"] += 1
+                self._stats["fetch_ahead.used_bytes"] += held_bytes
+                self._wake()
+            if is_under(node, current.root):
+                current.last_open_s = now_s
+                if node.ino in current.opened:
+                    self._end_pass("its files are being opened again")  # the next epoch
+                else:
+                    current.opened.add(node.ino)
+        self._note_order(node)
+
+    def _note_order(self, node: Node) -> None:
+        self._window.append((node, not self._in_order(node)))
+        self._recent.append(node.ino)
+        self._recent_set[node.ino] += 1
+        if len(self._recent) > RECENT_OPENS_KEPT:
+            old = self._recent.popleft()
+            self._recent_set[old] -= 1
+            if not self._recent_set[old]:
+                del self._recent_set[old]
+        if self._pass is not None or len(self._window) < DETECT_WINDOW:
+            return
+        if sum(out_of_order for _, out_of_order in self._window) >= OUT_OF_ORDER_MIN:
+            self._start_pass(common_directory(node for node, _ in self._window))
+
+    def _in_order(self, node: Node) -> bool:
+        listing = node.parent.listing
+        if listing is None:
+            return True
+        names = listing.names_sorted
+        i = bisect.bisect_left(names, node.name)
+        if i == 0:
+            return True
+        return listing.children.get(names[i - 1]) in self._recent_set
+
+    # -- a pass -----------------------------------------------------------------------
+    def _start_pass(self, root: Node) -> None:
+        current = self._pass = _Pass(root, trio.current_time())
+        self._window.clear()
+        self._stats["fetch_ahead.passes"] += 1
+        # The opens that revealed the pass count as opened in it.
+        current.opened.update(ino for ino in self._recent_set)
+        log.info("fetch-ahead: files under /%s are opened in random order; fetching the rest ahead", root.path)
+        self._nursery.start_soon(self._run_pass, current)
+
+    def _end_pass(self, why: str) -> None:
+        current, self._pass = self._pass, None
+        if current is None:
+            return
+        current.cancel_scope.cancel()
+        for key, (version, _) in current.held.items():
+            held_bytes = self._cache.release_hold(key, version)
+            if held_bytes:
+                self._stats["fetch_ahead.unused_files"] += 1
+                self._stats["fetch_ahead.unused_bytes"] += held_bytes
+        current.held.clear()
+        self._window.clear()
+        self._recent.clear()  # the next epoch's order owes nothing to this one's
+        self._recent_set.clear()
+        log.info(
+            "fetch-ahead: pass over /%s ended (%s); %d files fetched", current.root.path, why, current.fetched_count
+        )
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _run_pass(self, current: _Pass) -> None:
+        with current.cancel_scope:
+            try:
+                await self._walk(current)
+                while True:  # walked: what it holds waits for the loader
+                    await self._wait(current)
+            except _PassOver:
+                if self._pass is current:
+                    self._end_pass(f"no file opened for {PASS_IDLE_S:.0f} s")
+            except errors.BucketfsError as exc:
+                # A listing failed (the store is down): the loader's own opens go on
+                # without fetch-ahead; a later shuffled stretch starts a new pass.
+                log.warning("fetch-ahead: walking /%s failed: %s", current.root.path, exc)
+                if self._pass is current:
+                    self._end_pass("a listing failed")
+
+    async def _wait(self, current: _Pass) -> None:
+        """Until something changes (or RETRY_S); _PassOver once the pass is idle."""
+        now_s = trio.current_time()
+        idle_at_s = current.last_open_s + PASS_IDLE_S
+        if now_s >= idle_at_s:
+            raise _PassOver()
+        with trio.move_on_at(min(idle_at_s, now_s + RETRY_S)):
+            await self._changed.wait()
+
+    async def _walk(self, current: _Pass) -> None:
+        stack = [current.root]
+        while stack:
+            directory = stack.pop()
+            subdirectories = []
+            for child in await self._ns.list_dir(directory.ino):
+                if child.is_dir:
+                    subdirectories.append(child)
+                elif self._wanted(current, child):
+                    await self._fetch(current, child)
+            stack.extend(reversed(subdirectories))
+
+    def _wanted(self, current: _Pass, node: Node) -> bool:
+        if not 0 < node.size_bytes <= self.small_file_bytes or node.served or node.ino in current.opened:
+            return False
+        key = self.key_prefix + node.path
+        if self._cache.holds(key, node.version, 0):
+            return False
+        if self._disk_cache is not None and self._disk_cache.holds(key, node.version, 0, node.size_bytes):
+            return False
+        return True
+
+    async def _fetch(self, current: _Pass, node: Node) -> None:
+        key = self.key_prefix + node.path
+        while True:
+            if node.ino in current.opened or self._cache.holds(key, node.version, 0):
+                return  # opened while this waited for room: its reader fetched it
+            fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
+            if fits and self._in_flight_count < self.requests_max_count:
+                flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
+                if flight is not None:
+                    break
+            await self._wait(current)
+        current.held[key] = (node.version, node.size_bytes)
+        current.fetched_count += 1
+        self._in_flight_count += 1
+        self._stats["fetch_ahead.files"] += 1
+        self._stats["fetch_ahead.bytes"] += node.size_bytes
+        self._nursery.start_soon(self._landed, current, key, flight)
+
+    async def _landed(self, current: _Pass, key: str, flight) -> None:
+        try:
+            await flight.done.wait()
+        finally:
+            self._in_flight_count -= 1
+            if flight.error is not None:
+                current.held.pop(key, None)  # (BlockCache let go of its hold)
+                self._stats["fetch_ahead.failed"] += 1
+            self._wake()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._cache.held_bytes

@@ -1,0 +1,249 @@
+"""Fetch-ahead of a shuffled pass over small files (core/fetchahead.py), on the
+in-memory backend with its request counters."""
+
+import random
+
+import trio
+import trio.testing
+
+from bucketfs.backends import slots
+from bucketfs.backends.memory import MemoryBackend
+from bucketfs.core import fetchahead
+from tests.unit.helpers import read_all, resolve, run_fs
+
+KiB = 1024
+MiB = 1024 * KiB
+CLASSES_COUNT = 6
+FILES_PER_CLASS = 40
+
+
+def image_folder(file_bytes=8 * KiB, classes=CLASSES_COUNT, per_class=FILES_PER_CLASS, delay_s=0.02):
+    rng = random.Random(7)
+    objects = {
+        f"train/class{c:02d}/img{i:04d}.jpg": rng.randbytes(file_bytes + rng.randrange(1024))
+        for c in range(classes)
+        for i in range(per_class)
+    }
+    return objects, MemoryBackend(objects, delay_s=delay_s)
+
+
+async def read_epoch(fs, paths, workers=8):
+    """Read `paths` whole, in this order, with `workers` concurrent readers (each one
+    file at a time, as DataLoader workers do); {path: bytes}."""
+    out = {}
+    queue = iter(paths)
+
+    async def worker():
+        for path in queue:
+            out[path] = await read_all(fs, path)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(workers):
+            nursery.start_soon(worker)
+    return out
+
+
+def shuffled(objects, seed):
+    paths = sorted(objects)
+    random.Random(seed).shuffle(paths)
+    return paths
+
+
+def test_a_shuffled_pass_fetches_the_rest_of_the_tree_once():
+    objects, backend = image_folder()
+
+    async def body(fs):
+        got = await read_epoch(fs, shuffled(objects, 1))
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert stats["fetch_ahead.passes"] == 1
+    # Most of the set came from fetch-ahead, and no object cost two GETs.
+    assert stats["fetch_ahead.files"] > len(objects) // 2
+    assert backend.requests["get"] <= len(objects)
+    assert stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+    assert stats.get("fetch_ahead.unused_files", 0) == 0
+
+
+def test_fetch_ahead_makes_a_cold_shuffled_epoch_faster_than_its_readers_alone():
+    """8 readers at 20 ms per GET: ~400 files/s alone; with fetch-ahead the epoch's
+    time is bound by the detection and one round of GETs in flight."""
+    objects, backend = image_folder()
+
+    def epoch_s(mode):
+        async def body(fs):
+            start_s = trio.current_time()
+            await read_epoch(fs, shuffled(objects, 1))
+            return trio.current_time() - start_s
+
+        return run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), fetch_ahead=mode)
+
+    assert epoch_s("auto") < epoch_s("off") / 3
+
+
+def test_a_walk_in_listing_order_does_not_start_a_pass():
+    objects, backend = image_folder()
+
+    async def body(fs):
+        got = await read_epoch(fs, sorted(objects), workers=8)  # interleaved workers, listing order
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert stats.get("fetch_ahead.passes", 0) == 0 and stats.get("fetch_ahead.files", 0) == 0
+    assert backend.requests["get"] == len(objects)
+
+
+def test_a_reader_of_a_few_files_or_with_fetch_ahead_off_or_a_ttl_fetches_nothing_ahead():
+    objects, backend = image_folder()
+    few = shuffled(objects, 2)[: fetchahead.DETECT_WINDOW - 1]
+    cases = [
+        (few, {}),
+        (shuffled(objects, 3), {"fetch_ahead": "off"}),
+        (shuffled(objects, 4), {"metadata_ttl_s": 60.0}),
+    ]
+    for paths, overrides in cases:
+        backend.requests.clear()
+
+        async def body(fs, paths=paths):
+            got = await read_epoch(fs, paths)
+            return got, fs.snapshot()
+
+        got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), **overrides)
+        assert got == {path: objects[path] for path in paths}
+        assert stats.get("fetch_ahead.files", 0) == 0, overrides
+        assert backend.requests["get"] == len(paths)
+
+
+def test_held_files_stay_inside_the_room_and_none_is_evicted_before_it_is_read():
+    """A data set twice the buffer memory: fetch-ahead runs only as far as the
+    loader's reads make room, and everything it fetched is read from memory."""
+    objects, backend = image_folder(file_bytes=100 * KiB, per_class=60)  # ~36 MiB
+    peaks = []
+
+    async def body(fs):
+        async def watch():
+            while True:
+                peaks.append((fs.cache.held_bytes, fetchahead.FetchAhead.room_bytes.fget(fs.fetch_ahead)))
+                await trio.sleep(0.005)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            got = await read_epoch(fs, shuffled(objects, 5))
+            nursery.cancel_scope.cancel()
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB)
+    assert got == objects
+    assert stats["fetch_ahead.files"] > 0
+    largest_bytes = max(len(data) for data in objects.values())
+    assert all(held <= room + largest_bytes for held, room in peaks)
+    assert backend.requests["get"] <= len(objects)  # nothing fetched twice: held files were never evicted
+    assert stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+    assert stats["memory.peak_bytes"] <= stats["memory.budget_bytes"]
+
+
+def test_the_next_epoch_ends_the_pass_and_costs_no_get_when_everything_fits():
+    objects, backend = image_folder()
+
+    async def body(fs):
+        await read_epoch(fs, shuffled(objects, 6))
+        first_gets = backend.requests["get"]
+        for node in [await resolve(fs, path) for path in objects]:
+            node.served = False  # as if the kernel dropped its pages: every open reaches the cache
+        got = await read_epoch(fs, shuffled(objects, 7))
+        return got, first_gets, fs.snapshot()
+
+    got, first_gets, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert backend.requests["get"] == first_gets  # the second epoch: all from the block cache
+    assert stats["fetch_ahead.passes"] == 2  # ended by the second epoch's repeated opens, then detected again
+    assert stats["fetch_ahead.files"] <= len(objects)
+
+
+def test_a_pass_whose_loader_stops_lets_go_of_what_it_holds(monkeypatch):
+    monkeypatch.setattr(fetchahead, "PASS_IDLE_S", 5.0)  # (the test's whole run has 30 s of trio time)
+    objects, backend = image_folder(file_bytes=100 * KiB, per_class=60)
+
+    async def body(fs):
+        await read_epoch(fs, shuffled(objects, 8)[:100])
+        held_while_running = fs.cache.held_bytes
+        await trio.sleep(fetchahead.PASS_IDLE_S + 5)
+        return held_while_running, fs.cache.held_bytes, fs.snapshot()
+
+    held_while_running, held_after, stats = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB
+    )
+    assert held_while_running > 0
+    assert held_after == 0
+    assert stats["fetch_ahead.unused_files"] > 0
+    assert stats["fetch_ahead.unused_files"] + stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+
+
+def test_a_failed_fetch_ahead_get_is_fetched_again_by_its_reader():
+    """Fetch-ahead GETs of files nobody has opened yet fail; their readers, later,
+    fetch them themselves and get the right bytes."""
+    objects, backend = image_folder()
+    order = shuffled(objects, 10)
+    failing = set(order[-40:])
+    failed = []
+
+    def fail_once(op, key):
+        if op == "get" and key in failing and key not in failed:
+            failed.append(key)
+            raise OSError("connection reset")
+
+    backend.fail_hook = fail_once
+
+    async def body(fs):
+        got = await read_epoch(fs, order[:100])
+        await trio.testing.wait_all_tasks_blocked()  # the walk has reached every file
+        got.update(await read_epoch(fs, order[100:]))
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert sorted(failed) == sorted(failing)
+    assert stats["fetch_ahead.failed"] == len(failing)
+    assert backend.requests["get"] == len(objects) + len(failing)
+
+
+def test_fetch_ahead_calls_take_their_own_slots_and_never_delay_a_reader():
+    """Two shared slots, both held by readers, and a pool of three for fetch-ahead:
+    three fetch-ahead calls start at once; a fourth waits in the shared pool as
+    read-ahead does, and an urgent call that arrives after it goes first."""
+
+    class Ticket:
+        own_slots = True
+        urgent = False
+        in_own_slot = False
+
+    pool = slots.PrioritySlots(2, fetch_ahead_count=3)
+    entered = []
+    release = trio.Event()
+
+    async def call(name, ticket=None, task_status=trio.TASK_STATUS_IGNORED):
+        if ticket is not None:
+            slots.mark_speculative(ticket)
+        task_status.started()
+        async with pool:
+            entered.append(name)
+            await release.wait()
+
+    async def main():
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for name in ("reader1", "reader2"):
+                    await nursery.start(call, name)
+                for i in range(4):
+                    await nursery.start(call, f"ahead{i}", Ticket())
+                await trio.testing.wait_all_tasks_blocked()
+                assert entered == ["reader1", "reader2", "ahead0", "ahead1", "ahead2"]
+                assert pool.fetch_ahead_busy_count == 3 and pool.busy_count == 2
+                await nursery.start(call, "reader3")
+                release.set()
+        assert entered.index("reader3") < entered.index("ahead3")
+        assert pool.busy_count == 0 and pool.fetch_ahead_busy_count == 0
+
+    trio.run(main)
