@@ -77,6 +77,30 @@ _SIMPLE = [
         "Shards opened out of listing order (shuffled): nothing warmed after them",
         "counter",
     ),
+    ("fetch_ahead.passes", "bucketfs_fetch_ahead_passes", "Shuffled passes over a tree fetched ahead", "counter"),
+    ("fetch_ahead.files", "bucketfs_fetch_ahead_files", "Files fetched ahead of a shuffled pass", "counter"),
+    ("fetch_ahead.bytes", "bucketfs_fetch_ahead_bytes", "Bytes fetched ahead of a shuffled pass", "counter"),
+    ("fetch_ahead.used_files", "bucketfs_fetch_ahead_used_files", "Files fetched ahead that were opened", "counter"),
+    ("fetch_ahead.used_bytes", "bucketfs_fetch_ahead_used_bytes", "Bytes fetched ahead that were opened", "counter"),
+    (
+        "fetch_ahead.unused_files",
+        "bucketfs_fetch_ahead_unused_files",
+        "Files fetched ahead and let go unopened (their pass ended): evictable from then on",
+        "counter",
+    ),
+    (
+        "fetch_ahead.unused_bytes",
+        "bucketfs_fetch_ahead_unused_bytes",
+        "Bytes fetched ahead and let go unopened (their pass ended)",
+        "counter",
+    ),
+    ("fetch_ahead.failed", "bucketfs_fetch_ahead_failed", "Fetch-ahead GETs that failed after retries", "counter"),
+    (
+        "fetch_ahead.held_bytes",
+        "bucketfs_fetch_ahead_held_bytes",
+        "Bytes fetched ahead and held until their file is opened",
+        "gauge",
+    ),
     ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
     ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
     (
@@ -281,6 +305,10 @@ def format_stats(snapshot: dict) -> str:
         f"read-ahead    {get('prefetch.fetched_bytes', 0) / mib:.1f} MiB fetched, {used / mib:.1f} MiB used, {wasted / mib:.1f} MiB wasted; "
         f"shard heads warmed {get('prefetch.heads_warmed', 0)}, used {get('prefetch.heads_used', 0)}; "
         f"{get('prefetch.warming_skipped', 0)} shards opened out of order",
+        f"fetch-ahead   {get('fetch_ahead.passes', 0)} shuffled passes; {get('fetch_ahead.files', 0)} files "
+        f"({get('fetch_ahead.bytes', 0) / mib:.1f} MiB) fetched ahead, {get('fetch_ahead.used_files', 0)} opened, "
+        f"{get('fetch_ahead.unused_files', 0)} let go unopened, {get('fetch_ahead.failed', 0)} failed; "
+        f"{get('fetch_ahead.held_bytes', 0) / mib:.1f} MiB held",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
         f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings"
