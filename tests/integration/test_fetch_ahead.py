@@ -1,0 +1,243 @@
+"""Fetch-ahead (bucketfs/core/fetchahead.py) on real mounts of rclone's S3 server.
+
+An ImageFolder-like tree of small files is read once in a shuffled order by 8
+threads (plain open/read): every byte must match the upload, a fetch-ahead pass must
+have run, and no object may be fetched twice in one epoch. A walk in listing order
+and `--fetch-ahead off` start no pass; a small `--max-memory` below the data set's
+size never evicts a file fetched ahead before it is read; with `--cache-dir` what
+was fetched ahead lands on disk, so the next mount reads it all without a GET.
+
+GETs are counted twice: by a counting proxy between the mount and the server (per
+key, from outside the daemon) and by the daemon's `backend.requests.get`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import os
+import random
+
+import pytest
+
+import bucketfs.testing.counting_proxy as counting_proxy_module
+from bucketfs.testing.counting_proxy import CountingProxy, counting_proxy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+KB = 1000
+MiB = 1024 * 1024
+CLASSES = 8
+PER_CLASS = 60
+FILES_COUNT = CLASSES * PER_CLASS
+READER_THREADS = 8
+
+
+def image_tree(low_bytes: int = 20 * KB, high_bytes: int = 120 * KB, seed: int = 0) -> dict:
+    """{key: bytes}: train/classNN/imgNNNN.jpg, CLASSES x PER_CLASS files of random bytes."""
+    rng = random.Random(seed)
+    return {
+        f"train/class{c:02d}/img{i:04d}.jpg": rng.randbytes(rng.randrange(low_bytes, high_bytes + 1))
+        for c in range(CLASSES)
+        for i in range(PER_CLASS)
+    }
+
+
+# A pass opens up to --fetch-ahead-requests (256) connections at once. With
+# socketserver's listen backlog (5) the proxy's kernel drops most of their handshakes
+# (TcpExtListenOverflows), and a GET sent on such a connection waits out --read-timeout
+# (30 s) before its retry, and so does a reader waiting on it: an artefact of the
+# proxy, not of a store.
+PROXY_LISTEN_BACKLOG = 1024
+
+
+def wide_counting_proxy(upstream_url: str, monkeypatch):
+    """counting_proxy(upstream_url), listening with a backlog a pass's burst of connections fits in."""
+    monkeypatch.setattr(counting_proxy_module._Server, "request_queue_size", PROXY_LISTEN_BACKLOG)
+    return counting_proxy(upstream_url)
+
+
+@pytest.fixture
+def proxy(rclone_server, monkeypatch):
+    """A counting proxy in front of rclone: the mounts' --endpoint-url."""
+    with wide_counting_proxy(rclone_server.endpoint_url, monkeypatch) as p:
+        yield p
+
+
+def seeded(rclone_server, bucket, tree: dict) -> dict:
+    rclone_server.write_files(bucket, tree)
+    return {key: hashlib.sha256(data).digest() for key, data in tree.items()}
+
+
+def scan(mount) -> list:
+    """The tree's files as ImageFolder's scan finds them (a walk: listings only)."""
+    found = []
+    for root, dirs, files in os.walk(mount.path("train")):
+        dirs.sort()
+        found.extend(os.path.relpath(os.path.join(root, name), mount.mountpoint) for name in sorted(files))
+    return found
+
+
+def read_digest(mount, key: str) -> tuple:
+    with open(mount.path(key), "rb") as f:
+        return key, hashlib.sha256(f.read()).digest()
+
+
+def shuffled_epoch(mount, keys, seed: int, threads: int = READER_THREADS) -> dict:
+    """Every file read whole once, in a shuffled order, by `threads` threads."""
+    order = list(keys)
+    random.Random(seed).shuffle(order)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return dict(pool.map(lambda key: read_digest(mount, key), order))
+
+
+def assert_bytes_match(read: dict, digests: dict) -> None:
+    assert set(read) == set(digests)
+    wrong = sorted(key for key, digest in read.items() if digest != digests[key])
+    assert not wrong, f"{len(wrong)} files differ from what was uploaded, e.g. {wrong[:5]}"
+
+
+def gets_per_key(proxy: CountingProxy, bucket: str) -> collections.Counter:
+    prefix = f"/{bucket}/"
+    return collections.Counter(r.path[len(prefix) :] for r in proxy.object_gets() if r.path.startswith(prefix))
+
+
+def assert_at_most_one_get_per_file(proxy: CountingProxy, bucket: str, stats: dict, files_count: int) -> None:
+    per_key = gets_per_key(proxy, bucket)
+    twice = {key: n for key, n in per_key.items() if n > 1}
+    assert not twice, f"{len(twice)} objects fetched more than once in one epoch, e.g. {list(twice.items())[:5]}"
+    assert sum(per_key.values()) <= files_count
+    assert stats.get("backend.requests.get", 0) <= files_count, fetch_ahead_counters(stats)
+
+
+def fetch_ahead_counters(stats: dict) -> dict:
+    """What a failed assertion shows: fetch-ahead's, the GETs' and the budget's counters."""
+    return {
+        k: v
+        for k, v in sorted(stats.items())
+        if k.startswith(("fetch_ahead.", "backend.", "memory.", "disk_cache.", "cache."))
+    }
+
+
+def test_a_shuffled_epoch_is_fetched_ahead_once_and_a_second_costs_no_get(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    digests = seeded(rclone_server, s3_bucket, image_tree())
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=1), digests)
+    stats = m.stats()
+    assert stats.get("fetch_ahead.passes", 0) >= 1, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.files", 0) > 0, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.failed", 0) == 0, fetch_ahead_counters(stats)
+    assert stats.get("backend.retries", 0) == 0, fetch_ahead_counters(stats)  # the burst of GETs: none timed out
+    # Every file fetched ahead was then opened: none was fetched for nothing.
+    assert stats.get("fetch_ahead.used_files", 0) == stats["fetch_ahead.files"], fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.held_bytes", 0) == 0, fetch_ahead_counters(stats)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+    epoch1_gets = len(proxy.object_gets())
+
+    # Epoch 2, another order, the page cache kept: not one object GET.
+    assert_bytes_match(shuffled_epoch(m, digests, seed=2), digests)
+    after = m.stats()
+    new_gets = proxy.object_gets()[epoch1_gets:]
+    assert not new_gets, f"epoch 2 made {len(new_gets)} object GETs, e.g. {new_gets[:5]}; {fetch_ahead_counters(after)}"
+    assert after.get("backend.requests.get", 0) == stats.get("backend.requests.get", 0)
+    # Epoch 2 reopened epoch 1's files, which ended its pass: nothing held was left unread.
+    assert after.get("fetch_ahead.unused_files", 0) == 0, fetch_ahead_counters(after)
+
+
+def _sorted_walk(m, keys) -> dict:
+    """ImageFolder's order with shuffle=False: the listing order, one reader."""
+    return dict(read_digest(m, key) for key in scan(m))
+
+
+def _quarters(m, keys) -> dict:
+    """4 threads, each reading a contiguous quarter of the listing order."""
+    ordered = scan(m)
+    size = -(-len(ordered) // 4)
+    chunks = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    with concurrent.futures.ThreadPoolExecutor(len(chunks)) as pool:
+        parts = pool.map(lambda chunk: [read_digest(m, key) for key in chunk], chunks)
+        return dict(pair for part in parts for pair in part)
+
+
+@pytest.mark.parametrize("read_in_order", [_sorted_walk, _quarters], ids=["sorted-walk", "4-threads-quarters"])
+def test_reads_in_listing_order_start_no_pass(rclone_server, s3_bucket, mount_factory, proxy, read_in_order):
+    digests = seeded(rclone_server, s3_bucket, image_tree())
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+
+    assert_bytes_match(read_in_order(m, digests), digests)
+    stats = m.stats()
+    assert stats.get("fetch_ahead.passes", 0) == 0, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.files", 0) == 0, fetch_ahead_counters(stats)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+
+
+def test_fetch_ahead_off_fetches_nothing_ahead(rclone_server, s3_bucket, mount_factory, proxy):
+    digests = seeded(rclone_server, s3_bucket, image_tree())
+    m = mount_factory(rclone_server, s3_bucket, "", "--fetch-ahead", "off", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=3), digests)
+    stats = m.stats()
+    assert stats.get("fetch_ahead.passes", 0) == 0, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.files", 0) == 0, fetch_ahead_counters(stats)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+
+
+def test_a_budget_smaller_than_the_data_never_evicts_a_file_fetched_ahead(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    tree = image_tree(low_bytes=20 * KB, high_bytes=150 * KB, seed=4)
+    total_bytes = sum(map(len, tree.values()))
+    assert total_bytes >= 38 * MiB  # well over --max-memory
+    digests = seeded(rclone_server, s3_bucket, tree)
+    m = mount_factory(rclone_server, s3_bucket, "", "--max-memory", "24M", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=5), digests)
+    stats = m.stats()
+    assert stats.get("fetch_ahead.passes", 0) >= 1, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.files", 0) > 0, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.failed", 0) == 0, fetch_ahead_counters(stats)
+    assert stats.get("cache.evictions", 0) > 0, fetch_ahead_counters(stats)  # the budget did not hold it all
+    # A held file is never evicted before its reader opens it: no object twice.
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+    assert stats.get("fetch_ahead.used_files", 0) == stats["fetch_ahead.files"], fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.held_bytes", 0) == 0, fetch_ahead_counters(stats)
+
+    # Reopening a file of the pass ends it: anything still held would count as unused.
+    read_digest(m, sorted(digests)[0])
+    end = m.stats()
+    assert end.get("fetch_ahead.unused_files", 0) == 0, fetch_ahead_counters(end)
+    assert end.get("fetch_ahead.unused_bytes", 0) == 0, fetch_ahead_counters(end)
+
+
+def test_files_fetched_ahead_land_in_the_disk_cache_for_the_next_mount(
+    rclone_server, s3_bucket, mount_factory, proxy, tmp_path
+):
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=6))
+    cache_dir = str(tmp_path / "cache")
+    m = mount_factory(rclone_server, s3_bucket, "", "--cache-dir", cache_dir, endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=7), digests)
+    first = m.stats()
+    assert first.get("fetch_ahead.passes", 0) >= 1, fetch_ahead_counters(first)
+    assert first.get("fetch_ahead.files", 0) > 0, fetch_ahead_counters(first)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, first, FILES_COUNT)
+    m.close()  # unmounted: stores still queued land now
+    first_gets = len(proxy.object_gets())
+
+    later = mount_factory(rclone_server, s3_bucket, "", "--cache-dir", cache_dir, endpoint_url=proxy.url)
+    assert_bytes_match(shuffled_epoch(later, digests, seed=8), digests)
+    second = later.stats()
+    new_gets = proxy.object_gets()[first_gets:]
+    assert not new_gets, (
+        f"the mount after made {len(new_gets)} object GETs, e.g. {new_gets[:5]}; "
+        f"first mount: {fetch_ahead_counters(first)}; this mount: {fetch_ahead_counters(second)}"
+    )
+    assert second.get("backend.requests.get", 0) == 0, fetch_ahead_counters(second)
