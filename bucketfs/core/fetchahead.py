@@ -25,7 +25,11 @@ A pass (`_run_pass`):
   each object at most once per pass;
 - keeps at most --fetch-ahead-requests GETs in flight, in a connection pool of their
   own, so a reader's GET never queues behind them, and a fetch-ahead GET a reader
-  waits on turns urgent (backends/slots.py);
+  waits on turns urgent (backends/slots.py). It gets there as TCP does: from
+  RAMP_START_COUNT, one more per GET that succeeds (doubling each round trip), halved
+  by a failure. Hundreds of new connections at once overflow the listen queue of a
+  modest server or proxy: the handshakes it drops leave GETs (and the readers that
+  wait on them) stalled until --read-timeout;
 - holds what it fetched (never evicted) until the loader opens it; the held bytes
   stay under ROOM_SHARE of the buffer budget, and fetching waits for opens to free
   room: the loader's reads are what make room, so fetch-ahead never runs further
@@ -64,6 +68,8 @@ ROOM_SHARE = 0.5
 # A pass none of whose files is opened for this long is over (the loader stopped, or
 # moved on): what it holds is let go.
 PASS_IDLE_S = 30.0
+# GETs in flight when fetch-ahead starts, and the least it falls back to on failures.
+RAMP_START_COUNT = 16
 # When the budget refuses memory with room left (held by readers or read-ahead), the
 # walk tries again this often; opens and landed fetches wake it sooner.
 RETRY_S = 0.25
@@ -124,6 +130,7 @@ class FetchAhead:
         self._window: collections.deque = collections.deque(maxlen=DETECT_WINDOW)  # (node, out of order)
         self._pass: Optional[_Pass] = None
         self._in_flight_count = 0
+        self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
         self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
 
     @property
@@ -262,7 +269,7 @@ class FetchAhead:
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
             fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
-            if fits and self._in_flight_count < self.requests_max_count:
+            if fits and self._in_flight_count < self._allowed_count:
                 flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
                 if flight is not None:
                     break
@@ -282,6 +289,9 @@ class FetchAhead:
             if flight.error is not None:
                 current.held.pop(key, None)  # (BlockCache let go of its hold)
                 self._stats["fetch_ahead.failed"] += 1
+                self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
+            else:
+                self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
             self._wake()
 
     @property

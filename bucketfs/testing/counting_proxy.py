@@ -36,6 +36,10 @@ class Request(NamedTuple):
 
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver listens with a backlog of 5: a burst of new connections (a
+    # fetch-ahead pass opens hundreds) had most handshakes dropped, and a GET sent on
+    # such a connection waited out --read-timeout: the proxy's artefact, not a store's.
+    request_queue_size = 1024
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], ConnectionError):

@@ -16,7 +16,6 @@ import random
 
 import pytest
 
-import bucketfs.testing.counting_proxy as counting_proxy_module
 from bucketfs.testing.counting_proxy import counting_proxy
 from bucketfs.testing.mounting import bucketfs_mount, daemon_stats
 from tests.e2e.conftest import REPO_ROOT
@@ -35,10 +34,6 @@ PREFIX = "fetch-ahead/"
 CLASSES = 8
 PER_CLASS = 60
 FILES_COUNT = CLASSES * PER_CLASS
-# A pass opens up to --fetch-ahead-requests (256) connections at once: socketserver's
-# listen backlog (5) would drop most of their handshakes, and GETs on them wait out
-# --read-timeout (30 s), an artefact of the proxy (tests/integration/test_fetch_ahead.py).
-PROXY_LISTEN_BACKLOG = 1024
 LOG_TAIL_CHARS = 6000
 
 
@@ -75,7 +70,7 @@ def _transform():
 
 
 @pytest.fixture
-def jpeg_mount(rclone_server, tmp_path, monkeypatch, request):
+def jpeg_mount(rclone_server, tmp_path, request):
     """(mountpoint, local copy of the prefix, proxy): a fresh bucket of JPEGs mounted with
     default options behind a counting proxy; the mount's log is printed if the test fails."""
     bucket = rclone_server.new_bucket()
@@ -88,7 +83,6 @@ def jpeg_mount(rclone_server, tmp_path, monkeypatch, request):
         env.update(rclone_server.env())
         env.pop("AWS_ENDPOINT_URL", None)  # the endpoint is the proxy, never rclone directly
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        monkeypatch.setattr(counting_proxy_module._Server, "request_queue_size", PROXY_LISTEN_BACKLOG)
         with counting_proxy(rclone_server.endpoint_url) as proxy:
             try:
                 with bucketfs_mount(

@@ -21,7 +21,6 @@ import random
 
 import pytest
 
-import bucketfs.testing.counting_proxy as counting_proxy_module
 from bucketfs.testing.counting_proxy import CountingProxy, counting_proxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -44,24 +43,10 @@ def image_tree(low_bytes: int = 20 * KB, high_bytes: int = 120 * KB, seed: int =
     }
 
 
-# A pass opens up to --fetch-ahead-requests (256) connections at once. With
-# socketserver's listen backlog (5) the proxy's kernel drops most of their handshakes
-# (TcpExtListenOverflows), and a GET sent on such a connection waits out --read-timeout
-# (30 s) before its retry, and so does a reader waiting on it: an artefact of the
-# proxy, not of a store.
-PROXY_LISTEN_BACKLOG = 1024
-
-
-def wide_counting_proxy(upstream_url: str, monkeypatch):
-    """counting_proxy(upstream_url), listening with a backlog a pass's burst of connections fits in."""
-    monkeypatch.setattr(counting_proxy_module._Server, "request_queue_size", PROXY_LISTEN_BACKLOG)
-    return counting_proxy(upstream_url)
-
-
 @pytest.fixture
-def proxy(rclone_server, monkeypatch):
+def proxy(rclone_server):
     """A counting proxy in front of rclone: the mounts' --endpoint-url."""
-    with wide_counting_proxy(rclone_server.endpoint_url, monkeypatch) as p:
+    with counting_proxy(rclone_server.endpoint_url) as p:
         yield p
 
 

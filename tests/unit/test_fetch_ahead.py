@@ -242,6 +242,7 @@ def test_fetch_ahead_calls_take_their_own_slots_and_never_delay_a_reader():
                 assert entered == ["reader1", "reader2", "ahead0", "ahead1", "ahead2"]
                 assert pool.fetch_ahead_busy_count == 3 and pool.busy_count == 2
                 await nursery.start(call, "reader3")
+                await trio.testing.wait_all_tasks_blocked()  # reader3 queued behind ahead3
                 release.set()
         assert entered.index("reader3") < entered.index("ahead3")
         assert pool.busy_count == 0 and pool.fetch_ahead_busy_count == 0
