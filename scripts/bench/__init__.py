@@ -12,6 +12,10 @@ command, its setup and its workloads), as a package by concern:
 - workloads: W1-W5
 - copythenread: W2's copy-then-read alternative (s5cmd copies the prefix, then the epoch
   on the copy) and its comparison with bucketfs's cold epoch
+- warmcopy: W2's timed `bucketfs warm` of the same prefix after each s5cmd copy, its
+  check through a mount on the warmed cache, and warm / s5cmd
+- epochs: W6, random-order epochs over a data set twice the cache (disk cache, memory
+  budget), files cached per epoch with the cache's policy and with LRU
 - report: targets, the result and cost tables, what the emulation allows, the summary
 - wds: the webdataset child process (its own process, so torch stays out of the bench)
 - cli: options and main()

@@ -35,7 +35,7 @@ def parse_args(argv):
     p.add_argument(
         "--data-dir", type=Path, default=REPO / ".bench-data", help="generated data set, reused (default .bench-data/)"
     )
-    p.add_argument("--only", default="W1,W2,W3,W4,W5", help="comma-separated workloads (default all)")
+    p.add_argument("--only", default="W1,W2,W3,W4,W5,W6", help="comma-separated workloads (default all)")
     p.add_argument("--max-memory", default="1G", help="passed to the mount (default 1G)")
     p.add_argument("--mount-args", default="", help="extra bucketfs mount options, e.g. '--part-size 4M' (tuning runs)")
     p.add_argument(
@@ -71,6 +71,11 @@ def parse_args(argv):
         default=S5CMD_WORKERS,
         help=f"W2 copy-then-read: s5cmd --numworkers (default {S5CMD_WORKERS}; s5cmd's own default is 256)",
     )
+    p.add_argument(
+        "--warm-concurrency",
+        type=int,
+        help="W2's `bucketfs warm` beside the s5cmd copy: its --concurrency (default: warm's own, 256)",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -86,12 +91,15 @@ def main(argv=None) -> int:
     if args.gcs_proxy_child:
         return gcs_proxy_child(json.loads(args.gcs_proxy_child))
     only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
-    unknown = set(only) - {"W1", "W2", "W3", "W4", "W5"}
+    unknown = set(only) - {"W1", "W2", "W3", "W4", "W5", "W6"}
     if unknown:
         print(f"bench: unknown workload(s) {sorted(unknown)}", file=sys.stderr)
         return 2
     if args.alternatives and args.backend != "s3":
         print("bench: --alternatives needs --backend s3 (rclone mount :s3:, s3fs)", file=sys.stderr)
+        return 2
+    if args.warm_concurrency is not None and args.warm_concurrency < 1:
+        print("bench: --warm-concurrency must be at least 1", file=sys.stderr)
         return 2
     if args.s5cmd_workers < 1:
         print("bench: --s5cmd-workers must be at least 1", file=sys.stderr)

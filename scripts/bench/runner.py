@@ -20,9 +20,11 @@ from typing import Callable, Optional
 from .common import MB, RUN_TIMEOUT_S, SYSTEMS, log
 from .copythenread import CopyThenRead
 from .datasets import Dataset, Verifier
+from .epochs import CacheEpochs
 from .procs import CpuCensus, drop_caches, proc_cpu_s, self_cpu_s, steal_s
 from .report import Report
 from .systems import ALTERNATIVE_MOUNTS, Mount, _empty_disk_cache, _option_value
+from .warmcopy import WarmAgainstCopy
 from .workloads import Workloads
 
 
@@ -37,10 +39,10 @@ class Row:
     met: Optional[bool] = None
 
 
-class Bench(Workloads, CopyThenRead, Report):
+class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, Report):
     """One benchmark over a data set and a store: the systems it compares, the rows of the
-    result and every run's costs. The workloads (W1-W5, W2's copy-then-read) and the
-    report are its mixins."""
+    result and every run's costs. The workloads (W1-W5, W2's copy-then-read and warm, W6)
+    and the report are its mixins."""
 
     def __init__(self, args, dataset: Dataset, backend, work_dir: str):
         self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
@@ -74,6 +76,9 @@ class Bench(Workloads, CopyThenRead, Report):
         self.census = CpuCensus()
         self.copy_then_read_runs: dict = {}  # W2 threads -> {"copy": run, "epoch": run}
         self.copy_then_read_note: Optional[str] = None  # why it was not measured
+        self.warm_runs: dict = {}  # W2 threads -> {"warm": run, "epoch": run} (warmcopy.py)
+        self.cache_epoch_results: list = []  # W6: one dict per variant (epochs.py)
+        self.cache_epoch_note: Optional[str] = None
 
     # -- bookkeeping ------------------------------------------------------------
     def row(self, key, label, unit, higher_is_better, target="") -> Row:

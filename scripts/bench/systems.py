@@ -4,6 +4,7 @@ existing FUSE mounts it is compared with (rclone mount, s3fs-fuse)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -180,6 +181,46 @@ class Mount(_MountProcess):
         if drop:
             drop_caches()
         self.start()
+
+
+class ModuleSetMount(Mount):
+    """A bucketfs daemon started with some of its module constants set first (e.g.
+    `bucketfs.diskcache.cache.LRU_POLICY = True`): `python3 -c "...; main()" mount ...`,
+    the CLI's own main() after the assignments, so no product option is needed for a
+    comparison only benchmarks make. `name` names its log and its notes."""
+
+    def __init__(self, *args, name: str = "bucketfs", constants: tuple = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = name
+        self.constants = tuple(constants)  # ((module, attribute, value), ...)
+
+    def argv(self) -> list:
+        argv = super().argv()
+        if not self.constants:
+            return argv
+        lines = ["import importlib, sys"]
+        for module, attribute, value in self.constants:
+            lines.append(f"setattr(importlib.import_module({module!r}), {attribute!r}, {value!r})")
+        lines += ["from bucketfs.app.cli import main", "sys.exit(main())"]
+        assert argv[1:3] == ["-m", "bucketfs"]
+        return [argv[0], "-c", "; ".join(lines), *argv[3:]]
+
+
+@contextlib.contextmanager
+def serving(bench, mount: Mount):
+    """Within the block, `bench`'s runs of system "bucketfs" measure `mount` (a daemon with
+    other options than bench.mount's, on the same mountpoint): the daemon's CPU and
+    counters, the watchdog's abort. bench.mount is stopped first; `mount` is started,
+    stopped after, and its log notes join bench.mount's (the report prints those)."""
+    bench.mount.stop()
+    saved, bench.mount = bench.mount, mount
+    try:
+        mount.start()
+        yield mount
+    finally:
+        mount.stop()
+        bench.mount = saved
+        saved.notes.extend(mount.notes)
 
 
 class RcloneMount(_MountProcess):
