@@ -20,9 +20,12 @@ Detection (`note_open`, told of every open of a small file):
 
 A pass (`_run_pass`):
 - walks its tree in listing order, once, and fetches each small file not yet opened
-  in this pass and not cached (block cache, disk cache, or the kernel's page cache:
-  a node already served whole) with one whole-object GET (BlockCache.fetch_ahead):
-  each object at most once per pass;
+  in this pass and not cached (block cache, disk cache, or the kernel's page cache)
+  with one whole-object GET (BlockCache.fetch_ahead): each object at most once per
+  pass. The kernel does not say which files it still holds: a file served whole
+  before counts as held, unless most of the files served before that the last opens
+  reached were read again from the daemon (`note_kernel_miss`: the kernel dropped
+  them, a data set larger than the page cache or caches dropped);
 - keeps at most --fetch-ahead-requests GETs in flight, in a connection pool of their
   own, so a reader's GET never queues behind them, and a fetch-ahead GET a reader
   waits on turns urgent (backends/slots.py). It gets there as TCP does: from
@@ -80,10 +83,11 @@ class _PassOver(Exception):
 
 
 class _Pass:
-    __slots__ = ("root", "opened", "held", "last_open_s", "cancel_scope", "fetched_count")
+    __slots__ = ("root", "opened", "held", "last_open_s", "cancel_scope", "fetched_count", "kernel_keeps_served")
 
-    def __init__(self, root: Node, now_s: float):
+    def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool):
         self.root = root
+        self.kernel_keeps_served = kernel_keeps_served  # files served whole before are skipped
         self.opened: set = set()  # inos of files opened in this pass
         self.held: dict = {}  # key -> (version, bytes) fetched ahead, not yet opened
         self.last_open_s = now_s
@@ -128,6 +132,10 @@ class FetchAhead:
         self._recent: collections.deque = collections.deque()  # inos of the last small-file opens
         self._recent_set: collections.Counter = collections.Counter()
         self._window: collections.deque = collections.deque(maxlen=DETECT_WINDOW)  # (node, out of order)
+        # Of the last opens of files served whole before: their inos, and those of them
+        # the kernel no longer held (their READs reached the daemon).
+        self._served_opens: collections.deque = collections.deque(maxlen=DETECT_WINDOW)
+        self._kernel_misses: set = set()
         self._pass: Optional[_Pass] = None
         self._in_flight_count = 0
         self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
@@ -159,7 +167,24 @@ class FetchAhead:
                     current.opened.add(node.ino)
         self._note_order(node)
 
+    def note_kernel_miss(self, node: Node) -> None:
+        """A READ of `node`, served whole before, reached the daemon: the kernel had
+        dropped its pages."""
+        if self.enabled and node.ino in self._served_opens:
+            self._kernel_misses.add(node.ino)
+
+    def _kernel_keeps_served(self) -> bool:
+        """Whether files served whole before are likely still in the page cache: unless
+        most of those among the last opens were read from the daemon again."""
+        opened = set(self._served_opens)
+        missed = len(self._kernel_misses & opened)
+        return len(opened) < 8 or missed * 2 < len(opened)
+
     def _note_order(self, node: Node) -> None:
+        if node.served:
+            if len(self._served_opens) == self._served_opens.maxlen:
+                self._kernel_misses.discard(self._served_opens[0])
+            self._served_opens.append(node.ino)
         self._window.append((node, not self._in_order(node)))
         self._recent.append(node.ino)
         self._recent_set[node.ino] += 1
@@ -185,7 +210,7 @@ class FetchAhead:
 
     # -- a pass -----------------------------------------------------------------------
     def _start_pass(self, root: Node) -> None:
-        current = self._pass = _Pass(root, trio.current_time())
+        current = self._pass = _Pass(root, trio.current_time(), self._kernel_keeps_served())
         self._window.clear()
         self._stats["fetch_ahead.passes"] += 1
         # The opens that revealed the pass count as opened in it.
@@ -254,7 +279,9 @@ class FetchAhead:
             stack.extend(reversed(subdirectories))
 
     def _wanted(self, current: _Pass, node: Node) -> bool:
-        if not 0 < node.size_bytes <= self.small_file_bytes or node.served or node.ino in current.opened:
+        if not 0 < node.size_bytes <= self.small_file_bytes or node.ino in current.opened:
+            return False
+        if node.served and current.kernel_keeps_served:
             return False
         key = self.key_prefix + node.path
         if self._cache.holds(key, node.version, 0):

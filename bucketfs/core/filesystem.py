@@ -236,6 +236,8 @@ class Filesystem:
                     self.cache.touch(handle.key, handle.version)
                 if not self.cache.holds(handle.key, handle.version, off):
                     # A miss (evicted, or the kernel dropped its pages): the whole object in one GET.
+                    if handle.node.served:
+                        self.fetch_ahead.note_kernel_miss(handle.node)
                     self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
             else:

@@ -212,7 +212,8 @@ def test_a_failed_fetch_ahead_get_is_fetched_again_by_its_reader():
 def test_fetch_ahead_calls_take_their_own_slots_and_never_delay_a_reader():
     """Two shared slots, both held by readers, and a pool of three for fetch-ahead:
     three fetch-ahead calls start at once; a fourth waits in the shared pool as
-    read-ahead does, and an urgent call that arrives after it goes first."""
+    read-ahead does, and an urgent call that arrives after it gets the next shared
+    slot that frees."""
 
     class Ticket:
         own_slots = True
@@ -221,15 +222,16 @@ def test_fetch_ahead_calls_take_their_own_slots_and_never_delay_a_reader():
 
     pool = slots.PrioritySlots(2, fetch_ahead_count=3)
     entered = []
-    release = trio.Event()
+    releases: dict = {}
 
     async def call(name, ticket=None, task_status=trio.TASK_STATUS_IGNORED):
         if ticket is not None:
             slots.mark_speculative(ticket)
+        releases[name] = trio.Event()
         task_status.started()
         async with pool:
             entered.append(name)
-            await release.wait()
+            await releases[name].wait()
 
     async def main():
         with trio.fail_after(10):
@@ -243,8 +245,47 @@ def test_fetch_ahead_calls_take_their_own_slots_and_never_delay_a_reader():
                 assert pool.fetch_ahead_busy_count == 3 and pool.busy_count == 2
                 await nursery.start(call, "reader3")
                 await trio.testing.wait_all_tasks_blocked()  # reader3 queued behind ahead3
-                release.set()
-        assert entered.index("reader3") < entered.index("ahead3")
+                releases["ahead0"].set()  # a fetch-ahead slot frees: nobody waiting takes it
+                await trio.testing.wait_all_tasks_blocked()
+                assert entered[5:] == [] and pool.fetch_ahead_busy_count == 2
+                releases["reader1"].set()  # a shared slot frees: the reader goes first
+                await trio.testing.wait_all_tasks_blocked()
+                assert entered[5:] == ["reader3"]
+                for event in releases.values():
+                    event.set()
+        assert entered[6:] == ["ahead3"]
         assert pool.busy_count == 0 and pool.fetch_ahead_busy_count == 0
 
     trio.run(main)
+
+
+def test_files_the_kernel_dropped_are_fetched_ahead_again_and_files_it_keeps_are_not():
+    """Epoch 2 over files served whole in epoch 1. When their READs reach the daemon
+    (the kernel dropped its pages: a data set larger than the page cache), the pass
+    fetches them ahead; when opens find them in the kernel (no READ), it fetches
+    nothing."""
+    objects, backend = image_folder(file_bytes=100 * KiB, per_class=60)  # ~36 MiB, twice the room
+
+    async def open_only(fs, paths):
+        for path in paths:  # the kernel's page cache answers: open and release, no READ
+            fs.release(await fs.open((await resolve(fs, path)).ino, 0))
+
+    def second_epoch(kernel_dropped):
+        async def body(fs):
+            await read_epoch(fs, shuffled(objects, 11))
+            first = fs.snapshot()["fetch_ahead.files"]
+            gets_before = backend.requests["get"]
+            if kernel_dropped:
+                got = await read_epoch(fs, shuffled(objects, 12))
+                assert got == objects
+            else:
+                await open_only(fs, shuffled(objects, 12))
+            return fs.snapshot()["fetch_ahead.files"] - first, backend.requests["get"] - gets_before
+
+        backend.requests.clear()
+        return run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB)
+
+    fetched_ahead, gets = second_epoch(kernel_dropped=True)
+    assert fetched_ahead > len(objects) // 4 and gets <= len(objects)
+    fetched_ahead, gets = second_epoch(kernel_dropped=False)
+    assert fetched_ahead == 0 and gets == 0
