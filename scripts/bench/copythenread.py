@@ -217,6 +217,14 @@ class CopyThenRead:
         def ratio(a, b):
             return None if a is None or not b else round(a / b, 2)
 
+        def machine_cpu_s(*runs_):
+            """CPU of everything a run ran on this machine: the daemon, the reader or the
+            copier, the proxy and the store (others' processes not included)."""
+            keys = ("daemon_cpu_s", "client_cpu_s", "proxy_cpu_s", "server_cpu_s")
+            if not all(run_ for run_ in runs_):
+                return None
+            return sum(run_.get(k) or 0.0 for run_ in runs_ for k in keys)
+
         rows = []
         for threads in THREADS:
             bucketfs = self.rows[f"W2.cold{threads}"].values.get("bucketfs")
@@ -234,6 +242,8 @@ class CopyThenRead:
             met = None
             if over_copy is not None and (want_direct is None or over_direct is not None):
                 met = over_copy >= want_copy and (want_direct is None or over_direct >= want_direct)
+            bucketfs_cpu_ms = per_file(machine_cpu_s(mount_run), 1000)
+            copy_cpu_ms = per_file(machine_cpu_s(copy_run, epoch_run), 1000) if ok else None
             note = getattr(self, "copy_then_read_note", None)
             if note is None and runs and not ok:
                 note = "the copy or the epoch on it failed (see FAIL)"
@@ -252,6 +262,11 @@ class CopyThenRead:
                     "bucketfs_daemon_cpu_ms_per_file": per_file(mount_run.get("daemon_cpu_s"), 1000),
                     "copy_gets_per_file": per_file(copy_run.get("requests", {}).get("GET")) if ok else None,
                     "s5cmd_cpu_ms_per_file": per_file(copy_run.get("s5cmd_cpu_s"), 1000) if ok else None,
+                    # Both paths' CPU per file on this machine (with the store's): where the
+                    # cores are the limit, bucketfs/copy-then-read can be at most their ratio.
+                    "bucketfs_machine_cpu_ms_per_file": bucketfs_cpu_ms,
+                    "copy_then_read_machine_cpu_ms_per_file": copy_cpu_ms,
+                    "cpu_bound_ratio": ratio(copy_cpu_ms, bucketfs_cpu_ms),
                     "s5cmd_workers": self.args.s5cmd_workers,
                     "target": target,
                     "met": met,
@@ -279,6 +294,8 @@ class CopyThenRead:
             "bucketfs daemon CPU ms/file",
             "s5cmd GET/file",
             "s5cmd CPU ms/file",
+            "machine CPU ms/file: bucketfs / copy-then-read",
+            "ratio if CPU-bound",
             "target",
             "met",
         )
@@ -298,6 +315,8 @@ class CopyThenRead:
                     fmt(r["bucketfs_daemon_cpu_ms_per_file"], 2),
                     fmt(r["copy_gets_per_file"], 2),
                     fmt(r["s5cmd_cpu_ms_per_file"], 2),
+                    f"{fmt(r['bucketfs_machine_cpu_ms_per_file'], 2)} / {fmt(r['copy_then_read_machine_cpu_ms_per_file'], 2)}",
+                    "-" if r["cpu_bound_ratio"] is None else f"{r['cpu_bound_ratio']:.2f}x",
                     r["target"],
                     {True: "yes", False: "NO", None: "-"}[r["met"]],
                 )
