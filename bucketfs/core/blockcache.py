@@ -337,13 +337,36 @@ class BlockCache:
             (key, version, i) in self._blocks or (key, version, i) in self._flights for i in range(last + 1)
         ):
             return None
-        if not self.budget.try_reserve(size_bytes, refused_stat="fetch_ahead.memory_refused"):
+        # Free memory only (no reclaim): what it may evict is chosen by fetch-ahead
+        # (drop_read), never a cached file its pass has still to read.
+        if not self.budget.try_reserve(size_bytes, reclaim_priority=-1, refused_stat="fetch_ahead.memory_refused"):
             return None
         self._held[(key, version)] = [size_bytes, None]
         self.held_bytes += size_bytes
         flight = Flight(speculative=True)
         self._start_fetch(key, version, size_bytes, list(range(last + 1)), flight, size_bytes)
         return flight
+
+    def drop_read(self, key: str, version: str, size_bytes: int) -> Optional[int]:
+        """Evict the object's cached runs now, for fetch-ahead's room: a file its pass
+        has read, which that pass will not read again. The bytes freed; None while it
+        cannot go yet (held, or pinned by a reader still reading it)."""
+        if (key, version) in self._held:
+            return None
+        pin = self._pins.get((key, version)) if self._pins else None
+        if pin is not None and trio.current_time() - pin[1] < PIN_FRESH_S:
+            return None
+        freed_bytes = 0
+        for i in range(max(-(-size_bytes // self.block_size_bytes), 1)):
+            block = self._blocks.get((key, version, i))
+            if block is not None and self._index.pop(block.entry.eid) is not None:
+                freed_bytes += self._drop(block.entry)
+        if freed_bytes:
+            self.stats["fetch_ahead.dropped_read_bytes"] += freed_bytes
+            self.cached_bytes -= freed_bytes
+            self._changes += 1
+            self.budget.release(freed_bytes)
+        return freed_bytes
 
     def is_held(self, key: str, version: str) -> bool:
         return (key, version) in self._held

@@ -37,6 +37,12 @@ A pass (`_run_pass`):
   stay under ROOM_SHARE of the buffer budget, and fetching waits for opens to free
   room: the loader's reads are what make room, so fetch-ahead never runs further
   ahead than that;
+- takes free memory, or the memory of files this pass has read (dropped from the
+  block cache, oldest read first: the pass will not read them again), never that of
+  a cached file the pass has still to read (evicting those made a pass over a data
+  set about the size of memory fetch 2.7x the files it lacked). On a data set larger
+  than memory this spends the memory cache's hits for the next pass on requests in
+  flight for this one; --cache-dir keeps them on disk;
 - ends when a file of it is opened a second time (the next epoch: a new pass is
   detected afresh) or when no file of it is opened for PASS_IDLE_S. Held files
   not yet opened are released then (kept in the cache, evictable: counted unused).
@@ -83,12 +89,22 @@ class _PassOver(Exception):
 
 
 class _Pass:
-    __slots__ = ("root", "opened", "held", "last_open_s", "cancel_scope", "fetched_count", "kernel_keeps_served")
+    __slots__ = (
+        "root",
+        "opened",
+        "read",
+        "held",
+        "last_open_s",
+        "cancel_scope",
+        "fetched_count",
+        "kernel_keeps_served",
+    )
 
     def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool):
         self.root = root
         self.kernel_keeps_served = kernel_keeps_served  # files served whole before are skipped
         self.opened: set = set()  # inos of files opened in this pass
+        self.read: collections.deque = collections.deque()  # (key, version, bytes) opened, oldest first
         self.held: dict = {}  # key -> (version, bytes) fetched ahead, not yet opened
         self.last_open_s = now_s
         self.cancel_scope = trio.CancelScope()
@@ -165,6 +181,7 @@ class FetchAhead:
                     self._end_pass("its files are being opened again")  # the next epoch
                 else:
                     current.opened.add(node.ino)
+                    current.read.append((key, node.version, node.size_bytes))
         self._note_order(node)
 
     def note_kernel_miss(self, node: Node) -> None:
@@ -297,6 +314,7 @@ class FetchAhead:
                 return  # opened while this waited for room: its reader fetched it
             fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
             if fits and self._in_flight_count < self._allowed_count:
+                self._make_room(current, node.size_bytes)
                 flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
                 if flight is not None:
                     break
@@ -307,6 +325,16 @@ class FetchAhead:
         self._stats["fetch_ahead.files"] += 1
         self._stats["fetch_ahead.bytes"] += node.size_bytes
         self._nursery.start_soon(self._landed, current, key, flight)
+
+    def _make_room(self, current: _Pass, size_bytes: int) -> None:
+        """Drop files this pass has read from the block cache until `size_bytes` fit in
+        free memory (or none is left to drop)."""
+        busy: list = []  # still being read: tried again later
+        while self._budget.prefetch_room_bytes < size_bytes and current.read:
+            key, version, object_bytes = item = current.read.popleft()
+            if self._cache.drop_read(key, version, object_bytes) is None:
+                busy.append(item)
+        current.read.extend(busy)
 
     async def _landed(self, current: _Pass, key: str, flight) -> None:
         try:

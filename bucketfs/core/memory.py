@@ -155,6 +155,13 @@ class MemoryBudget:
         return True
 
     @property
+    def prefetch_room_bytes(self) -> int:
+        """What a try_reserve could take now without reclaiming anything."""
+        if self._waiting:
+            return 0
+        return max(self.capacity_bytes - self.demand_headroom_bytes - self.used_bytes, 0)
+
+    @property
     def demand_pending(self) -> bool:
         """A reader is reclaiming or waiting for memory (or the budget shrank under its
         use): what is freed now must be released, not kept for reuse."""
