@@ -13,6 +13,8 @@ Contract (every backend, tested by tests/contract):
   EndpointUnreachable.
 - Every backend counts its requests by type in `self.requests` (a Counter) and the
   payload bytes it fetched in `self.bytes_fetched`.
+- Read-only, but for `upload`, which only `bucketfs index build --out URL` calls
+  (the index may live in the bucket it describes).
 
 The machinery behind it lives beside it: retries and the worker threads of blocking
 calls in calls.py, connection slots in slots.py, receiving bodies in http/body.py.
@@ -69,6 +71,20 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""
+
+    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+        """One page (<= 1000 objects) of every key under `prefix`, subdirectories' too
+        (no delimiter), strictly after `start_after`, in key order (UTF-8 byte order,
+        which is code point order); `prefixes` is empty. `next_token` is the key to
+        give as `start_after` for the next page (the page's last), or None at the end.
+        A listing can thus start anywhere: `bucketfs index build` lists key ranges of
+        one prefix in parallel (S3 StartAfter, GCS startOffset)."""
+        raise NotImplementedError(f"{type(self).__name__} has no flat listing")
+
+    async def upload(self, key: str, data: bytes) -> None:
+        """Store `data` as object `key` (replacing it): the one write, used only by
+        `bucketfs index build --out URL`; a mount never writes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot store objects")
 
     @abc.abstractmethod
     async def stat(self, key: str) -> ObjectInfo:

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 _PAGE_SIZE_COUNT = 1000  # the JSON API's maximum entries per listing page
 # Partial response: a full object resource is ~25 fields; a listing needs 4.
 _LIST_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
+_FLAT_LIST_FIELDS = "items(name,size,updated,generation),nextPageToken"
 # Answer "is the bucket there?" within this, even against a black-holed address
 # where every attempt waits for the whole connect timeout.
 _PROBE_DEADLINE_S = 30.0
@@ -280,6 +281,39 @@ class GCSBackend(Backend):
         self.requests["list"] += 1
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
+
+    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+        def fetch():
+            bucket = self._get_bucket()
+            iterator = bucket.client.list_blobs(
+                bucket,
+                prefix=prefix or None,
+                page_size=_PAGE_SIZE_COUNT,
+                start_offset=start_after or None,  # (inclusive: the key itself is dropped below)
+                fields=_FLAT_LIST_FIELDS,
+                retry=None,
+                timeout=self._timeout_s,
+            )
+            iterator.item_to_value = _item_as_is
+            page = list(next(iterator.pages))
+            more = bool(iterator.next_page_token)
+            last = page[-1]["name"] if page else None
+            return [_info(item) for item in page if item["name"] > start_after], more, last
+
+        self.requests["list"] += 1
+        where = f"list gs://{self._bucket_name}/{prefix} after {start_after!r}"
+        objects, more, last = await self.caller.call(where, fetch)
+        if more and (last is None or last <= start_after):
+            raise errors.BackendError(f"{where}: a page that does not move past {start_after!r}")
+        return ListPage(objects, [], last if more else None)
+
+    async def upload(self, key: str, data: bytes) -> None:
+        def store():
+            blob = self._get_bucket().blob(key)
+            blob.upload_from_string(data, content_type="application/octet-stream", retry=None, timeout=self._timeout_s)
+
+        self.requests["put"] += 1
+        await self.caller.call(f"upload gs://{self._bucket_name}/{key}", store)
 
     def _reload_blocking(self, key: str) -> storage.Blob:
         """The object's metadata (one metadata GET), in a worker thread."""

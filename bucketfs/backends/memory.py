@@ -116,6 +116,22 @@ class MemoryBackend(Backend):
         more = i < len(self._sorted_keys) and self._sorted_keys[i].startswith(prefix)
         return ListPage(objects, prefixes, last if more else None)
 
+    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+        await self._request("list", prefix)
+        keys = self._sorted_keys
+        i = bisect.bisect_right(keys, start_after) if start_after else bisect.bisect_left(keys, prefix)
+        i = max(i, bisect.bisect_left(keys, prefix))
+        objects: list = []
+        while i < len(keys) and keys[i].startswith(prefix) and len(objects) < self.page_size_count:
+            objects.append(self._info[keys[i]])
+            i += 1
+        more = i < len(keys) and keys[i].startswith(prefix)
+        return ListPage(objects, [], objects[-1].key if more and objects else None)
+
+    async def upload(self, key: str, data: bytes) -> None:
+        await self._request("put", key)
+        self.put(key, data)
+
     async def stat(self, key: str) -> ObjectInfo:
         await self._request("head", key)
         try:

@@ -259,9 +259,22 @@ class S3Backend(Backend):
         return self._session.client("s3", endpoint_url=config.endpoint_url, config=botocore_config)
 
     # -- blocking bodies, run in worker threads --------------------------------
-    def list_objects_blocking(self, client, prefix: str, token: Optional[str], max_keys: int) -> dict:
-        """One ListObjectsV2 through `client` (the transport's, or the probe's own)."""
-        kwargs = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/", "MaxKeys": max_keys}
+    def list_objects_blocking(
+        self,
+        client,
+        prefix: str,
+        token: Optional[str],
+        max_keys: int,
+        delimited: bool = True,
+        start_after: str = "",
+    ) -> dict:
+        """One ListObjectsV2 through `client` (the transport's, or the probe's own):
+        delimited by '/', or every key under `prefix` after `start_after`."""
+        kwargs = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": max_keys}
+        if delimited:
+            kwargs["Delimiter"] = "/"
+        if start_after:
+            kwargs["StartAfter"] = start_after
         if token:
             kwargs["ContinuationToken"] = token
         # boto3 asks for EncodingType=url and decodes keys itself, so any UTF-8 key
@@ -320,6 +333,32 @@ class S3Backend(Backend):
             # A silently short directory would be worse than an error.
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
         return ListPage(objects, prefixes, next_token)
+
+    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+        self.requests["list"] += 1
+        raw_objects, _prefixes, _token, truncated = await self.caller.call(
+            f"LIST {prefix!r} after {start_after!r}",
+            lambda: self.transport.list_flat_blocking(prefix, start_after),
+            abandon_on_cancel=True,
+        )
+        objects = [
+            ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects
+        ]
+        if objects:
+            self.answer_checks.note_listed(objects[-1].version)
+        if truncated and not objects:
+            raise errors.BackendError(f"LIST {prefix!r} after {start_after!r}: a truncated page with no key")
+        # Without a delimiter every entry is a key: the next page starts after the last.
+        return ListPage(objects, [], objects[-1].key if truncated else None)
+
+    async def upload(self, key: str, data: bytes) -> None:
+        self.requests["put"] += 1
+        await self.caller.call(
+            f"PUT {key!r}",
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ContentType="application/octet-stream"
+            ),
+        )
 
     async def stat(self, key: str) -> ObjectInfo:
         self.requests["head"] += 1

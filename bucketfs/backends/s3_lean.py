@@ -501,17 +501,24 @@ class LeanS3:
             headers.get("last-modified"),
         )
 
-    def list(self, prefix: str, token: Optional[str], max_keys: int) -> Optional[tuple]:
-        """(objects [(key, size, mtime_ns, etag)], prefixes, next_token) of one delimited page."""
+    def list(
+        self, prefix: str, token: Optional[str], max_keys: int, delimited: bool = True, start_after: str = ""
+    ) -> Optional[tuple]:
+        """(objects [(key, size, mtime_ns, etag)], prefixes, next_token, truncated) of one
+        page: delimited by '/', or (`delimited` False) every key under `prefix`, from
+        the first after `start_after`."""
         if not self._resolve():
             return None
         params = {
             "list-type": "2",
-            "delimiter": "/",
             "encoding-type": "url",
             "max-keys": str(max_keys),
             "prefix": prefix,
         }
+        if delimited:
+            params["delimiter"] = "/"
+        if start_after:
+            params["start-after"] = start_after
         if token:
             params["continuation-token"] = token
         # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".

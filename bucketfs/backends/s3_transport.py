@@ -111,6 +111,11 @@ class S3Transport(abc.ABC):
         """One delimited LIST page on a worker thread: (objects [(key, size, mtime_ns,
         etag)], prefixes, next_token, truncated)."""
 
+    @abc.abstractmethod
+    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
+        """One LIST page of every key under `prefix` after `start_after` (no
+        delimiter), on a worker thread: as list_blocking's."""
+
 
 class Sdk(S3Transport):
     """Every GET and LIST through the boto3 client, on worker threads."""
@@ -216,7 +221,17 @@ class Sdk(S3Transport):
             )
 
     def list_blocking(self, prefix: str, token: Optional[str]) -> tuple:
-        response = self.backend.list_objects_blocking(self.backend.client, prefix, token, LIST_PAGE_KEYS_COUNT)
+        return self._page(self.backend.list_objects_blocking(self.backend.client, prefix, token, LIST_PAGE_KEYS_COUNT))
+
+    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
+        return self._page(
+            self.backend.list_objects_blocking(
+                self.backend.client, prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after
+            )
+        )
+
+    @staticmethod
+    def _page(response: dict) -> tuple:
         objects = [
             (item["Key"], item["Size"], mtime_ns(item.get("LastModified")), item.get("ETag", ""))
             for item in response.get("Contents", ())
@@ -250,6 +265,12 @@ class UrllibLean(S3Transport):
         answer = self.lean.list(prefix, token, LIST_PAGE_KEYS_COUNT)
         if answer is None:
             return self.backend.swap_to_sdk().list_blocking(prefix, token)
+        return answer
+
+    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
+        answer = self.lean.list(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after)
+        if answer is None:
+            return self.backend.swap_to_sdk().list_flat_blocking(prefix, start_after)
         return answer
 
 

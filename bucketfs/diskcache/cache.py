@@ -360,6 +360,12 @@ class DiskCache:
     async def list_page(self, prefix: str, token: Optional[str] = None):
         return await self.inner.list_page(prefix, token)  # (listings are the namespace's to cache)
 
+    async def list_flat_page(self, prefix: str, start_after: str = ""):
+        return await self.inner.list_flat_page(prefix, start_after)
+
+    async def upload(self, key: str, data: bytes) -> None:
+        await self.inner.upload(key, data)  # (index build's; a mount never writes)
+
     async def stat(self, key: str):
         return await self.inner.stat(key)
 

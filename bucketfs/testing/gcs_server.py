@@ -9,7 +9,8 @@ Known quirks of the emulator (version 2026.x), which the backend tests rely on.
 so the GCS code paths get exercised too:
 - Media GETs ignore `generation=` and `ifGenerationMatch=` and send no
   `x-goog-generation` header: they always return the live object.
-- Listings ignore `maxResults` and `pageToken`: every listing is one page.
+- Listings ignore `maxResults`, `pageToken`, `startOffset` and `endOffset`: every
+  listing is one page of everything under the prefix.
 - Objects are served as stored: no Content-Encoding header, no transcoding.
 - A range starting at or past the end gives 206 with an empty body, never 416.
 - It serves one request at a time (http.server.HTTPServer, HTTP/1.0).
@@ -271,7 +272,8 @@ class GCSLikeAdapter(requests.adapters.HTTPAdapter):
 
     - paging: the emulator answers every listing in one page; GCS answers at most
       `maxResults` entries (objects + prefixes, interleaved by name) and a
-      `nextPageToken`. Each listing response is cut to the page after the token.
+      `nextPageToken`. Each listing response is cut to the page after the token,
+      and to `startOffset`/`endOffset`, which the emulator ignores too.
     - generations: GCS serves `generation=N` exactly (404 once N is gone), answers
       412 to a failed `ifGenerationMatch`, and reports `x-goog-generation`. The
       emulator does none of it; this adapter looks up the live generation first.
@@ -319,6 +321,10 @@ class GCSLikeAdapter(requests.adapters.HTTPAdapter):
         )
         if after is not None:
             entries = [entry for entry in entries if entry[0] > after]
+        # startOffset (inclusive) and endOffset (exclusive), which the emulator ignores.
+        start_offset = query.get("startOffset", [""])[0]
+        end_offset = query.get("endOffset", [""])[0]
+        entries = [e for e in entries if e[0] >= start_offset and (not end_offset or e[0] < end_offset)]
         page = entries[:page_size]
         out = {
             "kind": "storage#objects",

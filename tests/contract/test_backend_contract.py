@@ -586,3 +586,95 @@ def test_transient_errors_give_up_after_the_attempt_budget(contract_backend):
     with pytest.raises(errors.TransientError):
         trio.run(t.backend.stat, p + "obj")
     assert t.retries_count() == 4  # Config.retry_attempts_count (5) attempts in all
+
+
+# -- flat listings from a start key (bucketfs index build) and upload -------------------
+
+
+async def _list_flat_all(backend: Backend, prefix: str, start_after: str = "") -> list:
+    """Every page of the flat listing of `prefix` after `start_after`, each page checked:
+    in order, strictly after where it started, `next_token` its last key."""
+    pages = []
+    while True:
+        page = await backend.list_flat_page(prefix, start_after)
+        keys = [info.key for info in page.objects]
+        assert page.prefixes == []
+        assert keys == sorted(keys) and len(set(keys)) == len(keys)
+        assert all(key > start_after and key.startswith(prefix) for key in keys), (start_after, keys[:3])
+        pages.append(page)
+        if page.next_token is None:
+            return pages
+        assert page.next_token == keys[-1]
+        start_after = page.next_token
+
+
+@pytest.mark.timeout(60)
+def test_a_flat_listing_starts_after_any_key_and_holds_every_key_below_the_prefix(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    names = ["a.txt", "b/c.bin", "b/d/e", "b-dash", "b0", "dir with space/x", "plus+dir/a+b", "ünï.txt", "日本/語"]
+    for i, name in enumerate(names):
+        t.put(p + name, name.encode() * (i + 1))
+    t.put("outside-" + p.rstrip("/"), b"not under the prefix")
+    keys = sorted(p + name for name in names)
+
+    async def body():
+        pages = await _list_flat_all(t.backend, p)
+        assert [info.key for page in pages for info in page.objects] == keys
+        assert t.backend.requests["list"] == len(pages) == 1
+        flat = {info.key: info for info in pages[0].objects}
+        # The same sizes and versions as the delimited listing of each directory.
+        for directory in (p, p + "b/", p + "b/d/"):
+            for info in (await t.backend.list_page(directory)).objects:
+                assert (flat[info.key].size_bytes, flat[info.key].version) == (info.size_bytes, info.version)
+                assert flat[info.key].mtime_ns == info.mtime_ns
+        # From any key, and from between keys: exactly what lies after it.
+        for start_after in [*keys, p + "b/", p + "b/c.bin\x00", p + "a", p + "zzz", p + "\U0010ffff"]:
+            after = [info.key for page in await _list_flat_all(t.backend, p, start_after) for info in page.objects]
+            assert after == [key for key in keys if key > start_after], start_after
+        # A start key below the prefix lists the prefix from its first key.
+        below = await _list_flat_all(t.backend, p, p[:-1])
+        assert [info.key for page in below for info in page.objects] == keys
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(60)
+def test_flat_pages_continue_from_their_last_key_through_thousands_of_keys(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    if t.put_many is None:
+        pytest.skip(f"{t.name}: no fast bulk seeding")
+    objects = {f"{p}d{i % 7}/{i:05d}": i.to_bytes(3, "big") for i in range(2500)}
+    t.put_many(objects)
+    keys = sorted(objects)
+
+    async def body():
+        pages = await _list_flat_all(t.backend, p)
+        # (GCS's startOffset includes the key itself, which is dropped: a page of 999.)
+        assert len(pages) == 3 and all(len(page.objects) <= 1000 for page in pages) and len(pages[0].objects) == 1000
+        assert [info.key for page in pages for info in page.objects] == keys
+        assert {info.size_bytes for page in pages for info in page.objects} == {3}
+        middle = await _list_flat_all(t.backend, p, keys[1234])
+        assert [info.key for page in middle for info in page.objects] == keys[1235:]
+
+    trio.run(body)
+
+
+@pytest.mark.timeout(30)
+def test_upload_stores_an_object_a_read_then_returns(contract_backend):
+    t, p = contract_backend, contract_backend.prefix
+    data = bytes(range(256)) * 40 + b"index"
+
+    async def body():
+        await t.backend.upload(p + "indexes/x.idx", data)
+        info = await t.backend.stat(p + "indexes/x.idx")
+        assert info.size_bytes == len(data)
+        assert await t.backend.read_range(p + "indexes/x.idx", 0, len(data), info.version) == data
+        await t.backend.upload(p + "indexes/x.idx", data[:100])  # replaced
+        again = await t.backend.stat(p + "indexes/x.idx")
+        assert again.size_bytes == 100
+        if t.versions == "etag":  # (a Last-Modified in the same second names no new version)
+            assert again.version != info.version
+        assert await t.backend.read_range(p + "indexes/x.idx", 0, 100, again.version) == data[:100]
+        assert t.backend.requests["put"] == 2
+
+    trio.run(body)

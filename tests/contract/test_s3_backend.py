@@ -490,3 +490,30 @@ def test_the_transport_is_chosen_when_the_backend_is_built_and_logged(rclone_ser
         f"s3://{s3_bucket}: GETs: the SDK client (boto3, worker threads); LISTs: the SDK client "
         f"(a proxy is set for {host})",
     ]
+
+
+@pytest.mark.parametrize("transport", ["curl", "urllib3", "sdk"])
+def test_a_flat_listing_from_a_start_key_on_every_transport(rclone_server, s3_bucket, transport):
+    """StartAfter, no delimiter, on each way a LIST can go (the lean paths and the SDK
+    client, which a lean path refused swaps to): the same keys, sizes and versions."""
+    keys = [f"t/{d}/{i:04d}" for d in ("a", "b") for i in range(1200)] + ["t/top"]
+    rclone_server.write_files(s3_bucket, {key: key.encode() for key in keys})
+    backend = _backend(rclone_server, s3_bucket, "curl" if transport == "curl" else "urllib3")
+    if transport == "sdk":
+        sdk_only(backend)
+
+    async def body():
+        seen, start_after = [], "t/a/0999"
+        while True:
+            page = await backend.list_flat_page("t/", start_after)
+            seen += [(info.key, info.size_bytes, info.version) for info in page.objects]
+            if page.next_token is None:
+                break
+            start_after = page.next_token
+        expected = sorted(key for key in keys if key > "t/a/0999")
+        assert [key for key, _, _ in seen] == expected
+        assert all(size == len(key) and version for key, size, version in seen)
+        assert backend.requests["list"] == 2
+        await backend.aclose()
+
+    trio.run(body)
