@@ -46,6 +46,13 @@ A pass (`_run_pass`):
 - ends when a file of it is opened a second time (the next epoch: a new pass is
   detected afresh) or when no file of it is opened for PASS_IDLE_S. Held files
   not yet opened are released then (kept in the cache, evictable: counted unused).
+
+A loader that reads only part of the tree in each epoch (a DistributedSampler share
+on one of several nodes) looks the same while its epoch runs: its opens are spread
+over the whole tree. It shows when the epoch ends: the next one opens a file again
+after fewer than PARTIAL_SHARE of the tree's files were opened. From then on that
+tree gets no pass on this mount (each node would otherwise fetch the whole data set
+every epoch); the first epoch's waste is bounded by the room.
 """
 
 from __future__ import annotations
@@ -79,6 +86,9 @@ ROOM_SHARE = 0.5
 PASS_IDLE_S = 30.0
 # GETs in flight when fetch-ahead starts, and the least it falls back to on failures.
 RAMP_START_COUNT = 16
+# A pass ended by a repeated open after fewer than this share of its tree's files
+# were opened: the loader reads a part of the tree per epoch (one node's share).
+PARTIAL_SHARE = 0.75
 # When the budget refuses memory with room left (held by readers or read-ahead), the
 # walk tries again this often; opens and landed fetches wake it sooner.
 RETRY_S = 0.25
@@ -98,6 +108,8 @@ class _Pass:
         "cancel_scope",
         "fetched_count",
         "kernel_keeps_served",
+        "tree_files_count",
+        "walked",
     )
 
     def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool):
@@ -105,6 +117,8 @@ class _Pass:
         self.kernel_keeps_served = kernel_keeps_served  # files served whole before are skipped
         self.opened: set = set()  # inos of files opened in this pass
         self.read: collections.deque = collections.deque()  # (key, version, bytes) opened, oldest first
+        self.tree_files_count = 0  # small files the walk has seen
+        self.walked = False
         self.held: dict = {}  # key -> (version, bytes) fetched ahead, not yet opened
         self.last_open_s = now_s
         self.cancel_scope = trio.CancelScope()
@@ -153,6 +167,7 @@ class FetchAhead:
         self._served_opens: collections.deque = collections.deque(maxlen=DETECT_WINDOW)
         self._kernel_misses: set = set()
         self._pass: Optional[_Pass] = None
+        self._partial_roots: set = set()  # inos of trees read in part per epoch: no pass
         self._in_flight_count = 0
         self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
         self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
@@ -178,6 +193,7 @@ class FetchAhead:
             if is_under(node, current.root):
                 current.last_open_s = now_s
                 if node.ino in current.opened:
+                    self._note_share(current)
                     self._end_pass("its files are being opened again")  # the next epoch
                 else:
                     current.opened.add(node.ino)
@@ -213,7 +229,12 @@ class FetchAhead:
         if self._pass is not None or len(self._window) < DETECT_WINDOW:
             return
         if sum(out_of_order for _, out_of_order in self._window) >= OUT_OF_ORDER_MIN:
-            self._start_pass(common_directory(node for node, _ in self._window))
+            root = common_directory(node for node, _ in self._window)
+            if root.ino in self._partial_roots:
+                self._window.clear()
+                self._stats["fetch_ahead.partial_passes_skipped"] += 1
+                return
+            self._start_pass(root)
 
     def _in_order(self, node: Node) -> bool:
         listing = node.parent.listing
@@ -234,6 +255,19 @@ class FetchAhead:
         current.opened.update(ino for ino in self._recent_set)
         log.info("fetch-ahead: files under /%s are opened in random order; fetching the rest ahead", root.path)
         self._nursery.start_soon(self._run_pass, current)
+
+    def _note_share(self, current: _Pass) -> None:
+        """The pass's epoch is over (a repeated open): did its loader read the tree?"""
+        opened_count = len(current.opened)
+        if current.walked and opened_count < PARTIAL_SHARE * current.tree_files_count:
+            self._partial_roots.add(current.root.ino)
+            log.info(
+                "fetch-ahead: an epoch opened %d of the %d files under /%s: its loader reads a part of the tree "
+                "(one node's share?); no more fetch-ahead there on this mount",
+                opened_count,
+                current.tree_files_count,
+                current.root.path,
+            )
 
     def _end_pass(self, why: str) -> None:
         current, self._pass = self._pass, None
@@ -291,9 +325,13 @@ class FetchAhead:
             for child in await self._ns.list_dir(directory.ino):
                 if child.is_dir:
                     subdirectories.append(child)
-                elif self._wanted(current, child):
+                    continue
+                if 0 < child.size_bytes <= self.small_file_bytes:
+                    current.tree_files_count += 1
+                if self._wanted(current, child):
                     await self._fetch(current, child)
             stack.extend(reversed(subdirectories))
+        current.walked = True
 
     def _wanted(self, current: _Pass, node: Node) -> bool:
         if not 0 < node.size_bytes <= self.small_file_bytes or node.ino in current.opened:

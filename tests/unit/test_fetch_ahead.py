@@ -317,3 +317,30 @@ def test_fetch_ahead_makes_room_with_files_its_pass_has_read_never_with_those_it
     # A few more than lacking: a reader's own misses reclaim memory by the cache's policy.
     # (Taking fetch-ahead's room by that policy too: 213 GETs for 77 files lacking.)
     assert gets <= len(lacking) * 1.25
+
+
+def test_a_loader_reading_one_share_per_epoch_gets_no_pass_after_its_first_epoch():
+    """One node of four under a DistributedSampler: each epoch opens a different
+    quarter of the tree. The first epoch looks like a shuffled pass (its waste is
+    bounded by the room); when the second begins, the mount sees the first opened a
+    quarter of the tree, and fetches nothing ahead there any more."""
+    objects, backend = image_folder()
+    order = shuffled(objects, 15)
+    quarter = len(order) // 4
+
+    async def body(fs):
+        await read_epoch(fs, order[:quarter])
+        first = fs.snapshot()
+        for node in [await resolve(fs, path) for path in objects]:
+            node.served = False
+        gets_before = backend.requests["get"]
+        second_share = shuffled(objects, 16)[:quarter]
+        got = await read_epoch(fs, second_share)
+        assert got == {path: objects[path] for path in second_share}
+        return first, fs.snapshot(), backend.requests["get"] - gets_before
+
+    first, after, _gets = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert first["fetch_ahead.passes"] == 1 and first["fetch_ahead.files"] > 0
+    assert after["fetch_ahead.passes"] == 1
+    assert after["fetch_ahead.files"] == first["fetch_ahead.files"]
+    assert after.get("fetch_ahead.partial_passes_skipped", 0) >= 1
