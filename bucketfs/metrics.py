@@ -96,6 +96,18 @@ _SIMPLE = [
     ),
     ("fetch_ahead.failed", "bucketfs_fetch_ahead_failed", "Fetch-ahead GETs that failed after retries", "counter"),
     (
+        "fetch_ahead.partial_passes_skipped",
+        "bucketfs_fetch_ahead_partial_passes_skipped",
+        "Shuffled passes not fetched ahead: their tree is read in part per epoch (one node's share)",
+        "counter",
+    ),
+    (
+        "fetch_ahead.dropped_read_bytes",
+        "bucketfs_fetch_ahead_dropped_read_bytes",
+        "Cached bytes of files a pass had read, dropped to make room for fetch-ahead",
+        "counter",
+    ),
+    (
         "fetch_ahead.held_bytes",
         "bucketfs_fetch_ahead_held_bytes",
         "Bytes fetched ahead and held until their file is opened",
