@@ -53,6 +53,7 @@ class Report:
             "W4.amp": lambda: le(val("W4.amp"), 4),
             "W5.mbps": lambda: ge(val("W5.mbps"), val("W5.mbps", "direct")),
             "W5.rss": lambda: le(val("W5.rss"), self.max_memory_bytes() / MB + 150),
+            "W2.hwm": lambda: le(val("W2.hwm"), self.max_memory_bytes() / MB + 150),
             "W5.hwm": lambda: le(val("W5.hwm"), self.max_memory_bytes() / MB + 150),
             **self.cache_epochs_checks(),
         }

@@ -127,6 +127,9 @@ class Workloads:
             self.row(f"W2.warm{threads}", f"W2 epoch warm, {threads} threads", "files/s", True, ">= 6000 files/s")
         # A data set larger than RAM: the next epoch finds no page cache (try --mount-args "--cache-dir DIR").
         self.row("W2.evicted32", "W2 epoch, page cache dropped, 32t", "files/s", True, "-")
+        limit_mb = self.max_memory_bytes() / MB + 150
+        # Fetch-ahead holds up to half the budget while a cold epoch runs (issue 36).
+        self.row("W2.hwm", "W2 daemon peak RSS (VmHWM), 32t mount", "MB", False, f"<= {limit_mb:.0f} MB")
         if self.cache_dir:  # the disk cache outlives the mount: the next one starts from it
             # after a reboot (its files on disk only), and in a new job (its files still in the page cache)
             self.row("W2.remount32", "W2 epoch, new mount, disk cache kept, 32t", "files/s", True, "-")
@@ -172,6 +175,8 @@ class Workloads:
                             f"W2 epoch {temp} {threads}t", system, lambda v: self._epoch(v, order, threads, read)
                         )
                     self.record(f"W2.{temp}{threads}", system, run.get("files/s"))
+                if system == "bucketfs" and threads == 32:
+                    self.record("W2.hwm", system, round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1))
                 if system == "direct":
                     client.close()
         self.w2_copy_then_read()  # copy-then-read (s5cmd), after the other systems (copythenread.py)
