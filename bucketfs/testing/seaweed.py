@@ -205,9 +205,12 @@ class SeaweedTier:
 _PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 
 
-def _server_argv(ports: dict, data_dir: str, s3_config: str, work_dir: str, volume_size_mb: int) -> list:
+def _server_argv(
+    ports: dict, data_dir: str, s3_config: str, work_dir: str, volume_size_mb: int, verbosity: int
+) -> list:
     return [
         weed_binary(),
+        f"-v={verbosity}",  # glog's level (a flag of weed itself, before the command)
         "server",
         f"-dir={data_dir}",
         "-ip=127.0.0.1",
@@ -260,10 +263,14 @@ def _stop(proc: subprocess.Popen, ports: dict) -> None:
 
 
 @contextlib.contextmanager
-def seaweed_server(volume_size_mb: int = 256) -> Iterator[SeaweedTier]:
+def seaweed_server(
+    volume_size_mb: int = 256, log_path: Optional[str] = None, verbosity: int = 0
+) -> Iterator[SeaweedTier]:
     """Run `weed server` (master, volume, filer, S3 gateway) on free 127.0.0.1 ports,
     with its data in a fresh temp dir; wait until the gateway answers and the master
-    has its volume server; always stop it and remove the data."""
+    has its volume server; always stop it and remove the data. Its log goes to
+    `log_path` (appended; kept) if given, else into the temp dir; `verbosity` is
+    glog's -v (1 and 2 log the remote caching)."""
     weed_binary()  # fail early, with the install hint
     with tempfile.TemporaryDirectory(prefix="seaweed-") as work_dir:
         s3_config = os.path.join(work_dir, "s3.json")
@@ -280,14 +287,14 @@ def seaweed_server(volume_size_mb: int = 256) -> Iterator[SeaweedTier]:
                 },
                 f,
             )
-        log_path = os.path.join(work_dir, "weed.log")
+        log_path = log_path or os.path.join(work_dir, "weed.log")
         for attempt in range(3):  # the free ports may be taken between probe and bind
             ports = {name: free_port() for name in _PORT_NAMES}
             data_dir = os.path.join(work_dir, f"data{attempt}")  # a fresh cluster each time
             os.mkdir(data_dir)
             with open(log_path, "ab") as log_file:
                 proc = subprocess.Popen(
-                    _server_argv(ports, data_dir, s3_config, work_dir, volume_size_mb),
+                    _server_argv(ports, data_dir, s3_config, work_dir, volume_size_mb, verbosity),
                     stdin=subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=subprocess.STDOUT,
@@ -319,11 +326,13 @@ def seaweed_cache_tier(
     bucket: str,
     origin_region: str = REGION,
     volume_size_mb: int = 256,
+    log_path: Optional[str] = None,
+    verbosity: int = 0,
 ) -> Iterator[SeaweedTier]:
     """A SeaweedFS tier caching the origin's `bucket`: `weed server`, then the origin
     configured as remote storage and `bucket` mounted; the gateway serves it as
     `bucket` once this yields (its listing is checked)."""
-    with seaweed_server(volume_size_mb) as tier:
+    with seaweed_server(volume_size_mb, log_path, verbosity) as tier:
         tier.configure_remote(origin_endpoint_url, origin_access_key, origin_secret_key, origin_region)
         tier.mount_remote(bucket)
         yield tier
