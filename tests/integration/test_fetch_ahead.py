@@ -193,6 +193,10 @@ def test_a_budget_smaller_than_the_data_never_evicts_a_file_fetched_ahead(
     assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
     assert stats.get("fetch_ahead.used_files", 0) == stats["fetch_ahead.files"], fetch_ahead_counters(stats)
     assert stats.get("fetch_ahead.held_bytes", 0) == 0, fetch_ahead_counters(stats)
+    # Fetch-ahead's GETs and what it holds stay inside the budget: RSS <= --max-memory + 150 MiB.
+    with open(f"/proc/{m.proc.pid}/status") as f:
+        peak_bytes = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    assert peak_bytes <= (24 + 150) * MiB, f"peak RSS {peak_bytes >> 20} MiB"
 
     # Reopening a file of the pass ends it: anything still held would count as unused.
     read_digest(m, sorted(digests)[0])
