@@ -63,6 +63,25 @@ def parse_bucket_url(url: str) -> BucketURL:
     return BucketURL(scheme, bucket, prefix + "/" if prefix else "")
 
 
+def parse_object_url(url: str) -> tuple:
+    """(scheme, bucket, key) of `s3://bucket/key` or `gs://bucket/key`, one object (a
+    key not ending in '/'); raise ValueError with the reason."""
+    scheme, sep, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not sep or scheme.lower() not in SCHEMES:
+        raise ValueError(f"{url!r} is not an object URL (expected s3://BUCKET/KEY or gs://BUCKET/KEY)")
+    if not _BUCKET_RE.match(bucket):
+        raise ValueError(f"{bucket!r} is not a valid bucket name")
+    if not key or key.endswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"{url!r} names no object (a key with no empty, '.' or '..' component, not ending in '/')")
+    return scheme.lower(), bucket, key
+
+
+def is_url(location: str) -> bool:
+    """Whether a FILE-or-URL option names an object URL rather than a local file."""
+    return "://" in location
+
+
 DEFAULT_SHARD_GLOBS = ("*.tar", "*.tar.gz", "*.tgz", "*.tar.zst")
 DEFAULT_METRICS_ADDRESS = "127.0.0.1"  # counters name buckets and prefixes: not for the network unless asked
 

@@ -80,6 +80,9 @@ EXIT_NO_FUSE = 7
 EXIT_MOUNT_FAILED = 8  # the kernel refused the mount or the mount never answered
 EXIT_BAD_CACHE_DIR = 9  # --cache-dir cannot be created, written or read
 EXIT_METRICS_PORT = 10  # --metrics-port cannot be bound (in use, or not allowed)
+EXIT_BAD_INDEX = 11  # --index missing, unreadable, no bucketfs index, or damaged
+EXIT_INDEX_VERSION = 12  # --index of a format version this bucketfs does not read
+EXIT_INDEX_OTHER_URL = 13  # --index built for another bucket URL
 EXIT_INTERRUPTED = 130  # Ctrl-C before the mount answered (128 + SIGINT, as shells report it)
 # Output cut short (`bucketfs stats M | head -1`): exit as a tool killed by SIGPIPE does,
 # as shells report it (128 + 13), without a traceback.
@@ -99,6 +102,10 @@ EXIT_MEANINGS = {
     "exited before the mount answered",
     EXIT_BAD_CACHE_DIR: "`--cache-dir` cannot be created, written or read (its journal included)",
     EXIT_METRICS_PORT: "`--metrics-port` cannot be bound (in use by another process)",
+    EXIT_BAD_INDEX: "`--index` cannot be read (no such file or object), is no bucketfs index, or is damaged "
+    "(its checksum does not match): build it again",
+    EXIT_INDEX_VERSION: "`--index` has a format version this bucketfs does not read (a newer bucketfs wrote it)",
+    EXIT_INDEX_OTHER_URL: "`--index` is the index of another bucket URL than the one mounted",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C) before the mount answered; nothing is left mounted or running",
     EXIT_BROKEN_PIPE: "`bucketfs stats` output cut short by its reader (`| head -1`), quietly, as a tool killed by SIGPIPE",
 }
@@ -114,6 +121,9 @@ PERMANENT_EXIT_CODES = (
     EXIT_BAD_MOUNTPOINT,
     EXIT_NO_FUSE,
     EXIT_BAD_CACHE_DIR,
+    EXIT_BAD_INDEX,
+    EXIT_INDEX_VERSION,
+    EXIT_INDEX_OTHER_URL,
 )
 
 

@@ -17,7 +17,7 @@ import sys
 
 from bucketfs import __version__, backends, config, errors
 from bucketfs.app import daemon, mountpoints
-from bucketfs.config import Config, Option, parse_bucket_url
+from bucketfs.config import Config, Option, is_url, parse_bucket_url, parse_object_url
 from bucketfs.diskcache.directory import check_cache_dir
 
 # A number, then K/M/G/T (binary; KiB spelled out too) or B or nothing.
@@ -177,6 +177,42 @@ def warm_config_from_args(args) -> Config:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
 
 
+# The Config fields `bucketfs index build` takes: the store's (as mount's).
+INDEX_FIELDS = (
+    "endpoint_url",
+    "region",
+    "profile",
+    "no_sign_request",
+    "key_file",
+    "addressing_style",
+    "retry_attempts_count",
+    "connect_timeout_s",
+    "read_timeout_s",
+)
+
+
+def index_option_specs(with_concurrency: bool = True) -> list:
+    """[(Option, Config field name or None, default)] of `bucketfs index build` (and,
+    without --concurrency, `index show`)."""
+    from bucketfs.app.indexbuild import CONCURRENCY, DEFAULT_CONCURRENCY
+
+    specs = [(opt, field.name, field.default) for field, opt in config.options() if field.name in INDEX_FIELDS]
+    if with_concurrency:
+        specs.insert(0, (CONCURRENCY, None, DEFAULT_CONCURRENCY))
+    return specs
+
+
+def index_config_from_args(args, url: str) -> Config:
+    """The Config of `bucketfs index`'s store options for the bucket URL `url`."""
+    values = {name: getattr(args, name) for name in INDEX_FIELDS}
+    if values["key_file"]:
+        values["key_file"] = os.path.abspath(values["key_file"])
+    try:
+        return Config(url=parse_bucket_url(url), source=url, mountpoint="", **values)
+    except ValueError as exc:
+        raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
+
+
 def warm_mount_root(args) -> str:
     """`bucketfs warm MOUNTPOINT`: the directory to read (a bucketfs mount or a path in
     one); the store and cache options are the mount's, so none may be given."""
@@ -254,6 +290,40 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("paths", nargs="*", metavar="PATH", help="files or directories under it (default: all of it)")
     _add_options(w, warm_option_specs())
 
+    i = sub.add_parser(
+        "index",
+        help="build a listing index of URL, or show one",
+        description="A listing index holds every object of a prefix (key, size, mtime, version) in one "
+        "checksummed file: `bucketfs mount URL MOUNTPOINT --index FILE-or-URL` mounts from it with no LIST "
+        "request (docs/index-format.md).",
+    )
+    isub = i.add_subparsers(dest="index_command", required=True, parser_class=_Parser)
+    b = isub.add_parser(
+        "build",
+        help="list URL with many LISTs in flight and write its index",
+        description="List s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX] as fast as the store allows (key ranges "
+        "listed in parallel, ranges split as they prove large) and write its listing index to --out: a local "
+        "file, or s3://BUCKET/KEY or gs://BUCKET/KEY on the same store (the bucket itself, so every node of a "
+        "job loads the same one). Progress on a terminal; quiet without one.",
+    )
+    b.add_argument("url", metavar="URL", help="s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]")
+    b.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE-or-URL",
+        help="where the index goes: a file (written whole, then renamed into place), or s3://BUCKET/KEY or "
+        "gs://BUCKET/KEY on the same store",
+    )
+    _add_options(b, index_option_specs())
+    show = isub.add_parser(
+        "show",
+        help="print what an index holds",
+        description="Check an index (its format version and checksum) and print its URL, when it was built, and "
+        "its counts. FILE-or-URL as for bucketfs mount --index.",
+    )
+    show.add_argument("location", metavar="FILE-or-URL", help="an index file, or s3://BUCKET/KEY or gs://BUCKET/KEY")
+    _add_options(show, index_option_specs(with_concurrency=False))
+
     s = sub.add_parser(
         "stats",
         help="print a running mount's counters",
@@ -298,8 +368,8 @@ def config_from_args(args) -> Config:
     """The Config of `bucketfs mount`'s parsed arguments; every check is Config's own."""
     values = {field.name: getattr(args, field.name) for field, _ in config.options()}
     for field, opt in config.options():
-        if opt.kind == "path" and values[field.name]:
-            # Absolute: the daemon changes its directory to /.
+        if opt.kind == "path" and values[field.name] and not is_url(values[field.name]):
+            # Absolute: the daemon changes its directory to /. (An --index may be a URL.)
             values[field.name] = os.path.abspath(values[field.name])
     try:
         # realpath, not abspath: the kernel records the resolved path, and the signal
@@ -404,6 +474,19 @@ def main(argv=None) -> int:
             return warm.run_warm(warm_config_from_args(args), args.paths, args.concurrency)
         if args.command == "stats":
             return print_stats(args.mountpoint, args.json)
+        if args.command == "index":
+            from bucketfs.app import indexbuild, indexload
+
+            if args.index_command == "build":
+                return indexbuild.run_index_build(index_config_from_args(args, args.url), args.out, args.concurrency)
+            show_config = None
+            if is_url(args.location):
+                try:
+                    scheme, bucket, _key = parse_object_url(args.location)
+                except ValueError as exc:
+                    raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
+                show_config = index_config_from_args(args, f"{scheme}://{bucket}/")
+            return indexload.run_index_show(args.location, show_config)
     except errors.UserError as exc:
         print(f"bucketfs: {exc}", file=sys.stderr)
         return exc.exit_code

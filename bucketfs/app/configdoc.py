@@ -39,6 +39,8 @@ bucketfs unmount MOUNTPOINT [--lazy]
 bucketfs stats MOUNTPOINT [--json]
 bucketfs warm URL [PATH...] --cache-dir DIR [--concurrency N] [store and cache options]
 bucketfs warm MOUNTPOINT [PATH...] [--concurrency N]
+bucketfs index build URL --out FILE-or-URL [--concurrency N] [store options]
+bucketfs index show FILE-or-URL [store options]
 bucketfs --version
 ```
 
@@ -62,6 +64,11 @@ with `--concurrency N` GETs in flight (default 256) and the store options above,
 `--cache-size` and `--block-size` (the mount's must match), and the same exit codes;
 `bucketfs warm MOUNTPOINT [PATH...]` reads a running mount's files through it, filling
 its own caches ([operations.md](operations.md#warm));
+`bucketfs index build URL --out FILE-or-URL` lists URL with `--concurrency N` LISTs in
+flight (default 64) and writes its listing index to a file or an object of the same
+store, with the store options above and the same exit codes; `bucketfs index show
+FILE-or-URL` checks an index and prints its URL, date and counts
+([operations.md](operations.md#listing-index), [index-format.md](index-format.md));
 `bucketfs --version`. `python3 -m bucketfs ...` is the same command, for an environment
 whose scripts are not on `PATH`.
 

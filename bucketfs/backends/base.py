@@ -72,13 +72,16 @@ class Backend(abc.ABC):
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""
 
-    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
         """One page (<= 1000 objects) of every key under `prefix`, subdirectories' too
         (no delimiter), strictly after `start_after`, in key order (UTF-8 byte order,
         which is code point order); `prefixes` is empty. `next_token` is the key to
         give as `start_after` for the next page (the page's last), or None at the end.
         A listing can thus start anywhere: `bucketfs index build` lists key ranges of
-        one prefix in parallel (S3 StartAfter, GCS startOffset)."""
+        one prefix in parallel (S3 StartAfter, GCS startOffset).
+        `end`: the caller wants no key past it. A page may still hold some (a store
+        answers whole pages), but a backend need not decode them, nor ask for them
+        where the store takes an end (GCS endOffset)."""
         raise NotImplementedError(f"{type(self).__name__} has no flat listing")
 
     async def upload(self, key: str, data: bytes) -> None:

@@ -145,6 +145,18 @@ def _item_as_is(_iterator, item: dict) -> dict:
     return item
 
 
+def _past(end: Optional[str]) -> Optional[str]:
+    """An endOffset (exclusive) above every key up to `end`: its last character
+    raised by one (the keys that extend `end` come too, and are the caller's to drop);
+    None where there is none to give."""
+    if not end:
+        return None
+    raised = ord(end[-1]) + 1
+    if raised > 0x10FFFF or 0xD800 <= raised <= 0xDFFF:
+        return None
+    return end[:-1] + chr(raised)
+
+
 class GCSBackend(Backend):
     """One bucket over the GCS JSON API; keys are full object names."""
 
@@ -282,7 +294,7 @@ class GCSBackend(Backend):
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
         def fetch():
             bucket = self._get_bucket()
             iterator = bucket.client.list_blobs(
@@ -290,6 +302,7 @@ class GCSBackend(Backend):
                 prefix=prefix or None,
                 page_size=_PAGE_SIZE_COUNT,
                 start_offset=start_after or None,  # (inclusive: the key itself is dropped below)
+                end_offset=_past(end),
                 fields=_FLAT_LIST_FIELDS,
                 retry=None,
                 timeout=self._timeout_s,

@@ -31,6 +31,7 @@ GetObject. Invariants:
 
 from __future__ import annotations
 
+import bisect
 import http.client
 import logging
 import re
@@ -334,13 +335,17 @@ class S3Backend(Backend):
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
         return ListPage(objects, prefixes, next_token)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "") -> ListPage:
+    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
         self.requests["list"] += 1
         raw_objects, _prefixes, _token, truncated = await self.caller.call(
             f"LIST {prefix!r} after {start_after!r}",
-            lambda: self.transport.list_flat_blocking(prefix, start_after),
+            lambda: self.transport.list_flat_blocking(prefix, start_after, end),
             abandon_on_cancel=True,
         )
+        if end is not None and raw_objects and raw_objects[-1][0] > end:
+            # (The SDK's answer is whole; the lean path's is cut already.)
+            raw_objects = raw_objects[: bisect.bisect_right([raw[0] for raw in raw_objects], end)]
+            truncated = False
         objects = [
             ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects
         ]

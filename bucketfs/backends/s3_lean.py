@@ -234,6 +234,42 @@ def _parse_tree(body: bytes) -> tuple:
     return objects, prefixes, root.findtext(f"{ns}NextContinuationToken") if truncated else None, truncated
 
 
+_KEY_RE = re.compile(r"<Key>([^<]*)</Key>")
+
+
+def cut_page_at(body: bytes, end: str) -> Optional[bytes]:
+    """A flat page (its keys in order) without the entries of keys past `end`, closed
+    again, for parse_list_page; None if none is past it, or the page is not in the
+    plain shape (then it is read whole). Found by bisection: O(log n) keys decoded,
+    and the rest of a page that overlaps the next range costs no parsing."""
+    text = body.decode("utf-8")
+    if "CDATA" in text or ":Contents" in text or ":Key" in text:
+        return None
+    matches = list(_KEY_RE.finditer(text))
+    encoded = "<EncodingType>url</EncodingType>" in text
+
+    def key(i: int) -> str:
+        value = matches[i].group(1)
+        value = html.unescape(value) if "&" in value else value
+        return unquote_str(value) if encoded else value
+
+    if not matches or key(len(matches) - 1) <= end:
+        return None
+    low, high = 0, len(matches) - 1  # the first key past `end` is at or before `high`
+    while low < high:
+        middle = (low + high) // 2
+        if key(middle) > end:
+            high = middle
+        else:
+            low = middle + 1
+    at = text.rfind("<Contents>", 0, matches[low].start())
+    if at < 0 or "</Contents>" in text[at : matches[low].start()]:
+        return None
+    # What the page says after its entries (rclone writes EncodingType there) stays said.
+    tail = "<EncodingType>url</EncodingType>" if encoded else ""
+    return (text[:at] + tail + "</ListBucketResult>").encode("utf-8")
+
+
 def parse_list_page(body: bytes) -> tuple:
     """(objects [(key, size, mtime_ns, etag)], prefixes, next_token, truncated) of one page."""
     return _parse_fast(body) or _parse_tree(body)
@@ -502,11 +538,18 @@ class LeanS3:
         )
 
     def list(
-        self, prefix: str, token: Optional[str], max_keys: int, delimited: bool = True, start_after: str = ""
+        self,
+        prefix: str,
+        token: Optional[str],
+        max_keys: int,
+        delimited: bool = True,
+        start_after: str = "",
+        end: Optional[str] = None,
     ) -> Optional[tuple]:
         """(objects [(key, size, mtime_ns, etag)], prefixes, next_token, truncated) of one
         page: delimited by '/', or (`delimited` False) every key under `prefix`, from
-        the first after `start_after`."""
+        the first after `start_after`, and (`end`) none past `end` decoded: a page cut
+        there is not truncated."""
         if not self._resolve():
             return None
         params = {
@@ -526,6 +569,11 @@ class LeanS3:
         answer = self._send(url, {}, (200,))
         if answer is None:
             return None
+        if end is not None and not delimited:
+            cut = cut_page_at(answer[2], end)
+            if cut is not None:
+                objects, _prefixes, _token, _truncated = parse_list_page(cut)
+                return objects, [], None, False
         return parse_list_page(answer[2])
 
     def close(self) -> None:

@@ -112,9 +112,10 @@ class S3Transport(abc.ABC):
         etag)], prefixes, next_token, truncated)."""
 
     @abc.abstractmethod
-    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
+    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
         """One LIST page of every key under `prefix` after `start_after` (no
-        delimiter), on a worker thread: as list_blocking's."""
+        delimiter), on a worker thread: as list_blocking's. Keys past `end` need not be
+        decoded (a page cut there says it is not truncated)."""
 
 
 class Sdk(S3Transport):
@@ -223,7 +224,7 @@ class Sdk(S3Transport):
     def list_blocking(self, prefix: str, token: Optional[str]) -> tuple:
         return self._page(self.backend.list_objects_blocking(self.backend.client, prefix, token, LIST_PAGE_KEYS_COUNT))
 
-    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
+    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
         return self._page(
             self.backend.list_objects_blocking(
                 self.backend.client, prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after
@@ -267,10 +268,10 @@ class UrllibLean(S3Transport):
             return self.backend.swap_to_sdk().list_blocking(prefix, token)
         return answer
 
-    def list_flat_blocking(self, prefix: str, start_after: str) -> tuple:
-        answer = self.lean.list(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after)
+    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
+        answer = self.lean.list(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after, end=end)
         if answer is None:
-            return self.backend.swap_to_sdk().list_flat_blocking(prefix, start_after)
+            return self.backend.swap_to_sdk().list_flat_blocking(prefix, start_after, end)
         return answer
 
 

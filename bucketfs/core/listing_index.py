@@ -142,7 +142,7 @@ def encode_index(url: str, entries: Iterable[tuple], built_at_ns: int, created_b
             path = parent_of(path)
             by_dir.setdefault(path, ([], [], [], []))
     by_dir.setdefault("", ([], [], [], []))
-    records, objects_count = [], 0
+    records, objects_count, first_key = [], 0, None
     for path in sorted(by_dir):
         names, sizes, mtimes, versions = by_dir[path]
         order = sorted(range(len(names)), key=names.__getitem__)
@@ -154,6 +154,8 @@ def encode_index(url: str, entries: Iterable[tuple], built_at_ns: int, created_b
         payload = _payload(
             [names[i] for i in kept], [sizes[i] for i in kept], [mtimes[i] for i in kept], [versions[i] for i in kept]
         )
+        if kept and first_key is None:
+            first_key = path + names[kept[0]]
         path_bytes = path.encode("utf-8", _UNICODE)
         records.append(struct.pack("<I", len(path_bytes)) + path_bytes + struct.pack("<II", len(kept), len(payload)))
         records.append(payload)
@@ -169,6 +171,7 @@ def encode_index(url: str, entries: Iterable[tuple], built_at_ns: int, created_b
             "body_bytes": len(body),
             "compression": _COMPRESSION,
             "created_by": created_by,
+            "first_key": first_key,
         },
         sort_keys=True,
         ensure_ascii=False,
@@ -243,6 +246,12 @@ class ListingIndex:
     @property
     def built_at(self) -> str:
         return self.header["built_at"]
+
+    @property
+    def first_key(self) -> Optional[str]:
+        """One object's key (relative), to probe the store with; None if there is none."""
+        key = self.header.get("first_key")
+        return key if isinstance(key, str) else None
 
     def has(self, path: str) -> bool:
         """Whether the directory `path` (relative) is in the index and not taken yet."""

@@ -360,8 +360,8 @@ class DiskCache:
     async def list_page(self, prefix: str, token: Optional[str] = None):
         return await self.inner.list_page(prefix, token)  # (listings are the namespace's to cache)
 
-    async def list_flat_page(self, prefix: str, start_after: str = ""):
-        return await self.inner.list_flat_page(prefix, start_after)
+    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None):
+        return await self.inner.list_flat_page(prefix, start_after, end)
 
     async def upload(self, key: str, data: bytes) -> None:
         await self.inner.upload(key, data)  # (index build's; a mount never writes)

@@ -631,6 +631,12 @@ def test_a_flat_listing_starts_after_any_key_and_holds_every_key_below_the_prefi
         for start_after in [*keys, p + "b/", p + "b/c.bin\x00", p + "a", p + "zzz", p + "\U0010ffff"]:
             after = [info.key for page in await _list_flat_all(t.backend, p, start_after) for info in page.objects]
             assert after == [key for key in keys if key > start_after], start_after
+        # With an end: none past it (a page cut there ends the listing), the same entries.
+        for start_after, end in [("", keys[3]), (keys[0], keys[-2]), (keys[2], p + "b/d"), ("", p + "a")]:
+            page = await t.backend.list_flat_page(p, start_after, end)
+            within = [info for info in page.objects if info.key <= end]
+            assert [info.key for info in within] == [key for key in keys if start_after < key <= end]
+            assert all(info == flat[info.key] for info in within)
         # A start key below the prefix lists the prefix from its first key.
         below = await _list_flat_all(t.backend, p, p[:-1])
         assert [info.key for page in below for info in page.objects] == keys
