@@ -49,10 +49,12 @@ A pass (`_run_pass`):
 
 A loader that reads only part of the tree in each epoch (a DistributedSampler share
 on one of several nodes) looks the same while its epoch runs: its opens are spread
-over the whole tree. It shows when the epoch ends: the next one opens a file again
-after fewer than PARTIAL_SHARE of the tree's files were opened. From then on that
-tree gets no pass on this mount (each node would otherwise fetch the whole data set
-every epoch); the first epoch's waste is bounded by the room.
+over the whole tree. It shows when the epoch ends (the next one opens a file again):
+fewer than PARTIAL_SHARE of the tree's files were opened, or, when the walk stopped
+at a room full of files nobody opened, more than PARTIAL_HELD_SHARE of the files
+opened are still held. From then on that tree gets no pass on this mount (each node
+would otherwise fetch the whole data set every epoch); the first epoch's waste is
+bounded by the room.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ RAMP_START_COUNT = 16
 # A pass ended by a repeated open after fewer than this share of its tree's files
 # were opened: the loader reads a part of the tree per epoch (one node's share).
 PARTIAL_SHARE = 0.75
+# ... or still holding more than this share of the files it opened (at least
+# PARTIAL_HELD_MIN): a loader reading the whole tree has opened nearly everything the
+# pass fetched when its next epoch begins.
+PARTIAL_HELD_SHARE = 0.25
+PARTIAL_HELD_MIN = 16
 # When the budget refuses memory with room left (held by readers or read-ahead), the
 # walk tries again this often; opens and landed fetches wake it sooner.
 RETRY_S = 0.25
@@ -258,15 +265,18 @@ class FetchAhead:
 
     def _note_share(self, current: _Pass) -> None:
         """The pass's epoch is over (a repeated open): did its loader read the tree?"""
-        opened_count = len(current.opened)
-        if current.walked and opened_count < PARTIAL_SHARE * current.tree_files_count:
+        opened_count, held_count = len(current.opened), len(current.held)
+        few_opened = current.walked and opened_count < PARTIAL_SHARE * current.tree_files_count
+        if few_opened or held_count > max(PARTIAL_HELD_MIN, PARTIAL_HELD_SHARE * opened_count):
             self._partial_roots.add(current.root.ino)
             log.info(
-                "fetch-ahead: an epoch opened %d of the %d files under /%s: its loader reads a part of the tree "
-                "(one node's share?); no more fetch-ahead there on this mount",
+                "fetch-ahead: an epoch opened %d files under /%s (%d seen there, %d fetched ahead and not "
+                "opened): its loader reads a part of the tree (one node's share?); no more fetch-ahead there "
+                "on this mount",
                 opened_count,
-                current.tree_files_count,
                 current.root.path,
+                current.tree_files_count,
+                held_count,
             )
 
     def _end_pass(self, why: str) -> None:

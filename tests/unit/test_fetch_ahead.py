@@ -344,3 +344,25 @@ def test_a_loader_reading_one_share_per_epoch_gets_no_pass_after_its_first_epoch
     assert after["fetch_ahead.passes"] == 1
     assert after["fetch_ahead.files"] == first["fetch_ahead.files"]
     assert after.get("fetch_ahead.partial_passes_skipped", 0) >= 1
+
+
+def test_one_share_of_a_tree_larger_than_the_room_is_told_by_what_the_pass_still_holds():
+    """The same node's share, on a tree whose walk stops at a room full of files the
+    node never opens: the held files tell the share when the next epoch begins."""
+    objects, backend = image_folder(file_bytes=100 * KiB, per_class=60)  # ~36 MiB, the room 8 MiB
+    order = shuffled(objects, 17)
+    quarter = len(order) // 4
+
+    async def body(fs):
+        await read_epoch(fs, order[:quarter])
+        first = fs.snapshot()
+        assert not fs.fetch_ahead._pass.walked  # (the room stopped the walk)
+        second_share = shuffled(objects, 18)[:quarter]
+        got = await read_epoch(fs, second_share)
+        assert got == {path: objects[path] for path in second_share}
+        return first, fs.snapshot()
+
+    first, after = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=16 * MiB)
+    assert first["fetch_ahead.passes"] == 1 and first["fetch_ahead.files"] > 0
+    assert after["fetch_ahead.passes"] == 1
+    assert after["fetch_ahead.files"] == first["fetch_ahead.files"]
