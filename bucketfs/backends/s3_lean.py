@@ -528,12 +528,17 @@ class LeanS3:
             self._refused(transfer.status, bytes(transfer.error_body))
             return None
         headers = transfer.headers
+        digest = _etag_digest(headers)
+        if digest is not None and transfer.md5 is not None and transfer.received_bytes:
+            # Computed on the engine's thread over the bytes received (curl.Transfer.md5).
+            received_md5 = transfer.md5.digest()
+            digest = digest._replace(compute=lambda _body: received_md5)
         return (
             transfer.status,
             headers.get("etag", ""),
             headers.get("content-range"),
             transfer.received_bytes,
-            _etag_digest(headers),
+            digest,
             headers.get("last-modified"),
         )
 

@@ -382,20 +382,62 @@ def test_the_lean_path_is_resolved_before_it_says_so(moto_server):
         moto_server.delete_bucket(bucket)
 
 
+class _Window:
+    """Bytes [offset, offset + len(chunk)) of a body, indexed as in the whole body: a
+    damage function sees the body as it arrives, one chunk at a time (indices outside
+    the chunk read 0 and ignore writes)."""
+
+    def __init__(self, chunk: bytearray, offset: int):
+        self.chunk, self.offset = chunk, offset
+
+    def __getitem__(self, i: int) -> int:
+        return self.chunk[i - self.offset] if 0 <= i - self.offset < len(self.chunk) else 0
+
+    def __setitem__(self, i: int, value: int) -> None:
+        if 0 <= i - self.offset < len(self.chunk):
+            self.chunk[i - self.offset] = value
+
+
+def _damaging_on_the_wire(backend: S3Backend, damage):
+    """The curl path: its bytes pass through `damage` as they arrive, before the engine
+    sees them (it computes the MD5 as they arrive)."""
+    real = backend.lean.transfer
+    attempts = [0]
+
+    def transfer(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t is None:
+            return t
+        attempts[0] += 1
+        attempt, seen, on_body = attempts[0], [0], t.on_body
+
+        def damaged_body(data):
+            chunk = bytearray(data)
+            damage(_Window(chunk, seen[0]), attempt)
+            seen[0] += len(chunk)
+            return on_body(bytes(chunk))
+
+        t.on_body = damaged_body
+        return t
+
+    backend.lean.transfer = transfer
+    return attempts
+
+
 def _damaging(backend: S3Backend, path: str, damage):
     """Make the lean path's answers pass through `damage(body: bytearray, attempt)`,
-    which may change their bytes in place (the curl path's answer is in its transfer's
-    buffer; urllib3's, with a buffer, in that buffer, else in `body`)."""
-    name = "answer_of" if path == "curl" else "get"
+    which may change their bytes in place (the curl path's on the wire; urllib3's, with
+    a buffer, in that buffer, else in `body`)."""
+    if path == "curl":
+        return _damaging_on_the_wire(backend, damage)
+    name = "get"
     real = getattr(backend.lean, name)
     attempts = [0]
 
     def damaged(*args, **kwargs):
         status, etag, content_range, body, digest, last_modified = real(*args, **kwargs)
         attempts[0] += 1
-        if path == "curl":
-            damage(args[0].buffer, attempts[0])
-        elif len(args) > 4 and args[4] is not None:
+        if len(args) > 4 and args[4] is not None:
             damage(args[4], attempts[0])
         else:
             body = bytearray(body)

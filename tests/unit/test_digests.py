@@ -89,3 +89,32 @@ def test_a_failed_check_keeps_no_view_of_the_buffer():
     except CorruptBody:
         del buffer[10:]  # BufferError if a view were still alive
     assert len(buffer) == 10
+
+
+def test_the_curl_engine_computes_the_md5_as_the_body_arrives_and_the_check_uses_it():
+    """On the curl path the MD5 of a whole object is computed on the engine's thread as
+    its chunks arrive; the answer's digest then returns it without reading the body
+    (so the trio thread never hashes), and a byte changed on the way is still caught."""
+    from bucketfs.backends.http.curl import Transfer
+    from bucketfs.backends.s3_lean import LeanS3
+
+    def received(data: bytes, skip_bytes: int = 0) -> Transfer:
+        t = Transfer("http://store/k", [], bytearray(len(data)), skip_bytes, 30.0)
+        for line in (b"HTTP/1.1 200 OK\r\n", f'ETag: "{MD5_HEX}"\r\n'.encode(), b"\r\n"):
+            t.on_header(line)
+        for at in range(0, len(data), 1000):
+            t.on_body(data[at : at + 1000])
+        return t
+
+    t = received(DATA)
+    assert t.md5 is not None and t.md5.digest() == hashlib.md5(DATA).digest()
+    digest = LeanS3.answer_of(None, t)[4]
+    assert digest.compute(b"not read") == hashlib.md5(DATA).digest()
+    check_whole_object("k", digest, 0, t.buffer, len(DATA), None)
+
+    damaged = bytearray(DATA)
+    damaged[700] ^= 1
+    digest = LeanS3.answer_of(None, received(bytes(damaged)))[4]
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", digest, 0, damaged, len(DATA), None)
+    assert received(DATA, skip_bytes=5).md5 is None  # not from the object's start: hashed later, if at all

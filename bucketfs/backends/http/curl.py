@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -75,6 +76,11 @@ class Transfer:
     _body_seen_bytes: int = 0
     _ended_early: bool = False  # the buffer is full: the rest of a whole-object answer is not wanted
     _overflow: bool = False
+    # The MD5 of the bytes written into the buffer, for an answer from the object's first
+    # byte whose ETag could be an MD5 (32 hex digits): computed here, on the engine's
+    # thread as the body arrives (hashlib lets go of the GIL), so the whole-object check
+    # costs the trio thread nothing (it took ~0.15 ms per 100 KB there).
+    md5: Optional["hashlib._Hash"] = None
 
     @classmethod
     def ranged(cls, url: str, headers: dict, buffer: bytearray, start: int, read_timeout_s: float) -> "Transfer":
@@ -89,6 +95,7 @@ class Transfer:
         if line.startswith(b"HTTP/"):
             self.status = int(line.split(None, 2)[1])
             self.headers = {}  # (a later status line replaces an interim answer's)
+            self.md5 = None
             return
         raw_name, sep, raw_value = line.partition(b":")
         if sep:
@@ -96,6 +103,8 @@ class Transfer:
             # A repeated header is one list, comma-joined (RFC 9110), as urllib3 reads it:
             # GCS sends x-goog-hash twice, crc32c= and md5=.
             self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
+            if name == "etag" and self.skip_bytes == 0 and len(value.strip('"')) == 32:
+                self.md5 = hashlib.md5()
 
     def on_body(self, data: bytes):
         if self.status not in (200, 206):
@@ -117,6 +126,8 @@ class Transfer:
                 return 0  # (aborts the transfer)
         self.buffer[at : at + len(piece)] = piece
         self.received_bytes = at + len(piece)
+        if self.md5 is not None:
+            self.md5.update(piece)
         return 0 if self._ended_early else None
 
     def finish(self, code: int, message: str) -> None:
