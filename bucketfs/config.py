@@ -421,6 +421,22 @@ class Config:
         "is fetched again anyway",
     )
 
+    # A listing index (bucketfs index build): the namespace comes from it, not LISTs.
+    index: Optional[str] = option(
+        None,
+        flag="--index",
+        kind="path",
+        metavar="FILE-or-URL",
+        group=CACHING,
+        default_text="off: directories are listed",
+        help="take every listing from this index (bucketfs index build): a file, or s3://BUCKET/KEY or "
+        "gs://BUCKET/KEY on the mount's store; the mount then sends no LIST request",
+        details="it must be the index of this very URL (else exit 13), intact (else exit 11) and of a format "
+        "version this bucketfs reads (else exit 12); reads stay pinned to the versions it names (a changed "
+        "object gives ESTALE); with --metadata-ttl its listings count as listed when the mount started and "
+        "are listed again once older than the TTL",
+    )
+
     # Data path.
     max_memory_bytes: int = option(
         1 * GiB,
@@ -620,6 +636,7 @@ class Config:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         self._check_ttls()
+        self._check_index()
         self._check_store_options()
         self._check_cross_limits()
         self._check_owner_can_enter()
@@ -641,6 +658,24 @@ class Config:
             raise ValueError(
                 f"--negative-ttl {self.negative_ttl_s:g} is above --metadata-ttl {self.metadata_ttl_s:g}: "
                 "a listing is fetched again after the metadata TTL anyway, so it would mean nothing"
+            )
+
+    def _check_index(self) -> None:
+        """An --index URL names one object of the mount's own store (its options reach it)."""
+        if self.index is None:
+            return
+        if not self.index:
+            raise ValueError("--index '' names no file or object")
+        if not is_url(self.index):
+            return
+        try:
+            scheme, _bucket, _key = parse_object_url(self.index)
+        except ValueError as exc:
+            raise ValueError(f"--index {exc}") from None
+        if scheme != self.url.scheme:
+            raise ValueError(
+                f"--index {self.index} is on another store than {self.source or self.url} (keep the index on the "
+                "mount's store, or in a file)"
             )
 
     def _check_store_options(self) -> None:

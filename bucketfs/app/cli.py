@@ -37,6 +37,7 @@ CHECK = Option(
     group=config.PROCESS,
     help="check URL and options, then exit 0 without mounting (exit 2 and the reason if one is wrong); "
     "the mountpoint, FUSE and the store are not checked",
+    details="an --index file is read and checked too (exit 11, 12 or 13); an --index URL is not fetched",
 )
 COMMAND_OPTIONS = (CHECK,)
 
@@ -460,6 +461,11 @@ def main(argv=None) -> int:
                     backends.check_options(config)
                 except errors.BucketfsError as exc:
                     raise errors.user_error_for(exc, str(config.url)) from None
+                if config.index and not is_url(config.index):
+                    from bucketfs.app import indexload
+
+                    # (An index in a file is read and checked too; one in the store is not.)
+                    indexload.decode(indexload.read_file(config.index), config.index, str(config.url))
                 return errors.EXIT_OK
             return run_mount(config)
         if args.command == "unmount":

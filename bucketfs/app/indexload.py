@@ -36,7 +36,7 @@ from bucketfs.core.listing_index import (
 FETCH_ATTEMPTS = 3  # an index object rewritten between its HEAD and its GET, again and again
 
 
-def _read_file(path: str) -> bytes:
+def read_file(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -96,7 +96,7 @@ async def load_index(location: str, config: Config, backend=None) -> ListingInde
     if is_url(location):
         data = await _fetch_object(location, config, backend)
     else:
-        data = await trio.to_thread.run_sync(_read_file, location)
+        data = await trio.to_thread.run_sync(read_file, location)
     return decode(data, location, str(config.url))
 
 
@@ -106,7 +106,7 @@ def run_index_show(location: str, config: Optional[Config]) -> int:
 
     async def read() -> bytes:
         if not is_url(location):
-            return await trio.to_thread.run_sync(_read_file, location)
+            return await trio.to_thread.run_sync(read_file, location)
         assert config is not None
         return await _fetch_object(location, config, None)
 

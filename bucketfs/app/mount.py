@@ -2,8 +2,8 @@
 
 Invariants:
 - Everything that can be checked before attaching the mount is checked first
-  (mountpoint, /dev/fuse, fusermount3: mountpoints.py; then the bucket), so a
-  bad input leaves nothing mounted.
+  (mountpoint, /dev/fuse, fusermount3: mountpoints.py; then the bucket, or with
+  --index the index and one HEAD, no LIST), so a bad input leaves nothing mounted.
 - `on_ready` is called only once the mount answers a stat from another thread.
 - The backend comes from a factory (`serve(backend_factory=...)`, the store's by
   default), so a whole mount can run on the in-memory backend.
@@ -31,9 +31,10 @@ import pyfuse3
 import trio
 
 from bucketfs import allocator, errors
+from bucketfs.app import indexload
 from bucketfs.app.mountpoints import FUSE_TYPE, FUSECTL_DIR, fusectl_dir, mount_entry, unmount
 from bucketfs.backends import Backend, make_backend
-from bucketfs.config import Config
+from bucketfs.config import Config, is_url, parse_object_url
 from bucketfs.core.filesystem import Filesystem
 from bucketfs.diskcache.directory import CacheDir, claim_dir, mount_identity
 from bucketfs.fuse.ops import FuseOperations
@@ -58,6 +59,9 @@ UNMOUNT_DEADLINE_S = 5.0
 # at most are queued; a disk that cannot write them in this long loses them). With
 # SHUTDOWN_GRACE_S and STOP_DEADLINE_S: 43 s, within the unit's TimeoutStopSec=45.
 FINISH_WRITES_DEADLINE_S = 10.0
+# A mount from an index probes the store with one HEAD (no LIST), answered within this
+# (check_bucket's own probe takes as long against a black-holed address).
+INDEX_PROBE_DEADLINE_S = 30.0
 # Kernel read-ahead for the mount's bdi: larger than the 128 KiB default so a
 # sequential reader's READs arrive in big batches; the daemon's own prefetcher
 # does the real read-ahead.
@@ -193,6 +197,44 @@ async def empty_prefix_notice(backend, url) -> str:
     return f"{url} is empty: nothing is stored under it (a mistyped prefix?)"
 
 
+async def probe_with_index(backend, config, index) -> None:
+    """The probe of a mount from an index, with no LIST: a HEAD of one object it names
+    (none is needed when the index itself came from the mounted bucket). A missing
+    bucket or denied access are the user's errors as without an index; an object that
+    is gone is a warning (the index is older than the store: reads of what changed
+    give ESTALE), after one LIST tells it from a missing bucket."""
+    log.info(
+        "%s: listings from the index %s (built %s; %d objects in %d directories): no LIST",
+        config.url,
+        config.index,
+        index.built_at,
+        index.objects_count,
+        index.directories_count,
+    )
+    if index.objects_count == 0:
+        log.warning("%s: the index %s holds no object: the mount is empty", config.url, config.index)
+    if index.first_key is None:
+        return
+    if is_url(config.index) and parse_object_url(config.index)[1] == config.url.bucket:
+        return  # (the index's own GET from this bucket answered)
+    key = config.url.prefix + index.first_key
+    try:
+        with trio.fail_after(INDEX_PROBE_DEADLINE_S):
+            await backend.stat(key)
+    except trio.TooSlowError:
+        raise errors.EndpointUnreachable(f"no answer within {INDEX_PROBE_DEADLINE_S:.0f} s") from None
+    except errors.NotFound:
+        await backend.check_bucket(config.url.prefix)  # (BucketNotFound if that is why)
+        log.warning(
+            "%s: the index %s (built %s) names %s, which the store no longer has: the index is older than the "
+            "objects (reads of what changed since give ESTALE; build it again)",
+            config.url,
+            config.index,
+            index.built_at,
+            key,
+        )
+
+
 async def serve(
     config,
     on_ready: Callable[[], None],
@@ -221,14 +263,21 @@ async def serve(
         backend = backend_factory(config)
     except errors.BucketfsError as exc:
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
+    index = None
     try:
-        if not await backend.check_bucket(config.url.prefix):
+        if config.index:
+            index = await indexload.load_index(config.index, config, backend)
+            await probe_with_index(backend, config, index)
+        elif not await backend.check_bucket(config.url.prefix):
             log.warning("%s", await empty_prefix_notice(backend, config.url))
+    except errors.UserError:
+        await backend.aclose()
+        raise
     except errors.BucketfsError as exc:
         await backend.aclose()
         raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
     if not config.cache_dir:
-        return await _serve(config, backend, None, on_ready, on_fs, hangup)
+        return await _serve(config, backend, None, on_ready, on_fs, hangup, index)
     try:
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
@@ -238,14 +287,14 @@ async def serve(
         await backend.aclose()
         raise
     if cache_dir is None:  # (no room on its disk for a directory: logged)
-        return await _serve(config, backend, None, on_ready, on_fs, hangup)
+        return await _serve(config, backend, None, on_ready, on_fs, hangup, index)
     # Disk-cache writes run in worker threads that need the GIL back after every
     # syscall. At the default 5 ms switch interval a busy event loop holds them off
     # and writes fall behind: 33% of a 440 files/s cold epoch was never stored.
     # At 0.5 ms all of it was, at about the same files/s.
     sys.setswitchinterval(DISK_CACHE_SWITCH_INTERVAL_S)
     try:
-        await _serve(config, backend, cache_dir, on_ready, on_fs, hangup)
+        await _serve(config, backend, cache_dir, on_ready, on_fs, hangup, index)
     finally:
         cache_dir.close()  # (a private one is removed: no later mount will find it)
 
@@ -257,12 +306,20 @@ async def _serve(
     on_ready: Callable[[], None],
     on_fs: Optional[Callable],
     hangup_stops: bool,
+    index=None,
 ) -> None:
     mounted = False
     detached: list = []  # set by the signal handler once it has lazily unmounted
     try:
         async with trio.open_nursery() as nursery:
-            fs = Filesystem(backend, config, nursery, *((cache_dir.path, cache_dir.fd) if cache_dir else ()))
+            fs = Filesystem(
+                backend,
+                config,
+                nursery,
+                disk_cache_dir=cache_dir.path if cache_dir else None,
+                disk_cache_dir_fd=cache_dir.fd if cache_dir else None,
+                listing_index=index,
+            )
             ops = FuseOperations(fs, config)
             if config.metrics_port:
                 # Bound before mounting: a port in use fails the mount with one line

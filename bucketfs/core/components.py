@@ -55,11 +55,13 @@ def build_components(
     nursery: trio.Nursery,
     disk_cache_dir: Optional[str] = None,
     disk_cache_dir_fd: Optional[int] = None,
+    listing_index=None,
 ) -> Components:
     """The components of a filesystem on `backend`, sized by `config`, their background
     tasks in `nursery`. `disk_cache_dir`: a directory of this mount's own for the local
     disk cache, if any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds
-    (without one, the cache opens the path itself)."""
+    (without one, the cache opens the path itself); `listing_index`: the listing index
+    (core/listing_index.py) the namespace's listings come from (--index)."""
     stats = Stats()
     budget = MemoryBudget(config.max_memory_bytes, stats)
     disk_cache = None
@@ -83,6 +85,7 @@ def build_components(
         time.time_ns(),
         budget,
         config.negative_ttl_s,
+        listing_index,
     )
     namespace.start_background(nursery)
     cache = BlockCache(backend, budget, stats, config.block_size_bytes, nursery)

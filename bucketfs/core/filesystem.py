@@ -115,9 +115,10 @@ class Filesystem:
         nursery: trio.Nursery,
         disk_cache_dir: Optional[str] = None,
         disk_cache_dir_fd: Optional[int] = None,
+        listing_index=None,
     ):
         """Builds its components with `build_components` (the arguments are its own)."""
-        parts = build_components(backend, config, nursery, disk_cache_dir, disk_cache_dir_fd)
+        parts = build_components(backend, config, nursery, disk_cache_dir, disk_cache_dir_fd, listing_index)
         self.config = config
         self.stats = parts.stats
         self.budget = parts.budget

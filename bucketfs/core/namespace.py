@@ -35,6 +35,12 @@ Invariants:
   STALE_RELIST_MIN_INTERVAL_S, so later opens find the new version. The replaced
   node stays (the kernel and open handles may hold it) but is no longer listed, and
   names whose node changed are reported through `on_vanished` as with a TTL.
+- With a listing index (`bucketfs mount --index`), a directory's first listing comes
+  from it (`_from_index`), never from a LIST, and counts as loaded when the namespace
+  was made (the mount's start): forever in the immutable default, until the TTL with
+  one. The index gives each directory once and forgets it; what it still holds is
+  charged to the budget with the listings. A directory listed again (a TTL, a changed
+  object) is listed from the store, as without an index.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.base import ObjectInfo
 from bucketfs.backends.slots import mark_speculative
 
 log = logging.getLogger(__name__)
@@ -166,8 +173,10 @@ class Namespace:
         mount_time_ns: int,
         budget,
         negative_ttl_s: float,
+        listing_index=None,
     ):
-        """The TTLs and `list_ahead_count` are the Config's (no defaults of its own)."""
+        """The TTLs and `list_ahead_count` are the Config's (no defaults of its own).
+        `listing_index`: a listing index (core/listing_index.py) the listings come from."""
         self.backend = backend
         self.budget = budget  # the MemoryBudget that listings are charged to, if any
         self.key_prefix = key_prefix
@@ -194,6 +203,11 @@ class Namespace:
         self._ahead_limiter = trio.CapacityLimiter(max(1, list_ahead_count))
         self.list_ahead_count = list_ahead_count
         self._nursery: Optional[trio.Nursery] = None
+        # Listings from the index count as loaded now, when the mount starts.
+        self._index = listing_index
+        self._index_loaded_at_s = trio.current_time()
+        if listing_index is not None:
+            self._charge_listings()  # (what it holds, from the start)
 
     def start_background(self, nursery: trio.Nursery) -> None:
         """Give the namespace a nursery for listings started ahead of a walk."""
@@ -304,7 +318,13 @@ class Namespace:
 
     # -- loading -------------------------------------------------------------
     async def _load(self, node: Node, demanded: bool = True) -> Listing:
-        """List `node` (all pages) and publish the result; `demanded` if a reader waits."""
+        """List `node` (all pages) and publish the result; `demanded` if a reader waits.
+        A directory the index holds (still fresh) is taken from it instead: no LIST."""
+        listing = self._from_index(node)
+        if listing is not None:
+            if demanded:
+                self._note_walk(node, listing)
+            return listing
         loading = self._loading[node.ino] = _Loading(demanded)
         if not demanded:
             mark_speculative(loading)  # this task's LISTs wait behind reads until a reader needs them
@@ -329,6 +349,36 @@ class Namespace:
         finally:
             del self._loading[node.ino]
             loading.done.set()
+
+    def _from_index(self, node: Node) -> Optional[Listing]:
+        """`node`'s listing from the index, published, if the index holds it and (with a
+        TTL) it is not older than the TTL; the index forgets it either way. No await:
+        no other task sees the directory half built."""
+        index = self._index
+        if index is None or not index.has(node.path):
+            return None
+        taken = index.take(node.path)
+        if taken is None or self._older_than_index():
+            self._charge_listings()  # (what the index held for it is freed)
+            return None
+        objects, subdirectories = taken
+        prefix = self.key_prefix + node.path
+        listing = self._build(
+            node,
+            [ObjectInfo(prefix + name, size, mtime_ns, version) for name, size, mtime_ns, version in objects],
+            [prefix + name + "/" for name in subdirectories],
+        )
+        listing.loaded_at_s = self._index_loaded_at_s
+        node.listing = listing
+        self.stats["namespace.index_listings"] += 1
+        self._charge_listings()
+        return listing
+
+    def _older_than_index(self) -> bool:
+        """The index's listings are older than the metadata TTL (never in the immutable default)."""
+        return not math.isinf(self.metadata_ttl_s) and (
+            trio.current_time() - self._index_loaded_at_s > self.metadata_ttl_s
+        )
 
     async def _fetch_all_pages(self, prefix: str):
         objects, prefixes, token = [], [], None
@@ -467,7 +517,8 @@ class Namespace:
 
     def _charge_listings(self) -> None:
         if self.budget is not None:
-            self.budget.charge_listings(self._live_count * LISTED_ENTRY_BYTES)
+            held_bytes = self._index.held_bytes if self._index is not None else 0  # (directories not listed yet)
+            self.budget.charge_listings(self._live_count * LISTED_ENTRY_BYTES + held_bytes)
 
     # -- listing ahead of a walk ---------------------------------------------
     def _note_walk(self, node: Node, listing: Listing) -> None:
