@@ -16,6 +16,10 @@ command, its setup and its workloads), as a package by concern:
   check through a mount on the warmed cache, and warm / s5cmd
 - epochs: W6, random-order epochs over a data set twice the cache (disk cache, memory
   budget), files cached per epoch with the cache's policy and with LRU
+- s3torchconnector: s3torch: its client beside direct boto3 in W1, W2 and W5 (issue 37)
+- threadcpu: the daemon's CPU by thread (main, curl, workers) in each run, per small file
+  and per GB, and the throughput ceilings it implies (issue 37)
+- issue37: issue 37's targets, evaluated on a run
 - report: targets, the result and cost tables, what the emulation allows, the summary
 - wds: the webdataset child process (its own process, so torch stays out of the bench)
 - cli: options and main()

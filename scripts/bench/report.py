@@ -11,6 +11,10 @@ import os
 import time
 
 from .common import MB, SYSTEMS
+from .s3torch import SYSTEM as S3TORCH
+
+# The rows s3torchconnector has a value in (W1 threads, W2 listing and cold epochs, W5).
+S3TORCH_KEYS = ("W1.1", "W1.4", "W2.list", "W2.cold8", "W2.cold32", "W5.mbps", "W5.p50", "W5.p99")
 
 
 class Report:
@@ -81,6 +85,9 @@ class Report:
 
         alts = list(self.alt_mounts)
         titles = [self.alt_mounts[a].title for a in alts]
+        # s3torchconnector (s3torch.py): a column on S3 whenever a workload it runs did; its
+        # cells say why where it could not run ("not installed").
+        s3torch = self.s3torch_note != "S3 only" and any(key in self.rows for key in S3TORCH_KEYS)
         header = (
             "workload",
             "unit",
@@ -88,9 +95,11 @@ class Report:
             self.backend.direct_label,
             "local",
             *titles,
+            *((S3TORCH,) if s3torch else ()),
             "bucketfs/direct",
             "bucketfs/local",
             *(f"bucketfs/{t}" for t in titles),
+            *((f"bucketfs/{S3TORCH}",) if s3torch else ()),
             "target",
             "met",
         )
@@ -98,6 +107,13 @@ class Report:
         for row in self.rows.values():
             b, d, l = (row.values.get(s) for s in SYSTEMS)  # noqa: E741 - bucketfs, direct, local
             others = [row.values.get(a) for a in alts]
+            t = row.values.get(S3TORCH)
+            if not s3torch:
+                t_cells = ()
+            elif self.s3torch_note and row.key in S3TORCH_KEYS:
+                t_cells = ((self.s3torch_note,), (self.s3torch_note,))
+            else:
+                t_cells = ((fmt(t),), (ratio(b, t),))
             met = {True: "yes", False: "NO", None: "-"}[row.met]
             lines.append(
                 (
@@ -107,9 +123,11 @@ class Report:
                     fmt(d),
                     fmt(l),
                     *(fmt(r) for r in others),
+                    *(t_cells[0] if t_cells else ()),
                     ratio(b, d),
                     ratio(b, l),
                     *(ratio(b, r) for r in others),
+                    *(t_cells[1] if t_cells else ()),
                     row.target,
                     met,
                 )
@@ -179,10 +197,10 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
     by = {(r["run"], r["system"]): r for r in runs}
     lines = []
     for label in ("W1 1 reader(s)", "W1 4 reader(s)"):
-        runs_of = {system: by.get((label, system)) for system in ("local", "direct", "bucketfs")}
+        runs_of = {system: by.get((label, system)) for system in ("local", "direct", S3TORCH, "bucketfs")}
         remote = [
             r
-            for r in (runs_of["bucketfs"], runs_of["direct"])
+            for r in (runs_of["bucketfs"], runs_of["direct"], runs_of[S3TORCH])
             if r and r.get("fetched_bytes") and not r.get("error_count")
         ]
         if not runs_of["local"] or not remote or not runs_of["local"].get("MB/s"):
@@ -225,7 +243,11 @@ TARGETS = """Targets (from the issue):
   W4: >= 2,000 ops/s with bytes fetched <= 4x bytes read.
   W5: total >= direct; peak RSS <= --max-memory + 150 MB.
   W6: random-order epochs over a data set twice the cache (disk cache, and memory budget): epochs 2 and 3 find >= 45%
-      of files cached; LRU's figure beside it (issue 36)."""
+      of files cached; LRU's figure beside it (issue 36).
+  Issue 37: W2 cold epoch, 32 threads >= 1.2x s3torchconnector; W5 >= 1.2x s3torchconnector with peak RSS <=
+      --max-memory + 150 MB; W1 4 readers >= 1.0x direct ranged GETs; the daemon's main thread (trio, FUSE) <= 0.25 ms
+      of CPU per cold ~100 KB file (>= 4,000 files/s) and <= 0.25 s per GB streamed (>= 4 GB/s); the whole daemon
+      <= 1 ms per file."""
 
 
 def print_report(bench, args, backend_cls, started: float) -> int:
@@ -262,6 +284,15 @@ def print_report(bench, args, backend_cls, started: float) -> int:
         )
         print(cache_epochs)
         print()
+    cpu_per_unit = bench.cpu_per_unit_table()
+    if cpu_per_unit:
+        print(
+            "The daemon's CPU per unit by thread (issue 37; threadcpu.py): main = trio and FUSE, curl = the libcurl thread,\n"
+            "workers = trio's thread cache (and threads that exited). Ceiling = 1 / main-thread CPU per unit (no extra core\n"
+            "lifts it); bound on N free cores = min(ceiling, N / daemon CPU per unit). W5 charges its whole run to each unit:"
+        )
+        print(cpu_per_unit)
+        print()
     print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
     print(bench.cost_table())
     print(
@@ -278,6 +309,10 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     print(TARGETS)
     if backend_cls.targets_note:
         print(backend_cls.targets_note)
+    issue37 = bench.issue37_lines()
+    if issue37:
+        print("\nIssue 37 in this run:")
+        print("\n".join(issue37))
     if bench.mount.notes:
         print("\nbucketfs daemon log notes:")
         for note in bench.mount.notes:
@@ -300,6 +335,9 @@ def print_report(bench, args, backend_cls, started: float) -> int:
                     "copy_then_read": bench.copy_then_read_rows(),
                     "warm_vs_copy": bench.warm_rows(),
                     "cache_epochs": bench.cache_epoch_results,
+                    "s3torchconnector": bench.s3torch_rows(),
+                    "cpu_per_unit": bench.cpu_per_unit_rows(),
+                    "issue37": bench.issue37_results(),
                     "runs": bench.runs,
                     "failures": bench.failures,
                 },

@@ -21,9 +21,12 @@ from .common import MB, RUN_TIMEOUT_S, SYSTEMS, log
 from .copythenread import CopyThenRead
 from .datasets import Dataset, Verifier
 from .epochs import CacheEpochs
+from .issue37 import Issue37
 from .procs import CpuCensus, drop_caches, proc_cpu_s, self_cpu_s, steal_s
 from .report import Report
+from .s3torch import S3TorchConnector, s3torch_missing
 from .systems import ALTERNATIVE_MOUNTS, Mount, _empty_disk_cache, _option_value
+from .threadcpu import ThreadCensus, ThreadCpuReport
 from .warmcopy import WarmAgainstCopy
 from .workloads import Workloads
 
@@ -39,10 +42,11 @@ class Row:
     met: Optional[bool] = None
 
 
-class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, Report):
+class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnector, ThreadCpuReport, Issue37, Report):
     """One benchmark over a data set and a store: the systems it compares, the rows of the
-    result and every run's costs. The workloads (W1-W5, W2's copy-then-read and warm, W6)
-    and the report are its mixins."""
+    result and every run's costs. The workloads (W1-W5, W2's copy-then-read and warm, W6,
+    s3torchconnector's runs) and the report (with the daemon's CPU per unit by thread)
+    are its mixins."""
 
     def __init__(self, args, dataset: Dataset, backend, work_dir: str):
         self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
@@ -79,6 +83,9 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, Report):
         self.warm_runs: dict = {}  # W2 threads -> {"warm": run, "epoch": run} (warmcopy.py)
         self.cache_epoch_results: list = []  # W6: one dict per variant (epochs.py)
         self.cache_epoch_note: Optional[str] = None
+        self.s3torch_note: Optional[str] = s3torch_missing(backend)  # why its column is empty (s3torch.py)
+        self.s3torch_logged = False
+        self.thread_census = ThreadCensus()  # the daemon's CPU by thread in each bucketfs run (threadcpu.py)
 
     # -- bookkeeping ------------------------------------------------------------
     def row(self, key, label, unit, higher_is_better, target="") -> Row:
@@ -122,6 +129,7 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, Report):
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
         daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
+        threads_before = self.thread_census.start(self.mount.pid) if system == "bucketfs" else None
         alt = self.alt_mounts.get(system)
         if alt is not None:
             daemon_before = proc_cpu_s(alt.pid)
@@ -159,6 +167,8 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, Report):
         proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
+            # By thread: main (trio, FUSE), curl, workers (threadcpu.py); after the client's CPU was read.
+            run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before)
             from bucketfs.testing.mounting import daemon_stats
 
             with contextlib.suppress(OSError, ValueError):

@@ -1,7 +1,8 @@
 """The workloads, as methods of `Bench` (runner.py): W1 shard streaming (threads and a
 webdataset DataLoader), W2 ImageFolder (listing, cold, warm, evicted and remounted
 epochs; then copy-then-read, copythenread.py), W3 metadata (listdir, walk+stat, ls -l), W4 random preads, W5 small files and
-shards at once. Each registers its rows and records every system's value."""
+shards at once. Each registers its rows and records every system's value. W1 (threads),
+W2 and W5 also run s3torchconnector where it is installed (s3torch.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .common import CACHED_PASSES, ENTRY, MB, PARALLEL_PARTS, READ_BYTES, RUN_TI
 from .datasets import Verifier
 from .procs import RssSampler, drop_caches, proc_status_kib
 from .readers import median_run, pull_loop, read_file_streaming, read_object_direct, run_threads
+from .s3torch import SYSTEM as S3TORCH
 from .stores import S3Direct
 
 
@@ -34,9 +36,20 @@ class Workloads:
             key = f"W1.{readers}"
             self.row(key, f"W1 shards, {readers} reader{'s' if readers > 1 else ''}", "MB/s", True, f">= {target} MB/s")
             groups = [ds.shards[r::readers] for r in range(readers)]
-            for system in self.systems:
+            for system in (*self.systems, *self.s3torch_systems()):
                 self.cold(system)
-                if system == "direct":
+                if system == S3TORCH:
+                    client = self.s3torch_client()
+
+                    def fn(v, client=client):
+                        def reader(group):
+                            buf = self.s3torch_read_buffer()
+                            for rel in group:
+                                v.check(rel, *self.s3torch_stream(client, rel, buf))
+
+                        wall = run_threads(reader, [(g,) for g in groups], v)
+                        return {"MB/s": round(total / wall / MB, 1)}
+                elif system == "direct":
                     client = self.backend.direct(readers * PARALLEL_PARTS)
                     executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in groups]
 
@@ -64,6 +77,7 @@ class Workloads:
                     for ex in executors:
                         ex.shutdown()
                     client.close()
+                client = None  # (s3torchconnector's: its native client goes with it)
                 self.record(key, system, run.get("MB/s"))
         self.w1_webdataset()
 
@@ -134,10 +148,13 @@ class Workloads:
             # after a reboot (its files on disk only), and in a new job (its files still in the page cache)
             self.row("W2.remount32", "W2 epoch, new mount, disk cache kept, 32t", "files/s", True, "-")
             self.row("W2.rejob32", "W2 epoch, new mount, disk cache in page cache, 32t", "files/s", True, "-")
-        for system in self.systems:
+        for system in (*self.systems, *self.s3torch_systems()):
             for threads in (8, 32):
                 self.cold(system)
-                if system == "direct":
+                if system == S3TORCH:  # its map-style dataset: listed, then read by index
+                    dataset = {}
+                    run = self.measure("W2 listing", system, lambda v: self._w2_list_s3torch(v, dataset))
+                elif system == "direct":
                     client = self.backend.direct(threads)
                     run = self.measure("W2 listing", system, lambda v: self._w2_list_direct(v, client))
                 else:
@@ -146,8 +163,8 @@ class Workloads:
                     self.record("W2.list", system, run.get("s"))
                 order = list(ds.images)
                 random.Random(threads).shuffle(order)
-                passes = ("cold", "warm") if system != "direct" else ("cold",)
-                if system != "direct" and threads == 32:
+                passes = ("cold", "warm") if system not in ("direct", S3TORCH) else ("cold",)
+                if system not in ("direct", S3TORCH) and threads == 32:
                     passes += ("evicted",)
                     if system == "bucketfs" and self.cache_dir:
                         passes += ("remount", "rejob")
@@ -158,7 +175,15 @@ class Workloads:
                         self.mount.remount()  # a new daemon; --cache-dir is kept, the page cache dropped
                     elif temp == "rejob":
                         self.mount.remount(drop=False)  # the last epoch left the cache's files in the page cache
-                    if system == "direct":
+                    if system == S3TORCH:
+                        run = self.measure(
+                            f"W2 epoch {temp} {threads}t",
+                            system,
+                            lambda v: self._epoch(
+                                v, order, threads, lambda rel: dataset["dataset"][dataset["index"][rel]].read()
+                            ),
+                        )
+                    elif system == "direct":
                         run = self.measure(
                             f"W2 epoch {temp} {threads}t",
                             system,
@@ -179,6 +204,7 @@ class Workloads:
                     self.record("W2.hwm", system, round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1))
                 if system == "direct":
                     client.close()
+                dataset = None
         self.w2_copy_then_read()  # copy-then-read (s5cmd), after the other systems (copythenread.py)
 
     def _w2_list_fs(self, v: Verifier, root: str) -> dict:
@@ -195,6 +221,19 @@ class Workloads:
         if rels != self.ds.images:
             v.fail(f"ImageFolder listing found {len(rels)} files, expected {len(self.ds.images)}")
         return {"s": round(seconds, 4), "files": len(found), "classes": len(classes)}
+
+    def _w2_list_s3torch(self, v: Verifier, holder: dict) -> dict:
+        """s3torchconnector: S3MapDataset.from_prefix, listed by its len() (timed); then
+        each key's index (not timed) for reading in the epoch's order."""
+        t0 = time.perf_counter()
+        dataset = self.s3torch_dataset("imagefolder/")
+        count = len(dataset)
+        seconds = time.perf_counter() - t0
+        index = {dataset[i].key: i for i in range(count)}  # an S3Reader sends nothing until read
+        if sorted(index) != self.ds.images:
+            v.fail(f"S3MapDataset listed {len(index)} objects, expected {len(self.ds.images)}")
+        holder.update(dataset=dataset, index=index)
+        return {"s": round(seconds, 4), "files": count}
 
     def _w2_list_direct(self, v: Verifier, client: S3Direct) -> dict:
         t0 = time.perf_counter()
@@ -377,9 +416,21 @@ class Workloads:
         order = list(ds.images)
         random.Random(5).shuffle(order)
         groups = [ds.shards[r::4] for r in range(4)]
-        for system in self.systems:
+        for system in (*self.systems, *self.s3torch_systems()):
             self.cold(system)
-            if system == "direct":
+            if system == S3TORCH:  # one client for both parts
+                client = self.s3torch_client()
+
+                def small(_i, rel, client=client):
+                    data = self.s3torch_get(client, rel)
+                    return rel, len(data), digest(data)
+
+                def stream(group, _ex, client=client):
+                    buf = self.s3torch_read_buffer()
+                    return [(rel, *self.s3torch_stream(client, rel, buf)) for rel in group]
+
+                executors = [None] * 4
+            elif system == "direct":
                 client = self.backend.direct(32 + 4 * PARALLEL_PARTS)
                 executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in groups]
 
@@ -437,6 +488,7 @@ class Workloads:
                 for ex in executors:
                     ex.shutdown()
                 client.close()
+            client = None
             self.record("W5.mbps", system, run.get("MB/s"))
             self.record("W5.p50", system, run.get("p50_ms"))
             self.record("W5.p99", system, run.get("p99_ms"))

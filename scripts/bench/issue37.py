@@ -1,0 +1,94 @@
+"""Issue 37's targets ("Use every core"), evaluated on a run: bucketfs against
+s3torchconnector (W2 cold epoch with 32 threads, W5), W1 with 4 readers against direct
+ranged GETs, W5's peak RSS, and the CPU per unit of the daemon's main thread and of the
+whole daemon (threadcpu.py). Printed after the tables and kept in --json ("issue37")."""
+
+from __future__ import annotations
+
+from .common import MB
+from .s3torch import SYSTEM as S3TORCH
+from .threadcpu import DAEMON_MS_PER_FILE, MAIN_MS_PER_FILE, MAIN_S_PER_GB
+
+W2_OVER_S3TORCH = 1.2  # W2 cold epoch, 32 threads: bucketfs / s3torchconnector
+W5_OVER_S3TORCH = 1.2  # W5 total MB/s: bucketfs / s3torchconnector
+W1_OVER_DIRECT = 1.0  # W1 shards, 4 readers: bucketfs / direct ranged GETs
+
+
+class Issue37:
+    """issue37_results() and its lines, mixed into `Bench` (runner.py)."""
+
+    def issue37_results(self) -> list:
+        def val(key, system="bucketfs"):
+            row = self.rows.get(key)
+            return None if row is None else row.values.get(system)
+
+        def ratio(a, b):
+            return None if a is None or not b else round(a / b, 3)
+
+        results = []
+
+        def add(what, figure, target, met):
+            results.append({"what": what, "figure": figure, "target": target, "met": met})
+
+        cannot = f" (s3torchconnector {self.s3torch_note})" if self.s3torch_note else ""
+        if "W2.cold32" in self.rows:
+            r = ratio(val("W2.cold32"), val("W2.cold32", S3TORCH))
+            add(
+                "W2 cold epoch, 32 threads: bucketfs / s3torchconnector",
+                None if r is None else f"{r:.2f}x ({val('W2.cold32'):,.0f} / {val('W2.cold32', S3TORCH):,.0f} files/s)",
+                f">= {W2_OVER_S3TORCH}x{cannot}",
+                None if r is None else r >= W2_OVER_S3TORCH,
+            )
+        if "W5.mbps" in self.rows:
+            r = ratio(val("W5.mbps"), val("W5.mbps", S3TORCH))
+            add(
+                "W5 mixed: bucketfs / s3torchconnector",
+                None if r is None else f"{r:.2f}x ({val('W5.mbps'):,.1f} / {val('W5.mbps', S3TORCH):,.1f} MB/s)",
+                f">= {W5_OVER_S3TORCH}x{cannot}",
+                None if r is None else r >= W5_OVER_S3TORCH,
+            )
+            limit_mb = self.max_memory_bytes() / MB + 150
+            peaks = [x for x in (val("W5.rss"), val("W5.hwm")) if x is not None]
+            add(
+                "W5 daemon peak RSS (the higher of sampled and VmHWM)",
+                f"{max(peaks):,.0f} MB" if peaks else None,
+                f"<= {limit_mb:,.0f} MB (--max-memory + 150 MB)",
+                max(peaks) <= limit_mb if peaks else None,
+            )
+        if "W1.4" in self.rows:
+            r = ratio(val("W1.4"), val("W1.4", "direct"))
+            add(
+                "W1 shards, 4 readers: bucketfs / direct ranged GETs",
+                None if r is None else f"{r:.2f}x ({val('W1.4'):,.0f} / {val('W1.4', 'direct'):,.0f} MB/s)",
+                f">= {W1_OVER_DIRECT}x",
+                None if r is None else r >= W1_OVER_DIRECT,
+            )
+        for row in self.cpu_per_unit_rows():
+            if row["run"].startswith("W2 epoch cold"):
+                add(
+                    f"{row['run']}: main thread CPU per file (ceiling)",
+                    f"{row['main_ms_per_file']:.3f} ms ({row['ceiling_files_s']:,.0f} files/s)",
+                    f"<= {MAIN_MS_PER_FILE} ms (>= {1 / MAIN_MS_PER_FILE * 1000:,.0f} files/s)",
+                    row["main_ms_per_file"] <= MAIN_MS_PER_FILE,
+                )
+                add(
+                    f"{row['run']}: daemon (all of bucketfs) CPU per file",
+                    f"{row['daemon_ms_per_file']:.3f} ms",
+                    f"<= {DAEMON_MS_PER_FILE} ms",
+                    row["daemon_ms_per_file"] <= DAEMON_MS_PER_FILE,
+                )
+            elif row["run"] in ("W1 1 reader(s)", "W1 4 reader(s)"):
+                add(
+                    f"{row['run']}: main thread CPU per GB streamed (ceiling)",
+                    f"{row['main_s_per_GB']:.3f} s ({row['ceiling_GB_s']:,.2f} GB/s)",
+                    f"<= {MAIN_S_PER_GB} s (>= {1 / MAIN_S_PER_GB:,.0f} GB/s)",
+                    row["main_s_per_GB"] <= MAIN_S_PER_GB,
+                )
+        return results
+
+    def issue37_lines(self) -> list:
+        lines = []
+        for r in self.issue37_results():
+            met = {True: "met", False: "MISSED", None: "-"}[r["met"]]
+            lines.append(f"  {r['what']}: {r['figure'] or '-'}; target {r['target']}: {met}")
+        return lines
