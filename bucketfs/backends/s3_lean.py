@@ -149,9 +149,34 @@ def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
     return got
 
 
+_UTC_SECOND_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.(\d{1,9}))?Z\Z")
+_SECONDS_SEEN: dict = {}  # "YYYY-MM-DDTHH:MM:SS" -> its _mtime_ns, for the listings' common shape
+_SECONDS_SEEN_MAX = 4096
+
+
 def _mtime_ns(text: str) -> int:
     """Nanoseconds since the epoch of a listed LastModified; 0 for a time before the
-    epoch (AIStore lists Go's zero time for objects never read) or none at all."""
+    epoch (AIStore lists Go's zero time for objects never read) or none at all.
+    The usual shape (UTC, 'Z') takes its second from a table: objects listed together
+    were mostly written within seconds of each other."""
+    match = _UTC_SECOND_RE.match(text) if text else None
+    if match is not None:
+        second = text[:19]
+        base_ns = _SECONDS_SEEN.get(second)
+        if base_ns is None:
+            base_ns = _mtime_ns_parsed(second + "Z")
+            if len(_SECONDS_SEEN) >= _SECONDS_SEEN_MAX:
+                _SECONDS_SEEN.clear()
+            _SECONDS_SEEN[second] = base_ns
+        fraction = match.group(1)
+        if base_ns <= 0 and not (base_ns == 0 and second == "1970-01-01T00:00:00"):
+            return 0
+        # (Microseconds, as datetime keeps them: the same value as parsed whole.)
+        return base_ns + (int(fraction[:6].ljust(6, "0")) * 1000 if fraction else 0)
+    return _mtime_ns_parsed(text)
+
+
+def _mtime_ns_parsed(text: str) -> int:
     try:
         when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except (AttributeError, ValueError):
@@ -169,6 +194,10 @@ def _mtime_ns(text: str) -> int:
 # Anything else goes to ElementTree (see parse_list_page).
 _OBJECT_FIELDS_RE = re.compile(r"<(Key|LastModified|ETag|Size)>([^<]*)</")
 _PREFIX_RE = re.compile(r"<CommonPrefixes>\s*<Prefix>([^<]*)</Prefix>\s*</CommonPrefixes>")
+_OBJECT_IN_ORDER_RE = re.compile(
+    r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*<ETag>([^<]*)</ETag>\s*"
+    r"<Size>(\d+)</Size>"
+)
 _TOP_FIELD_RE = {
     tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("IsTruncated", "NextContinuationToken", "EncodingType")
 }
@@ -187,12 +216,33 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
         return None if match is None else unescape(match.group(1))
 
     decode = unquote_str if top("EncodingType") == "url" else (lambda value: value)
+    contents_count = text.count("<Contents>")
+    objects = []
+    # The fields in S3's own order (S3, MinIO, rclone write them so): one match per
+    # object, each modification time parsed once per page (objects written together
+    # share it). A flat page of 1,000 keys: ~2.7 -> ~1.1 ms.
+    rows = _OBJECT_IN_ORDER_RE.findall(text)
+    if len(rows) == contents_count:
+        mtimes: dict = {}
+        url_encoded = decode is unquote_str
+        for key, modified, etag, size in rows:
+            mtime_ns = mtimes.get(modified)
+            if mtime_ns is None:
+                mtime_ns = mtimes[modified] = _mtime_ns(modified)
+            if "&" in key:
+                key = html.unescape(key)
+            if url_encoded and ("%" in key or "+" in key):
+                key = unquote_str(key)
+            if "&" in etag:  # (S3 quotes its ETags as &quot;, and nothing else in them)
+                quoted = etag.replace("&quot;", '"')
+                etag = quoted if "&" not in quoted else html.unescape(etag)
+            objects.append((key, int(size), mtime_ns, etag))
+        return _page_rest(text, objects, unescape, decode, top)
     # Every <Contents> has each of the four fields once, in any order: then the matches
     # split into groups of four, one group per object, with no guessing.
     fields = _OBJECT_FIELDS_RE.findall(text)
-    if len(fields) != 4 * text.count("<Contents>"):
+    if len(fields) != 4 * contents_count:
         return None
-    objects = []
     for i in range(0, len(fields), 4):
         record = dict(fields[i : i + 4])
         if len(record) != 4:
@@ -208,6 +258,11 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
             )
         except ValueError:
             return None
+    return _page_rest(text, objects, unescape, decode, top)
+
+
+def _page_rest(text: str, objects: list, unescape, decode, top) -> Optional[tuple]:
+    """_parse_fast's answer, with the page's prefixes and continuation."""
     prefixes = [decode(unescape(value)) for value in _PREFIX_RE.findall(text)]
     if len(prefixes) != text.count("<CommonPrefixes>"):
         return None
