@@ -102,6 +102,12 @@ _SIMPLE = [
         "counter",
     ),
     (
+        "fetch_ahead.disk_waits",
+        "bucketfs_fetch_ahead_disk_waits",
+        "Times fetch-ahead waited for the disk cache's queue of writes (--cache-dir)",
+        "counter",
+    ),
+    (
         "fetch_ahead.dropped_read_bytes",
         "bucketfs_fetch_ahead_dropped_read_bytes",
         "Cached bytes of files a pass had read, dropped to make room for fetch-ahead",

@@ -37,6 +37,9 @@ A pass (`_run_pass`):
   stay under ROOM_SHARE of the buffer budget, and fetching waits for opens to free
   room: the loader's reads are what make room, so fetch-ahead never runs further
   ahead than that;
+- with --cache-dir, runs no faster than the disk cache stores (it waits while half
+  of the queue of writes is in use): what it fetched past that queue would not be
+  stored, and the next epoch would fetch it again;
 - takes free memory, or the memory of files this pass has read (dropped from the
   block cache, oldest read first: the pass will not read them again), never that of
   a cached file the pass has still to read (evicting those made a pass over a data
@@ -176,6 +179,9 @@ class FetchAhead:
         self._pass: Optional[_Pass] = None
         self._partial_roots: set = set()  # inos of trees read in part per epoch: no pass
         self._in_flight_count = 0
+        self._in_flight_bytes = 0
+        if disk_cache is not None:
+            disk_cache.on_write_done = self._wake
         self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
         self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
 
@@ -361,6 +367,11 @@ class FetchAhead:
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
             fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
+            if fits and not self._disk_keeps_up(node.size_bytes):
+                # No faster than the disk cache stores: past its queue a file is not
+                # stored, and the next epoch would fetch it again.
+                self._stats["fetch_ahead.disk_waits"] += 1
+                fits = False
             if fits and self._in_flight_count < self._allowed_count:
                 self._make_room(current, node.size_bytes)
                 flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
@@ -370,9 +381,18 @@ class FetchAhead:
         current.held[key] = (node.version, node.size_bytes)
         current.fetched_count += 1
         self._in_flight_count += 1
+        self._in_flight_bytes += node.size_bytes
         self._stats["fetch_ahead.files"] += 1
         self._stats["fetch_ahead.bytes"] += node.size_bytes
-        self._nursery.start_soon(self._landed, current, key, flight)
+        self._nursery.start_soon(self._landed, current, key, node.size_bytes, flight)
+
+    def _disk_keeps_up(self, size_bytes: int) -> bool:
+        """With --cache-dir: this fetch and those in flight fit the disk cache's queue of
+        writes (at least one in flight whatever its size)."""
+        if self._disk_cache is None:
+            return True
+        room_bytes = self._disk_cache.write_room_bytes()
+        return room_bytes > 0 if not self._in_flight_count else self._in_flight_bytes + size_bytes <= room_bytes
 
     def _make_room(self, current: _Pass, size_bytes: int) -> None:
         """Drop files this pass has read from the block cache until `size_bytes` fit in
@@ -384,11 +404,12 @@ class FetchAhead:
                 busy.append(item)
         current.read.extend(busy)
 
-    async def _landed(self, current: _Pass, key: str, flight) -> None:
+    async def _landed(self, current: _Pass, key: str, size_bytes: int, flight) -> None:
         try:
             await flight.done.wait()
         finally:
             self._in_flight_count -= 1
+            self._in_flight_bytes -= size_bytes
             if flight.error is not None:
                 current.held.pop(key, None)  # (BlockCache let go of its hold)
                 self._stats["fetch_ahead.failed"] += 1

@@ -119,6 +119,7 @@ class DiskCache:
         self._data_disk_bytes = 0  # what the data files take on disk (see _disk_bytes)
         self._dirs_disk_bytes = 0  # and the directories (_measure_dirs)
         self._pending_bytes = 0
+        self.on_write_done = None  # called (no arguments) when a queued write is done: fetch-ahead's wake-up
         self._background_count = 0  # writes and deletes in flight or queued
         self._idle = trio.Event()  # set whenever _background_count is 0
         self._idle.set()
@@ -507,6 +508,15 @@ class DiskCache:
             self._pending_bytes -= len(data)
             if self._budget is not None:
                 self._budget.release(len(data))
+            if self.on_write_done is not None:
+                self.on_write_done()
+
+    def write_room_bytes(self) -> int:
+        """What may still be queued for writing before half of PENDING_WRITES_MAX_BYTES:
+        fetch-ahead keeps its GETs in flight within it (what it fetched past the limit
+        would not be stored, and the next epoch would fetch it again: 36% of a cold
+        32-thread W2 epoch, 2026-11-27)."""
+        return PENDING_WRITES_MAX_BYTES // 2 - self._pending_bytes
 
     def _begin(self, count: int = 1) -> None:
         if self._idle.is_set():

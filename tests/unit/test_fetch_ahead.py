@@ -366,3 +366,48 @@ def test_one_share_of_a_tree_larger_than_the_room_is_told_by_what_the_pass_still
     assert first["fetch_ahead.passes"] == 1 and first["fetch_ahead.files"] > 0
     assert after["fetch_ahead.passes"] == 1
     assert after["fetch_ahead.files"] == first["fetch_ahead.files"]
+
+
+def test_fetch_ahead_runs_no_faster_than_the_disk_cache_stores(tmp_path, monkeypatch):
+    """A store far faster than the disk (in memory, 2 ms a GET, against real writes)
+    and a small queue of writes: a pass fetches the tree no faster than the disk cache
+    stores it, so nothing it fetched is left unstored, and a new mount on the cache
+    reads the epoch with no GET."""
+    from bucketfs.core.filesystem import Filesystem
+    from bucketfs.diskcache import cache as disk_cache
+    from tests.unit.helpers import make_config
+
+    monkeypatch.setattr(disk_cache, "PENDING_WRITES_MAX_BYTES", 1 * MiB)
+    objects, backend = image_folder(file_bytes=60 * KiB, delay_s=0.002)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+
+    def mount(body):
+        async def main():
+            async with trio.open_nursery() as nursery:
+                fs = Filesystem(backend, make_config(), nursery, str(cache_dir))
+                with trio.fail_after(60):
+                    result = await body(fs)
+                    await fs.finish_writes()
+                nursery.cancel_scope.cancel()
+            return result
+
+        return trio.run(main)  # (real time: the disk's writes run on real threads)
+
+    async def first(fs):
+        order = shuffled(objects, 19)
+        got = await read_epoch(fs, order[:40], workers=1)  # (one reader: few stores of its own)
+        while not fs.fetch_ahead._pass.walked or fs.fetch_ahead._in_flight_count:
+            await trio.sleep(0.01)  # (a condition polled, under fail_after)
+        got.update(await read_epoch(fs, order[40:]))
+        return got, fs.snapshot()
+
+    got, stats = mount(first)
+    assert got == objects
+    assert stats.get("disk_cache.skipped_stores", 0) == 0
+    assert stats["fetch_ahead.files"] >= len(objects) - 40 and stats["fetch_ahead.disk_waits"] > 0
+
+    backend.requests.clear()
+    got = mount(lambda fs: read_epoch(fs, shuffled(objects, 20)))
+    assert got == objects
+    assert backend.requests["get"] == 0
