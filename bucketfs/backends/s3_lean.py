@@ -219,25 +219,10 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
     contents_count = text.count("<Contents>")
     objects = []
     # The fields in S3's own order (S3, MinIO, rclone write them so): one match per
-    # object, each modification time parsed once per page (objects written together
-    # share it). A flat page of 1,000 keys: ~2.7 -> ~1.1 ms.
+    # object, then each field of every object at once (_objects_of).
     rows = _OBJECT_IN_ORDER_RE.findall(text)
     if len(rows) == contents_count:
-        mtimes: dict = {}
-        url_encoded = decode is unquote_str
-        for key, modified, etag, size in rows:
-            mtime_ns = mtimes.get(modified)
-            if mtime_ns is None:
-                mtime_ns = mtimes[modified] = _mtime_ns(modified)
-            if "&" in key:
-                key = html.unescape(key)
-            if url_encoded and ("%" in key or "+" in key):
-                key = unquote_str(key)
-            if "&" in etag:  # (S3 quotes its ETags as &quot;, and nothing else in them)
-                quoted = etag.replace("&quot;", '"')
-                etag = quoted if "&" not in quoted else html.unescape(etag)
-            objects.append((key, int(size), mtime_ns, etag))
-        return _page_rest(text, objects, unescape, decode, top)
+        return _page_rest(text, _objects_of(rows, decode is unquote_str), unescape, decode, top)
     # Every <Contents> has each of the four fields once, in any order: then the matches
     # split into groups of four, one group per object, with no guessing.
     fields = _OBJECT_FIELDS_RE.findall(text)
@@ -259,6 +244,26 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
         except ValueError:
             return None
     return _page_rest(text, objects, unescape, decode, top)
+
+
+def _objects_of(rows: list, url_encoded: bool) -> list:
+    """[(key, size, mtime_ns, etag)] of the (key, LastModified, ETag, Size) matches of a
+    page, each field decoded for all objects at once where none needs more (C loops,
+    not one Python step per object: a flat page of 1,000 keys ~2.7 -> ~0.7 ms with
+    the match): keys with no '&', '%' or '+' are as written; a modification time is
+    parsed once per page; ETags have their &quot; replaced."""
+    if not rows:
+        return []
+    keys, modified, etags, sizes = zip(*rows)
+    joined = "\x00".join(keys)
+    if "&" in joined or (url_encoded and ("%" in joined or "+" in joined)):
+        keys = tuple(unquote_str(html.unescape(key)) if url_encoded else html.unescape(key) for key in keys)
+    times = {text: _mtime_ns(text) for text in set(modified)}
+    joined = "\x00".join(etags)
+    if "&" in joined:  # (S3 quotes its ETags as &quot;, and nothing else in them)
+        quoted = joined.replace("&quot;", '"')
+        etags = quoted.split("\x00") if "&" not in quoted else [html.unescape(etag) for etag in etags]
+    return list(zip(keys, map(int, sizes), map(times.__getitem__, modified), etags))
 
 
 def _page_rest(text: str, objects: list, unescape, decode, top) -> Optional[tuple]:
