@@ -12,10 +12,11 @@ both epochs (<= 1.05 GETs per object); four mounts straight on the origin fetch 
 every file whose node changed between the epochs (~1.75 GETs per object).
 
 Mounts use `--fetch-ahead off`: a node reads only its share. With fetch-ahead on, a
-node's shuffled reads start a pass that fetches the whole tree ahead (bucketfs cannot
-know the other nodes read the rest), so every node fetches every file: the last test
-shows the tier still asks the origin for each object about once then, because the
-tier's filer copies an object once however many GETs for it arrive together.
+node's shuffled reads start a pass that fetches the tree ahead (bucketfs cannot know
+the other nodes read the rest until the node's next epoch begins), so in the first
+epoch every node fetches most files: the last test shows the tier still asks the
+origin for each object about once then, because the tier's filer copies an object
+once however many GETs for it arrive together.
 """
 
 from __future__ import annotations
