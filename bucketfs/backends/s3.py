@@ -337,11 +337,7 @@ class S3Backend(Backend):
 
     async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
         self.requests["list"] += 1
-        raw_objects, _prefixes, _token, truncated = await self.caller.call(
-            f"LIST {prefix!r} after {start_after!r}",
-            lambda: self.transport.list_flat_blocking(prefix, start_after, end),
-            abandon_on_cancel=True,
-        )
+        raw_objects, _prefixes, _token, truncated = await self.transport.list_flat(prefix, start_after, end)
         if end is not None and raw_objects and raw_objects[-1][0] > end:
             # (The SDK's answer is whole; the lean path's is cut already.)
             raw_objects = raw_objects[: bisect.bisect_right([raw[0] for raw in raw_objects], end)]

@@ -262,7 +262,7 @@ def _objects_of(rows: list, url_encoded: bool) -> list:
     joined = "\x00".join(etags)
     if "&" in joined:  # (S3 quotes its ETags as &quot;, and nothing else in them)
         quoted = joined.replace("&quot;", '"')
-        etags = quoted.split("\x00") if "&" not in quoted else [html.unescape(etag) for etag in etags]
+        etags = tuple(quoted.split("\x00")) if "&" not in quoted else tuple(html.unescape(etag) for etag in etags)
     return list(zip(keys, map(int, sizes), map(times.__getitem__, modified), etags))
 
 
@@ -328,6 +328,39 @@ def cut_page_at(body: bytes, end: str) -> Optional[bytes]:
     # What the page says after its entries (rclone writes EncodingType there) stays said.
     tail = "<EncodingType>url</EncodingType>" if encoded else ""
     return (text[:at] + tail + "</ListBucketResult>").encode("utf-8")
+
+
+def parse_page_until(body: bytes, end: Optional[str]) -> tuple:
+    """parse_list_page of a flat page, no key past `end` decoded (a page cut there is
+    not truncated); of any page when `end` is None."""
+    if end is not None:
+        cut = cut_page_at(body, end)
+        if cut is not None:
+            objects, _prefixes, _token, _truncated = parse_list_page(cut)
+            return objects, [], None, False
+    return parse_list_page(body)
+
+
+# A LIST page of 1,000 keys of up to 1,024 bytes each, escaped: a bound, not a size.
+LIST_BODY_MAX_BYTES = 16 * 1024 * 1024
+# The size a LIST answer's deadline allows for (read_body's slowest rate): a page of
+# 1,000 keys is ~0.2-0.4 MB.
+LIST_BODY_DEADLINE_BYTES = 1024 * 1024
+
+
+class BodyTransfer(Transfer):
+    """A curl GET of a whole answer of unknown length (a LIST page): its body grows in
+    `buffer`; an answer longer than LIST_BODY_MAX_BYTES is an error, not a cut page."""
+
+    def on_body(self, data: bytes):
+        if self.status != 200:
+            return super().on_body(data)
+        if len(self.buffer) + len(data) > LIST_BODY_MAX_BYTES:
+            self._overflow = True
+            return 0  # (aborts the transfer)
+        self.buffer += data
+        self.received_bytes = len(self.buffer)
+        return None
 
 
 def parse_list_page(body: bytes) -> tuple:
@@ -615,6 +648,18 @@ class LeanS3:
         page: delimited by '/', or (`delimited` False) every key under `prefix`, from
         the first after `start_after`, and (`end`) none past `end` decoded: a page cut
         there is not truncated."""
+        url = self.list_url(prefix, token, max_keys, delimited, start_after)
+        if url is None:
+            return None
+        answer = self._send(url, {}, (200,))
+        if answer is None:
+            return None
+        return parse_page_until(answer[2], end if not delimited else None)
+
+    def list_url(
+        self, prefix: str, token: Optional[str], max_keys: int, delimited: bool = True, start_after: str = ""
+    ) -> Optional[str]:
+        """The URL of list()'s request; None if this path cannot serve the bucket."""
         if not self._resolve():
             return None
         params = {
@@ -630,16 +675,14 @@ class LeanS3:
         if token:
             params["continuation-token"] = token
         # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".
-        url = self._base() + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
-        answer = self._send(url, {}, (200,))
-        if answer is None:
-            return None
-        if end is not None and not delimited:
-            cut = cut_page_at(answer[2], end)
-            if cut is not None:
-                objects, _prefixes, _token, _truncated = parse_list_page(cut)
-                return objects, [], None, False
-        return parse_list_page(answer[2])
+        return self._base() + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
+
+    def list_transfer(self, url: str) -> "BodyTransfer":
+        """The GET of list_url()'s `url`, signed, as a curl transfer of its whole answer."""
+        deadline_s = body_deadline_s(self.read_timeout_s, LIST_BODY_DEADLINE_BYTES) - time.monotonic()
+        return BodyTransfer(
+            url, [f"{name}: {value}" for name, value in self._headers(url, {}).items()], bytearray(), 0, deadline_s
+        )
 
     def close(self) -> None:
         self.pool.clear()

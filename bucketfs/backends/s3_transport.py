@@ -40,6 +40,7 @@ from bucketfs.backends.s3_lean import (
     REDIRECT_HOPS_MAX,
     REDIRECT_STATUSES,
     error_response,
+    parse_page_until,
     redirect_url,
     too_many_redirects,
 )
@@ -110,6 +111,17 @@ class S3Transport(abc.ABC):
     def list_blocking(self, prefix: str, token: Optional[str]) -> tuple:
         """One delimited LIST page on a worker thread: (objects [(key, size, mtime_ns,
         etag)], prefixes, next_token, truncated)."""
+
+    async def list_flat(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+        """list_flat_blocking, with its retries, on a worker thread."""
+        return await self.backend.caller.call(
+            f"LIST {prefix!r} after {start_after!r}",
+            self.list_flat_blocking,
+            prefix,
+            start_after,
+            end,
+            abandon_on_cancel=True,
+        )
 
     @abc.abstractmethod
     def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
@@ -293,6 +305,28 @@ class CurlLean(UrllibLean):
             return await super().get(what, key, start, end, version, buffer, object_bytes)
         self.backend.get_paths["curl"] += 1
         return await self.backend.caller.run(what, self._get_curl, key, start, end, version, buffer, object_bytes)
+
+    async def list_flat(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+        """Flat pages on the engine too (index build keeps tens in flight: on worker
+        threads their Python cost and hand-offs were most of its CPU)."""
+        return await self.backend.caller.run(
+            f"LIST {prefix!r} after {start_after!r}", self._list_flat_curl, prefix, start_after, end
+        )
+
+    async def _list_flat_curl(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+        """One attempt on the engine; anything but a 200 (an error to classify, a
+        redirect, a refusal that swaps to the SDK) is asked again on the thread path,
+        which answers each as it does for every LIST."""
+        url = self.lean.list_url(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after)
+        if url is not None:
+            transfer = await self.engine.get(self.lean.list_transfer(url))
+            if transfer.error is not None:
+                raise transfer.error
+            if transfer.status == 200:
+                return parse_page_until(bytes(transfer.buffer), end)
+        return await trio.to_thread.run_sync(
+            self.list_flat_blocking, prefix, start_after, end, limiter=self.backend.caller.limiter
+        )
 
     async def _get_curl(
         self, key: str, start: int, end: int, version: str, buffer: bytearray, object_bytes: Optional[int]
