@@ -194,9 +194,11 @@ def _mtime_ns_parsed(text: str) -> int:
 # Anything else goes to ElementTree (see parse_list_page).
 _OBJECT_FIELDS_RE = re.compile(r"<(Key|LastModified|ETag|Size)>([^<]*)</")
 _PREFIX_RE = re.compile(r"<CommonPrefixes>\s*<Prefix>([^<]*)</Prefix>\s*</CommonPrefixes>")
+# (AWS writes ChecksumAlgorithm and ChecksumType between ETag and Size, for objects
+# stored with a checksum.)
 _OBJECT_IN_ORDER_RE = re.compile(
-    r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*<ETag>([^<]*)</ETag>\s*"
-    r"<Size>(\d+)</Size>"
+    r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*<ETag>([^<]*)</ETag>"
+    r"(?:\s*<Checksum\w*>[^<]*</Checksum\w*>)*\s*<Size>(\d+)</Size>"
 )
 _TOP_FIELD_RE = {
     tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("IsTruncated", "NextContinuationToken", "EncodingType")
@@ -294,36 +296,56 @@ def _parse_tree(body: bytes) -> tuple:
     return objects, prefixes, root.findtext(f"{ns}NextContinuationToken") if truncated else None, truncated
 
 
-_KEY_RE = re.compile(r"<Key>([^<]*)</Key>")
-
-
 def cut_page_at(body: bytes, end: str) -> Optional[bytes]:
     """A flat page (its keys in order) without the entries of keys past `end`, closed
     again, for parse_list_page; None if none is past it, or the page is not in the
-    plain shape (then it is read whole). Found by bisection: O(log n) keys decoded,
-    and the rest of a page that overlaps the next range costs no parsing."""
+    plain shape (then it is read whole). The page's last key is looked at first (a page
+    within its range costs one decoded key), then the first past `end` is found by
+    bisection over the text: O(log n) keys decoded, and the rest of a page that
+    overlaps the next range costs no parsing."""
     text = body.decode("utf-8")
-    if "CDATA" in text or ":Contents" in text or ":Key" in text:
-        return None
-    matches = list(_KEY_RE.finditer(text))
     encoded = "<EncodingType>url</EncodingType>" in text
 
-    def key(i: int) -> str:
-        value = matches[i].group(1)
+    def key_at(at: int) -> Optional[tuple]:
+        """(key, where its <Key> starts) of the first <Key> at or after `at`, or None."""
+        found = text.find("<Key>", at)
+        if found < 0:
+            return None
+        close = text.find("</Key>", found)
+        if close < 0:
+            return None
+        value = text[found + 5 : close]
         value = html.unescape(value) if "&" in value else value
-        return unquote_str(value) if encoded else value
+        return (unquote_str(value) if encoded else value), found
 
-    if not matches or key(len(matches) - 1) <= end:
+    last = text.rfind("<Key>")
+    if last < 0:
         return None
-    low, high = 0, len(matches) - 1  # the first key past `end` is at or before `high`
-    while low < high:
-        middle = (low + high) // 2
-        if key(middle) > end:
-            high = middle
-        else:
-            low = middle + 1
-    at = text.rfind("<Contents>", 0, matches[low].start())
-    if at < 0 or "</Contents>" in text[at : matches[low].start()]:
+    last_key = key_at(last)
+    if last_key is None or last_key[0] <= end:
+        return None
+    if "CDATA" in text or ":Contents" in text or ":Key" in text:
+        return None
+    # The first key past `end` lies in (low, high]: bisect on offsets into the text.
+    low, high = text.find("<Key>"), last
+    first = key_at(low)
+    if first is None:
+        return None
+    if first[0] > end:
+        high = low
+    else:
+        while True:
+            middle = key_at((low + high) // 2 + 1)
+            if middle is None or middle[1] >= high:  # none after the middle: the one after low?
+                middle = key_at(low + 1)
+                if middle is None or middle[1] >= high:
+                    break  # no key between low and high: high is the first past `end`
+            if middle[0] > end:
+                high = middle[1]
+            else:
+                low = middle[1]
+    at = text.rfind("<Contents>", 0, high)
+    if at < 0 or "</Contents>" in text[at:high]:
         return None
     # What the page says after its entries (rclone writes EncodingType there) stays said.
     tail = "<EncodingType>url</EncodingType>" if encoded else ""
