@@ -132,6 +132,18 @@ def _on_sigint_at_startup(signum, frame) -> None:
     os._exit(errors.EXIT_INTERRUPTED)
 
 
+def _on_sigterm_outside_the_watcher(signum, frame) -> None:
+    """SIGTERM when the watcher does not hold it: before it runs (nothing mounted yet:
+    end as SIGTERM's default would), or after it closed, when the process is already
+    on its way out (the FUSE loop ended, or a second signal came), bounded by
+    STOP_DEADLINE_S and FINISH_WRITES_DEADLINE_S: then ignored. With the default
+    action there, a SIGTERM arriving just as the watcher let go killed a stopping
+    daemon with -15 instead of its exit 0 (seen once in the second-signal test)."""
+    if _sigint_exits_now[0]:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def has_controlling_terminal() -> bool:
     try:
         os.close(os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY))
@@ -149,6 +161,7 @@ def hangup_stops(config) -> bool:
 def _install_startup_signal_handlers(hangup_stops: bool) -> None:
     _sigint_exits_now[0] = True
     signal.signal(signal.SIGINT, _on_sigint_at_startup)
+    signal.signal(signal.SIGTERM, _on_sigterm_outside_the_watcher)
     if not hangup_stops:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (the watcher logs it once mounted)
 
