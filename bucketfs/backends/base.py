@@ -25,14 +25,18 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import typing
 from typing import Optional
 
 from bucketfs import errors
 from bucketfs.backends import versions
 
 
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
+class ObjectInfo(typing.NamedTuple):
+    """One listed object. A named tuple, not a dataclass: a listing makes one per key
+    (index build: hundreds of thousands), and a tuple is made in a third of the time
+    and takes half the memory; immutable and compared by value all the same."""
+
     key: str
     size_bytes: int
     mtime_ns: int
