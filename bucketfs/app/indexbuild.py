@@ -64,7 +64,7 @@ PAGE_KEYS = 1000  # what a LIST page holds (S3's and GCS's most)
 # A new range is cut to hold about this many pages, where the keys seen say how dense
 # they are: more would leave slots idle at the end, fewer would list more keys twice
 # (a LIST answers a whole page, past its range's end too).
-PAGES_PER_RANGE = 3
+PAGES_PER_RANGE = 6
 SCALES_KEPT = 32  # ranges whose counts correct the next cuts
 
 CONCURRENCY = Option(

@@ -342,8 +342,10 @@ class S3Backend(Backend):
             # (The SDK's answer is whole; the lean path's is cut already.)
             raw_objects = raw_objects[: bisect.bisect_right([raw[0] for raw in raw_objects], end)]
             truncated = False
+        # (of_s3 inlined for what it mostly is, an ETag: index build makes one per key.)
         objects = [
-            ObjectInfo(key, size, mtime_ns, versions.of_s3(etag, mtime_ns)) for key, size, mtime_ns, etag in raw_objects
+            ObjectInfo(key, size, mtime_ns, etag.strip('"') or versions.of_s3(etag, mtime_ns))
+            for key, size, mtime_ns, etag in raw_objects
         ]
         if objects:
             self.answer_checks.note_listed(objects[-1].version)

@@ -208,7 +208,18 @@ _TOP_FIELD_RE = {
 def _parse_fast(body: bytes) -> Optional[tuple]:
     """The page by regular expressions; None if it is not in the plain shape."""
     text = body.decode("utf-8")
-    if "CDATA" in text or ":Contents" in text or ":Key" in text:
+    contents_count = text.count("<Contents>")
+    # Not the plain shape: prefixed elements (<s3:Contents>: their count would not add
+    # up), or CDATA outside the entries (inside one, the entry's match fails and the
+    # counts tell). (Each scan of a 200 KB page costs ~0.1 ms: the guards are counts.)
+    first_entry = text.find("<Contents>")
+    last_entry = text.rfind("</Contents>")
+    if (
+        text.count("Contents>") != 2 * contents_count
+        or "CDATA" in (text if first_entry < 0 else text[:first_entry])
+        or (last_entry >= 0 and "CDATA" in text[last_entry:])
+        or (contents_count == 0 and (":Key" in text or ":Prefix" in text))
+    ):
         return None
     # XML's five entities and &#...; are HTML's too; most pages have none.
     unescape = html.unescape if "&" in text else (lambda value: value)
@@ -218,7 +229,6 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
         return None if match is None else unescape(match.group(1))
 
     decode = unquote_str if top("EncodingType") == "url" else (lambda value: value)
-    contents_count = text.count("<Contents>")
     objects = []
     # The fields in S3's own order (S3, MinIO, rclone write them so): one match per
     # object, then each field of every object at once (_objects_of).
