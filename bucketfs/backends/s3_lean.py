@@ -280,8 +280,9 @@ def _objects_of(rows: list, url_encoded: bool) -> list:
 
 def _page_rest(text: str, objects: list, unescape, decode, top) -> Optional[tuple]:
     """_parse_fast's answer, with the page's prefixes and continuation."""
-    prefixes = [decode(unescape(value)) for value in _PREFIX_RE.findall(text)]
-    if len(prefixes) != text.count("<CommonPrefixes>"):
+    prefixes_count = text.count("<CommonPrefixes>")
+    prefixes = [decode(unescape(value)) for value in _PREFIX_RE.findall(text)] if prefixes_count else []
+    if len(prefixes) != prefixes_count:
         return None
     truncated = top("IsTruncated") == "true"
     return objects, prefixes, top("NextContinuationToken") if truncated else None, truncated
