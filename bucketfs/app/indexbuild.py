@@ -211,7 +211,7 @@ class ParallelLister:
                     # first page (a key under a subdirectory would have shown as one).
                     self._take(first.objects)
                     if first.next_token is not None:
-                        self._start(first.objects[-1].key, None)
+                        self._start(first.objects[-1].key if first.objects else "", None)
         except BaseExceptionGroup as group:  # (a range's error: the first one is the answer)
             found = _first_error(group, errors.BucketfsError)
             if found is None:
