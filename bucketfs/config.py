@@ -541,8 +541,10 @@ class Config:
         "epoch), the rest of the tree is fetched ahead of the reader, with many GETs in flight, into memory "
         "the readers do not need; off: only what is read is fetched",
         details="only in the immutable default (not with --metadata-ttl); each file at most once per pass, "
-        "none already cached; a file fetched ahead is kept until it is read or the pass stops; with "
-        "--cache-dir the fetched files are stored on disk too",
+        "none already cached; a file fetched ahead is kept until it is read or the pass stops, within half "
+        "of --max-memory; with --cache-dir the fetched files are stored on disk too, no faster than the disk "
+        "takes them; a tree read in part per epoch (one node's share of a DistributedSampler) is not fetched "
+        "ahead after its first epoch: use off on nodes that read a share",
     )
     fetch_ahead_requests_count: int = option(
         256,
