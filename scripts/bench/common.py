@@ -69,3 +69,16 @@ except ImportError:  # crc32 is 5x slower but always there
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def fmt_num(x, digits: int = 1) -> str:
+    """A table cell: `x` with thousands separators and `digits` decimals, "-" for None."""
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def text_table(header, lines) -> str:
+    """`header` and `lines` (tuples of cells) as a plain-text table, columns padded."""
+    widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
+    out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+    return "\n".join(out)

@@ -24,7 +24,7 @@ import sysconfig
 import time
 from typing import Optional
 
-from .common import RUN_TIMEOUT_S, log
+from .common import RUN_TIMEOUT_S, fmt_num, log, text_table
 from .datasets import Verifier
 from .procs import drop_caches
 
@@ -276,10 +276,7 @@ class CopyThenRead:
         return rows
 
     def copy_then_read_table(self) -> str:
-        def fmt(x, digits=1):
-            if x is None:
-                return "-"
-            return f"{x:,.{digits}f}"
+        fmt = fmt_num
 
         header = (
             f"W2 cold epoch (s5cmd --numworkers {self.args.s5cmd_workers})",
@@ -323,7 +320,4 @@ class CopyThenRead:
             )
         if not lines:
             return ""
-        widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        return "\n".join(out)
+        return text_table(header, lines)

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import sys
 
-from .common import MB, REPO, MiB, log
+from .common import MB, REPO, MiB, log, text_table
 from .procs import drop_caches
 from .systems import ModuleSetMount, serving
 
@@ -286,9 +286,5 @@ class CacheEpochs:
             )
         if not lines:
             return ""
-        widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        if self.cache_epoch_note:
-            out.append(f"({self.cache_epoch_note})")
-        return "\n".join(out)
+        table = text_table(header, lines)
+        return f"{table}\n({self.cache_epoch_note})" if self.cache_epoch_note else table

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from .common import MB, SYSTEMS
+from .common import MB, SYSTEMS, text_table
 from .s3torch import SYSTEM as S3TORCH
 
 # The rows s3torchconnector has a value in (W1 threads, W2 listing and cold epochs, W5).
@@ -132,10 +132,7 @@ class Report:
                     met,
                 )
             )
-        widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        return "\n".join(out)
+        return text_table(header, lines)
 
     def cost_table(self) -> str:
         header = (
@@ -176,10 +173,7 @@ class Report:
                     f"{run.get('steal_s', 0):.1f}",
                 )
             )
-        widths = [max(len(str(x[i])) for x in [header] + lines) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        return "\n".join(out)
+        return text_table(header, lines)
 
 
 def emulation_ceilings(runs: list, cpus: int) -> list:

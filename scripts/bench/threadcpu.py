@@ -34,7 +34,7 @@ import shutil
 import subprocess
 from typing import Optional
 
-from .common import MB
+from .common import MB, text_table
 from .procs import proc_cpu_s
 
 ROLES = ("main", "curl", "workers", "other")
@@ -271,7 +271,4 @@ class ThreadCpuReport:
                     {True: "yes", False: "NO", None: "-"}[r["met"]],
                 )
             )
-        widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        return "\n".join(out)
+        return text_table(header, lines)

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Optional
 
-from .common import MB, REPO, RUN_TIMEOUT_S, log
+from .common import MB, REPO, RUN_TIMEOUT_S, fmt_num, log, text_table
 from .datasets import Verifier
 from .systems import ModuleSetMount, serving
 
@@ -171,8 +171,7 @@ class WarmAgainstCopy:
         return rows
 
     def warm_table(self) -> str:
-        def fmt(x, digits=1):
-            return "-" if x is None else f"{x:,.{digits}f}"
+        fmt = fmt_num
 
         header = (
             "after the copy of",
@@ -214,10 +213,7 @@ class WarmAgainstCopy:
             )
         if not lines:
             return ""
-        widths = [max(len(str(x[i])) for x in [header, *lines]) for i in range(len(header))]
-        out = [" | ".join(str(h).ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-        out += [" | ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
-        return "\n".join(out)
+        return text_table(header, lines)
 
     def warm_concurrency_label(self) -> str:
         concurrency: Optional[int] = getattr(self.args, "warm_concurrency", None)
