@@ -137,9 +137,9 @@ def mount_option_specs() -> list:
     return specs
 
 
-# The Config fields `bucketfs warm` takes (as `mount` does): the store's, and the disk
-# cache's (a mount reads what warm stored only with the same --cache-dir and --block-size).
-WARM_FIELDS = (
+# The Config fields that reach the store, as `mount` takes them: `bucketfs index build`
+# takes these, `bucketfs warm` these and the disk cache's.
+STORE_FIELDS = (
     "endpoint_url",
     "region",
     "profile",
@@ -149,10 +149,9 @@ WARM_FIELDS = (
     "retry_attempts_count",
     "connect_timeout_s",
     "read_timeout_s",
-    "cache_dir",
-    "cache_size_bytes",
-    "block_size_bytes",
 )
+# (a mount reads what warm stored only with the same --cache-dir and --block-size)
+WARM_FIELDS = STORE_FIELDS + ("cache_dir", "cache_size_bytes", "block_size_bytes")
 
 
 def warm_option_specs() -> list:
@@ -178,18 +177,7 @@ def warm_config_from_args(args) -> Config:
         raise errors.UserError(str(exc), errors.EXIT_USAGE) from None
 
 
-# The Config fields `bucketfs index build` takes: the store's (as mount's).
-INDEX_FIELDS = (
-    "endpoint_url",
-    "region",
-    "profile",
-    "no_sign_request",
-    "key_file",
-    "addressing_style",
-    "retry_attempts_count",
-    "connect_timeout_s",
-    "read_timeout_s",
-)
+INDEX_FIELDS = STORE_FIELDS  # `bucketfs index build`'s
 
 
 def index_option_specs(with_concurrency: bool = True) -> list:
