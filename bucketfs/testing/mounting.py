@@ -62,6 +62,30 @@ def run_cli(*args, env=None, timeout_s: float = 60, cwd=None) -> subprocess.Comp
     return subprocess.run(bucketfs_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
 
 
+def run_cli_on_a_terminal(*args, env=None, timeout_s: float = 120) -> tuple:
+    """(exit code, bytes shown) of `bucketfs ARGS...` run to its end with its stderr on a
+    pseudo-terminal (progress bars show only there); stdout is piped."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.run(bucketfs_cmd(*args), env=env, stdout=subprocess.PIPE, stderr=follower, timeout=timeout_s)
+        os.close(follower)
+        shown = b""
+        while select.select([leader], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # (EIO once the terminal's other side is closed and drained)
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(leader)
+    return proc.returncode, shown
+
+
 def assert_one_line_error(proc, code: int, *fragments) -> None:
     """`proc` failed with exit `code` and one line `bucketfs: ...` holding every fragment."""
     assert proc.returncode == code, (proc.returncode, proc.stderr)

@@ -6,9 +6,6 @@ only on a terminal, and bad inputs are one line with their exit codes."""
 from __future__ import annotations
 
 import os
-import pty
-import select
-import subprocess
 
 import pytest
 import trio
@@ -16,7 +13,7 @@ import trio
 from bucketfs import errors
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.core.listing_index import FORMAT_VERSION, decode_index, encode_index
-from bucketfs.testing.mounting import assert_one_line_error, bucketfs_cmd, run_cli, server_env
+from bucketfs.testing.mounting import assert_one_line_error, run_cli, run_cli_on_a_terminal, server_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 FAKE_KEYS = dict(AWS_ACCESS_KEY_ID="AKIAEXAMPLEEXAMPLE12", AWS_SECRET_ACCESS_KEY="x" * 40)
@@ -124,36 +121,17 @@ def test_gcs_through_a_gcs_like_front(gcs_server, tmp_path):
 
 def test_progress_shows_on_a_terminal(rclone_server, s3_bucket, tmp_path):
     rclone_server.write_files(s3_bucket, _tree())
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.run(
-            bucketfs_cmd(
-                "index",
-                "build",
-                f"s3://{s3_bucket}/data/",
-                "--out",
-                str(tmp_path / "i.idx"),
-                "--endpoint-url",
-                rclone_server.endpoint_url,
-            ),
-            env=server_env(rclone_server),
-            stdout=subprocess.PIPE,
-            stderr=follower,
-            timeout=120,
-        )
-        os.close(follower)
-        shown = b""
-        while select.select([leader], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # (EIO once the terminal's other side is closed and drained)
-                break
-            if not chunk:
-                break
-            shown += chunk
-    finally:
-        os.close(leader)
-    assert proc.returncode == 0, shown
+    returncode, shown = run_cli_on_a_terminal(
+        "index",
+        "build",
+        f"s3://{s3_bucket}/data/",
+        "--out",
+        str(tmp_path / "i.idx"),
+        "--endpoint-url",
+        rclone_server.endpoint_url,
+        env=server_env(rclone_server),
+    )
+    assert returncode == 0, shown
     last = shown.decode().replace("\r\n", "\n").split("\r")[-1]
     assert last.startswith("\x1b[Kindex: 2,966 objects listed in "), last
     assert f"bytes written to {tmp_path / 'i.idx'}" in last

@@ -7,18 +7,15 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import pty
 import random
-import select
 import socket
-import subprocess
 
 import pytest
 
 from bucketfs import errors
 from bucketfs.config import parse_bucket_url
 from bucketfs.diskcache.directory import mount_identity, shared_dir_path
-from bucketfs.testing.mounting import assert_one_line_error, bucketfs_cmd, run_cli, server_env
+from bucketfs.testing.mounting import assert_one_line_error, run_cli, run_cli_on_a_terminal, server_env
 from bucketfs.testing.s3_fronts import RewritingFront, started
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -176,35 +173,16 @@ def test_a_cache_dir_that_cannot_be_made_is_exit_9(tmp_path):
 def test_progress_shows_on_a_terminal(rclone_server, s3_bucket, tmp_path):
     tree = _tree()
     rclone_server.write_files(s3_bucket, tree)
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.run(
-            bucketfs_cmd(
-                "warm",
-                f"s3://{s3_bucket}/data/",
-                "--endpoint-url",
-                rclone_server.endpoint_url,
-                "--cache-dir",
-                str(tmp_path / "cache"),
-            ),
-            env=server_env(rclone_server),
-            stdout=subprocess.PIPE,
-            stderr=follower,
-            timeout=120,
-        )
-        os.close(follower)
-        shown = b""
-        while select.select([leader], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(leader, 65536)
-            except OSError:  # (EIO once the terminal's other side is closed and drained)
-                break
-            if not chunk:
-                break
-            shown += chunk
-    finally:
-        os.close(leader)
-    assert proc.returncode == 0, shown
+    returncode, shown = run_cli_on_a_terminal(
+        "warm",
+        f"s3://{s3_bucket}/data/",
+        "--endpoint-url",
+        rclone_server.endpoint_url,
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        env=server_env(rclone_server),
+    )
+    assert returncode == 0, shown
     last = shown.decode().replace("\r\n", "\n").split("\r")[-1]
     files = sum(1 for key in tree if key.startswith("data/"))
     assert f"warm: {files} files" in last and "fetched" in last, shown
