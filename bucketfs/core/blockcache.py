@@ -368,9 +368,6 @@ class BlockCache:
             self.budget.release(freed_bytes)
         return freed_bytes
 
-    def is_held(self, key: str, version: str) -> bool:
-        return (key, version) in self._held
-
     def release_hold(self, key: str, version: str) -> int:
         """The object may be evicted again (read, or no longer expected); its bytes held
         (0 if it was not held)."""

@@ -417,7 +417,3 @@ class FetchAhead:
             else:
                 self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
             self._wake()
-
-    @property
-    def held_bytes(self) -> int:
-        return self._cache.held_bytes

@@ -125,7 +125,7 @@ def test_held_files_stay_inside_the_room_and_none_is_evicted_before_it_is_read()
     async def body(fs):
         async def watch():
             while True:
-                peaks.append((fs.cache.held_bytes, fetchahead.FetchAhead.room_bytes.fget(fs.fetch_ahead)))
+                peaks.append((fs.cache.held_bytes, fs.fetch_ahead.room_bytes))
                 await trio.sleep(0.005)
 
         async with trio.open_nursery() as nursery:
