@@ -95,6 +95,7 @@ MAX_MEMORY_MIN_BYTES = 16 * MiB
 CACHE_SIZE_MIN_BYTES = 1 * MiB
 # Each connection is a worker thread: thousands would be threads, not throughput.
 MAX_CONNECTIONS_MAX = 1024
+FETCH_WORKERS_MAX = 64
 LIST_AHEAD_MAX = 1024
 FETCH_AHEAD_REQUESTS_MAX = 4096
 RETRIES_MAX = 100
@@ -337,6 +338,18 @@ class Config:
         group=STORE,
         help="parallel requests and pooled connections, {range}",
         details="when all are busy, requests a reader waits for go first",
+    )
+    fetch_workers_count: int = option(
+        0,
+        flag="--fetch-workers",
+        kind="int",
+        low=0,
+        high=FETCH_WORKERS_MAX,
+        group=STORE,
+        help="processes that run the small GETs (libcurl, the whole-object checksum) on other cores, {range}; "
+        "0: a thread of the daemon",
+        details="bodies stream into the daemon's buffers (the memory budget covers them); a worker that dies "
+        "is replaced and its GETs retried; takes effect where pycurl is installed",
     )
     retry_attempts_count: int = option(  # total attempts for a transient failure before EIO
         5,

@@ -34,6 +34,18 @@ _SIMPLE = [
         "counter",
     ),
     (
+        "backend.fetch_workers",
+        "bucketfs_fetch_workers",
+        "Fetch worker processes running (--fetch-workers)",
+        "gauge",
+    ),
+    (
+        "backend.fetch_worker_restarts",
+        "bucketfs_fetch_worker_restarts",
+        "Fetch workers replaced after they ended (died, or killed when silent past a GET's deadline)",
+        "counter",
+    ),
+    (
         "backend.corrupt_bodies",
         "bucketfs_backend_corrupt_bodies",
         "Whole-object GETs whose bytes did not match the store's checksum (fetched again)",
@@ -306,7 +318,12 @@ def format_stats(snapshot: dict) -> str:
     lines = [
         f"requests      {', '.join(f'{k} {v}' for k, v in sorted(reqs.items())) or 'none'}"
         + (f" (GETs on {', '.join(f'{k} {v}' for k, v in sorted(get_paths.items()))})" if get_paths else "")
-        + (f"; {redirects} redirects followed" if (redirects := get("backend.redirects", 0)) else ""),
+        + (f"; {redirects} redirects followed" if (redirects := get("backend.redirects", 0)) else "")
+        + (
+            f"; {workers} fetch workers ({get('backend.fetch_worker_restarts', 0)} replaced)"
+            if (workers := get("backend.fetch_workers", 0)) or get("backend.fetch_worker_restarts", 0)
+            else ""
+        ),
         f"store         retries {get('backend.retries', 0)}"
         + (
             f" ({corrupt} for bytes not matching the store's checksum)"

@@ -72,6 +72,12 @@ class Backend(abc.ABC):
         """Redirects followed (S3: AIStore's gateways send GETs to their targets)."""
         return 0
 
+    @property
+    def fetch_workers(self) -> tuple:
+        """(fetch worker processes running, workers replaced after they ended): (0, 0)
+        without --fetch-workers."""
+        return 0, 0
+
     @abc.abstractmethod
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""

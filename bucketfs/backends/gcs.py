@@ -51,6 +51,7 @@ from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path
 from bucketfs.backends.gcs_transport import CurlGets, GCSTransport, LibraryGets
 from bucketfs.backends.gcs_transport import crc32c_of as _crc32c_of  # noqa: F401 - (tests import it from here)
 from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.http.workerengine import engine_workers, small_get_engine
 from bucketfs.backends.slots import fetch_ahead_slots
 from bucketfs.config import Config
 
@@ -176,7 +177,8 @@ class GCSBackend(Backend):
         # Without pycurl, or where CurlDownloads is not usable (mTLS, a proxy), every GET
         # takes the library's path on a worker thread.
         self.curl = (
-            CurlEngine(
+            small_get_engine(
+                config.fetch_workers_count,
                 config.max_connections_count + fetch_ahead_slots_count,
                 config.connect_timeout_s,
                 config.read_timeout_s,
@@ -273,6 +275,10 @@ class GCSBackend(Backend):
         return self._client._http
 
     # -- contract ---------------------------------------------------------------
+    @property
+    def fetch_workers(self) -> tuple:
+        return engine_workers(self.curl)
+
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         def fetch():
             bucket = self._get_bucket()

@@ -52,6 +52,7 @@ from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, 
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import EtagChecks, check_whole_object
 from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.http.workerengine import engine_workers, small_get_engine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
 from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
@@ -187,7 +188,8 @@ class S3Backend(Backend):
         usable_curl = CurlEngine.available() and self.lean.usable
         fetch_ahead_slots_count = fetch_ahead_slots(config) if usable_curl else 0
         self.curl = (
-            CurlEngine(
+            small_get_engine(
+                config.fetch_workers_count,
                 config.max_connections_count + fetch_ahead_slots_count,
                 config.connect_timeout_s,
                 config.read_timeout_s,
@@ -196,6 +198,7 @@ class S3Backend(Backend):
             if usable_curl
             else None
         )
+        self.lean.sign_in_engine = getattr(self.curl, "signs_requests", False)
         self.etag_checks = EtagChecks()
         self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
@@ -236,6 +239,10 @@ class S3Backend(Backend):
                 )
                 self.transport = self.sdk
         return self.sdk
+
+    @property
+    def fetch_workers(self) -> tuple:
+        return engine_workers(self.curl)
 
     @property
     def redirects_count(self) -> int:

@@ -50,7 +50,7 @@ from botocore.compat import unquote_str
 from bucketfs.backends import versions
 from bucketfs.backends.digests import s3_etag_digest
 from bucketfs.backends.http.body import body_deadline_s, copy_into, read_body
-from bucketfs.backends.http.curl import Transfer
+from bucketfs.backends.http.curl import BodyTransfer, Transfer
 from bucketfs.backends.http.sigv4 import Signer, host_of
 
 log = logging.getLogger(__name__)
@@ -374,26 +374,9 @@ def parse_page_until(body: bytes, end: Optional[str]) -> tuple:
     return parse_list_page(body)
 
 
-# A LIST page of 1,000 keys of up to 1,024 bytes each, escaped: a bound, not a size.
-LIST_BODY_MAX_BYTES = 16 * 1024 * 1024
 # The size a LIST answer's deadline allows for (read_body's slowest rate): a page of
 # 1,000 keys is ~0.2-0.4 MB.
 LIST_BODY_DEADLINE_BYTES = 1024 * 1024
-
-
-class BodyTransfer(Transfer):
-    """A curl GET of a whole answer of unknown length (a LIST page): its body grows in
-    `buffer`; an answer longer than LIST_BODY_MAX_BYTES is an error, not a cut page."""
-
-    def on_body(self, data: bytes):
-        if self.status != 200:
-            return super().on_body(data)
-        if len(self.buffer) + len(data) > LIST_BODY_MAX_BYTES:
-            self._overflow = True
-            return 0  # (aborts the transfer)
-        self.buffer += data
-        self.received_bytes = len(self.buffer)
-        return None
 
 
 def parse_list_page(body: bytes) -> tuple:
@@ -429,6 +412,9 @@ class LeanS3:
         self.unsigned = unsigned
         self.read_timeout_s = read_timeout_s
         self.signer = Signer(self.region)
+        # True where the curl engine signs the GETs itself (fetch workers: the
+        # signature's HMACs leave the daemon's main thread); set by the backend.
+        self.sign_in_engine = False
         self.usable = True
         self.off_reason = ""  # why `usable` turned false (logged by the backend's transport swap)
         self.redirects_count = 0  # hops followed (every path: S3Backend counts the SDK's here too)
@@ -443,14 +429,18 @@ class LeanS3:
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
         )
 
+    def _credentials(self):
+        """The session's credentials now (frozen: refreshed first where they expire)."""
+        credentials = self.session.get_credentials()
+        if credentials is None:
+            raise botocore.exceptions.NoCredentialsError()
+        return credentials.get_frozen_credentials()
+
     def _headers(self, url: str, headers: dict, host: Optional[str] = None) -> dict:
         """`headers` signed for a GET of `url` on `host` (default: the endpoint's)."""
         if self.unsigned:
             return headers
-        credentials = self.session.get_credentials()
-        if credentials is None:
-            raise botocore.exceptions.NoCredentialsError()
-        return self.signer.sign_get(credentials.get_frozen_credentials(), url, host or self._host, headers)
+        return self.signer.sign_get(self._credentials(), url, host or self._host, headers)
 
     def signed_for(self, url: str, headers: dict) -> dict:
         """`headers` signed for a GET of `url` on its own host (a redirect's target)."""
@@ -622,9 +612,20 @@ class LeanS3:
         if not self._resolve():
             return None
         url = self._base() + quote(key, safe="/~")
-        return Transfer.ranged(
-            url, self._headers(url, self.range_headers(start, end, version)), buffer, start, self.read_timeout_s
-        )
+        headers = self.range_headers(start, end, version)
+        if self.sign_in_engine and not self.unsigned:
+            # Signed where the engine runs it (a fetch worker), off this thread.
+            credentials = self._credentials()
+            signing = (
+                self.region,
+                credentials.access_key,
+                credentials.secret_key,
+                credentials.token,
+                self._host,
+                headers,
+            )
+            return Transfer.ranged(url, {}, buffer, start, self.read_timeout_s, signing)
+        return Transfer.ranged(url, self._headers(url, headers), buffer, start, self.read_timeout_s)
 
     def redirected(self, transfer: Transfer, start: int, end: int, version: str, hops: int) -> Optional[Transfer]:
         """The transfer that follows `transfer`'s answer if it is a redirect (signed
@@ -710,7 +711,7 @@ class LeanS3:
         # The bucket URL is base_url minus its trailing slash's key part: base_url ends at "<bucket>/" or "/".
         return self._base() + "?" + urlencode(sorted(params.items()), quote_via=quote, safe="-_.~")
 
-    def list_transfer(self, url: str) -> "BodyTransfer":
+    def list_transfer(self, url: str) -> BodyTransfer:
         """The GET of list_url()'s `url`, signed, as a curl transfer of its whole answer."""
         deadline_s = body_deadline_s(self.read_timeout_s, LIST_BODY_DEADLINE_BYTES) - time.monotonic()
         return BodyTransfer(

@@ -366,6 +366,7 @@ class Filesystem:
             stats[f"backend.requests.{op}"] = count
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched
         stats["backend.redirects"] = self.backend.redirects_count
+        stats["backend.fetch_workers"], stats["backend.fetch_worker_restarts"] = self.backend.fetch_workers
         for path, count in getattr(self.backend, "get_paths", {}).items():
             stats[f"backend.get_path.{path}"] = count
         caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one

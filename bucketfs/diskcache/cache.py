@@ -353,6 +353,10 @@ class DiskCache:
         return self.inner.redirects_count
 
     @property
+    def fetch_workers(self) -> tuple:
+        return self.inner.fetch_workers
+
+    @property
     def caller(self):
         """The store's BlockingCaller (retries, slots, failures), which the stats read;
         None for a backend without one (not part of the contract)."""

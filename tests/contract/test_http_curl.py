@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from bucketfs import errors
-from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.http.curl import CurlLoop
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from bucketfs.testing.servers import without_curl
@@ -159,7 +159,7 @@ def test_an_engine_whose_thread_died_fails_reads_at_once(monkeypatch):
     def broken_collect(*_args):
         raise RuntimeError("a bug in the engine's loop")
 
-    monkeypatch.setattr(CurlEngine, "_collect", broken_collect)
+    monkeypatch.setattr(CurlLoop, "_collect", broken_collect)
     with socket_store(respond) as (endpoint, _answered):
         backend = _backend(endpoint)
 

@@ -30,7 +30,7 @@ import os
 import select
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import trio
 
@@ -51,6 +51,9 @@ SMALL_GET_MAX_BYTES = 2 * 1024 * 1024
 RECEIVE_BUFFER_BYTES = 512 * 1024
 # An error answer's body (S3's XML) is kept this far: enough for its Code and Message.
 ERROR_BODY_MAX_BYTES = 64 * 1024
+# A whole answer of unknown length (BodyTransfer: a LIST page of 1,000 keys of up to
+# 1,024 bytes each, escaped): a bound, not a size.
+BODY_MAX_BYTES = 16 * 1024 * 1024
 # curl's codes for a failure of the connection or the transfer: worth a new attempt.
 _TIMEOUT_CODES = {28}  # OPERATION_TIMEDOUT
 _CONNECTION_CODES = {5, 6, 7, 16, 18, 35, 52, 55, 56, 92}  # resolve, connect, HTTP/2, partial, TLS, empty, send, recv
@@ -80,15 +83,28 @@ class Transfer:
     # byte whose ETag could be an MD5 (32 hex digits): computed here, on the engine's
     # thread as the body arrives (hashlib lets go of the GIL), so the whole-object check
     # costs the trio thread nothing (it took ~0.15 ms per 100 KB there).
-    md5: Optional["hashlib._Hash"] = None
+    md5: Optional[Any] = None  # a hashlib MD5, or a digest a fetch worker computed (workerengine._Digest)
+    # For an engine that signs (a fetch worker): (region, access key, secret key, token,
+    # host, headers) to sign with SigV4 and send; header_lines is then empty.
+    signing: Optional[tuple] = None
 
     @classmethod
-    def ranged(cls, url: str, headers: dict, buffer: bytearray, start: int, read_timeout_s: float) -> "Transfer":
-        """The GET of `len(buffer)` bytes from `start`, `headers` sent as they are, with
-        one deadline for the whole attempt (first byte, then the body at the slowest
-        rate read_body accepts); connecting is bounded on its own as well."""
+    def ranged(
+        cls,
+        url: str,
+        headers: dict,
+        buffer: bytearray,
+        start: int,
+        read_timeout_s: float,
+        signing: Optional[tuple] = None,
+    ) -> "Transfer":
+        """The GET of `len(buffer)` bytes from `start`, `headers` sent as they are (or
+        `signing`'s, signed by the engine), with one deadline for the whole attempt
+        (first byte, then the body at the slowest rate read_body accepts); connecting
+        is bounded on its own as well."""
         timeout_s = body_deadline_s(read_timeout_s, len(buffer)) - time.monotonic()
-        return cls(url, [f"{name}: {value}" for name, value in headers.items()], buffer, start, timeout_s)
+        lines = [f"{name}: {value}" for name, value in headers.items()]
+        return cls(url, lines, buffer, start, timeout_s, signing=signing)
 
     # -- callbacks, on the engine's thread ---------------------------------------
     def on_header(self, line: bytes) -> None:
@@ -143,7 +159,27 @@ class Transfer:
             self.error = OSError(f"curl error {code}: {message}")
 
 
-class CurlEngine:
+class BodyTransfer(Transfer):
+    """A GET of a whole answer of unknown length (a LIST page): its body grows in
+    `buffer`; an answer longer than BODY_MAX_BYTES is an error, not a cut body."""
+
+    def on_body(self, data: bytes):
+        if self.status != 200:
+            return super().on_body(data)
+        if len(self.buffer) + len(data) > BODY_MAX_BYTES:
+            self._overflow = True
+            return 0  # (aborts the transfer)
+        self.buffer += data
+        self.received_bytes = len(self.buffer)
+        return None
+
+
+class CurlLoop:
+    """One libcurl multi handle and its easy handles, driven by `run` on one thread
+    (libcurl handles are not thread safe): the loop of the daemon's engine thread
+    (CurlEngine) and of a fetch worker process (fetchworker.py). It sleeps in epoll on
+    curl's sockets and on `wake_fd`, without the GIL."""
+
     def __init__(
         self, max_transfers_count: int, connect_timeout_s: float, read_timeout_s: float, ca_bundle_path: Optional[str]
     ):
@@ -151,6 +187,143 @@ class CurlEngine:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.ca_bundle_path = ca_bundle_path
+        self.active: dict = {}  # Transfer -> easy handle, and easy handle -> Transfer
+        self._free_handles: list = []
+        self._multi: Any = None  # (a pycurl.CurlMulti while run() runs)
+
+    def run(self, wake_fd: int, on_wake, deliver, stopping) -> None:
+        """Serve transfers until `stopping()`. `on_wake()` runs when `wake_fd` is
+        readable (it reads it, and adds or aborts transfers); `deliver(finished)` gets
+        each batch of finished transfers. However it ends (a bug in it raises after),
+        every transfer still running is failed and delivered, and the handles closed."""
+        epoll = select.epoll()
+        epoll.register(wake_fd, select.EPOLLIN)
+        watched: dict = {}  # curl's socket fd -> epoll mask
+        timer = [None]  # when curl wants SOCKET_TIMEOUT (time.monotonic), or None
+
+        def on_socket(what, fd, _multi, _socketp):
+            if what == pycurl.POLL_REMOVE:
+                if watched.pop(fd, None) is not None:
+                    try:
+                        epoll.unregister(fd)
+                    except OSError:
+                        pass  # (closed already: epoll forgot it itself)
+                return
+            mask = (select.EPOLLIN if what & pycurl.POLL_IN else 0) | (select.EPOLLOUT if what & pycurl.POLL_OUT else 0)
+            try:
+                epoll.modify(fd, mask) if fd in watched else epoll.register(fd, mask)
+            except FileExistsError:  # a new socket on the number of one closed unannounced
+                epoll.modify(fd, mask)
+            watched[fd] = mask
+
+        def on_timer(timeout_ms):
+            timer[0] = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
+
+        multi = self._multi = pycurl.CurlMulti()
+        multi.setopt(pycurl.M_SOCKETFUNCTION, on_socket)
+        multi.setopt(pycurl.M_TIMERFUNCTION, on_timer)
+        multi.setopt(pycurl.M_MAXCONNECTS, self.max_transfers_count)
+        failure: BaseException = ConnectionError("the HTTP engine is closed")
+        try:
+            while not stopping():
+                timeout_s = -1 if timer[0] is None else max(timer[0] - time.monotonic(), 0)
+                for fd, mask in epoll.poll(timeout_s):
+                    if fd == wake_fd:
+                        on_wake()
+                    else:
+                        flags = (
+                            (pycurl.CSELECT_IN if mask & select.EPOLLIN else 0)
+                            | (pycurl.CSELECT_OUT if mask & select.EPOLLOUT else 0)
+                            | (pycurl.CSELECT_ERR if mask & (select.EPOLLERR | select.EPOLLHUP) else 0)
+                        )
+                        multi.socket_action(fd, flags)
+                if timer[0] is not None and time.monotonic() >= timer[0]:
+                    timer[0] = None
+                    multi.socket_action(pycurl.SOCKET_TIMEOUT, 0)
+                deliver(self._collect())
+        except BaseException as exc:  # a bug here must fail transfers, not hang readers
+            failure = ConnectionError(f"the HTTP engine stopped: {exc}")
+            raise
+        finally:
+            transfers = [transfer for transfer in self.active if isinstance(transfer, Transfer)]
+            handles = [easy for easy in self.active if not isinstance(easy, Transfer)]
+            for transfer in transfers:
+                if transfer.error is None:
+                    transfer.error = failure
+            self.active.clear()
+            deliver(transfers)
+            for easy in handles + self._free_handles:
+                easy.close()
+            multi.close()
+            epoll.close()
+
+    def add(self, transfer: Transfer) -> None:
+        easy = self._free_handles.pop() if self._free_handles else self._new_handle()
+        easy.setopt(pycurl.URL, transfer.url)
+        if transfer.header_lines:
+            easy.setopt(pycurl.HTTPHEADER, transfer.header_lines)
+        else:  # (an empty list leaves a reused handle's last headers in place: its Range, its If-Match)
+            easy.unsetopt(pycurl.HTTPHEADER)
+        easy.setopt(pycurl.TIMEOUT_MS, max(int(transfer.timeout_s * 1000), 1))
+        easy.setopt(pycurl.HEADERFUNCTION, transfer.on_header)
+        easy.setopt(pycurl.WRITEFUNCTION, transfer.on_body)
+        self.active[transfer] = easy
+        self.active[easy] = transfer
+        self._multi.add_handle(easy)
+
+    def abort(self, transfer: Transfer) -> bool:
+        """Take a running transfer off the wire (its error: "aborted"); False if it is
+        not running (a finished one is on its way back)."""
+        easy = self.active.pop(transfer, None)
+        if easy is None:
+            return False
+        del self.active[easy]
+        self._multi.remove_handle(easy)
+        self._free_handles.append(easy)
+        transfer.error = ConnectionError("aborted")
+        return True
+
+    def _collect(self) -> list:
+        finished = []
+        multi = self._multi
+        while True:
+            queued, ok, failed = multi.info_read()
+            for easy, code, message in [(easy, 0, "") for easy in ok] + list(failed):
+                transfer = self.active.pop(easy)
+                del self.active[transfer]
+                multi.remove_handle(easy)
+                self._free_handles.append(easy)
+                transfer.finish(code, message)
+                finished.append(transfer)
+            if not queued:
+                break
+        return finished
+
+    def _new_handle(self):
+        easy = pycurl.Curl()
+        easy.setopt(pycurl.NOSIGNAL, 1)  # (no SIGALRM for timeouts: this may not be the main thread)
+        easy.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.connect_timeout_s * 1000))
+        # The socket read timeout of the other paths: a store silent this long (whole
+        # seconds, curl's unit) fails the attempt, before the transfer's own deadline.
+        easy.setopt(pycurl.LOW_SPEED_LIMIT, 1)
+        easy.setopt(pycurl.LOW_SPEED_TIME, max(math.ceil(self.read_timeout_s), 1))
+        easy.setopt(pycurl.PROXY, "")  # the SDK path serves endpoints behind a proxy (s3_lean)
+        easy.setopt(pycurl.PATH_AS_IS, 1)  # a key's "../" or "//" is part of its name, not a path to tidy
+        easy.setopt(pycurl.BUFFERSIZE, RECEIVE_BUFFER_BYTES)
+        easy.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
+        if self.ca_bundle_path:
+            easy.setopt(pycurl.CAINFO, self.ca_bundle_path)
+        return easy
+
+
+class CurlEngine:
+    """Small GETs for trio tasks, on a CurlLoop in a thread of this process."""
+
+    def __init__(
+        self, max_transfers_count: int, connect_timeout_s: float, read_timeout_s: float, ca_bundle_path: Optional[str]
+    ):
+        self.max_transfers_count = max_transfers_count
+        self._loop_args = (max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
         self._token: Optional[trio.lowlevel.TrioToken] = None
         self._thread: Optional[threading.Thread] = None
         self._queue: collections.deque = collections.deque()  # ("add" | "abort", Transfer), from trio
@@ -207,119 +380,31 @@ class CurlEngine:
 
     # -- the engine's thread -------------------------------------------------------
     def _run(self) -> None:
-        epoll = select.epoll()
-        epoll.register(self._wake_fd, select.EPOLLIN)
-        watched: dict = {}  # curl's socket fd -> epoll mask
-        timer = [None]  # when curl wants SOCKET_TIMEOUT (time.monotonic), or None
+        loop = CurlLoop(*self._loop_args)
 
-        def on_socket(what, fd, _multi, _socketp):
-            if what == pycurl.POLL_REMOVE:
-                if watched.pop(fd, None) is not None:
-                    try:
-                        epoll.unregister(fd)
-                    except OSError:
-                        pass  # (closed already: epoll forgot it itself)
-                return
-            mask = (select.EPOLLIN if what & pycurl.POLL_IN else 0) | (select.EPOLLOUT if what & pycurl.POLL_OUT else 0)
-            try:
-                epoll.modify(fd, mask) if fd in watched else epoll.register(fd, mask)
-            except FileExistsError:  # a new socket on the number of one closed unannounced
-                epoll.modify(fd, mask)
-            watched[fd] = mask
+        def take_queue() -> None:
+            os.eventfd_read(self._wake_fd)
+            aborted = []
+            while self._queue:
+                what, transfer = self._queue.popleft()
+                if what == "add":
+                    loop.add(transfer)
+                elif loop.abort(transfer):
+                    aborted.append(transfer)  # (its waiter is being cancelled: the error is never seen)
+            self._deliver(aborted)
 
-        def on_timer(timeout_ms):
-            timer[0] = None if timeout_ms < 0 else time.monotonic() + timeout_ms / 1000
-
-        multi = pycurl.CurlMulti()
-        multi.setopt(pycurl.M_SOCKETFUNCTION, on_socket)
-        multi.setopt(pycurl.M_TIMERFUNCTION, on_timer)
-        multi.setopt(pycurl.M_MAXCONNECTS, self.max_transfers_count)
-        free_handles: list = []
-        active: dict = {}  # Transfer -> easy handle, and easy handle -> Transfer
         try:
-            while not self._stopping:
-                timeout_s = -1 if timer[0] is None else max(timer[0] - time.monotonic(), 0)
-                for fd, mask in epoll.poll(timeout_s):
-                    if fd == self._wake_fd:
-                        os.eventfd_read(fd)
-                        self._take_queue(multi, active, free_handles)
-                    else:
-                        flags = (
-                            (pycurl.CSELECT_IN if mask & select.EPOLLIN else 0)
-                            | (pycurl.CSELECT_OUT if mask & select.EPOLLOUT else 0)
-                            | (pycurl.CSELECT_ERR if mask & (select.EPOLLERR | select.EPOLLHUP) else 0)
-                        )
-                        multi.socket_action(fd, flags)
-                if timer[0] is not None and time.monotonic() >= timer[0]:
-                    timer[0] = None
-                    multi.socket_action(pycurl.SOCKET_TIMEOUT, 0)
-                self._collect(multi, active, free_handles)
-        except BaseException as exc:  # noqa: BLE001 - a bug here must fail transfers, not hang readers
+            loop.run(self._wake_fd, take_queue, self._deliver, lambda: self._stopping)
+        except BaseException:  # noqa: BLE001 - the loop failed its transfers; say why, then fail the queue's
             log.exception("the curl thread stopped")
-            self._fail_all(active, exc)
         finally:
             with self._lock:
                 self._open = False
-            handles = [easy for easy in active if not isinstance(easy, Transfer)]
-            self._fail_all(active, ConnectionError("the HTTP engine is closed"))
-            for easy in handles + free_handles:
-                easy.close()
-            multi.close()
-            epoll.close()
-
-    def _take_queue(self, multi, active: dict, free_handles: list) -> None:
-        finished = []
-        while self._queue:
-            what, transfer = self._queue.popleft()
-            if what == "add":
-                easy = free_handles.pop() if free_handles else self._new_handle()
-                easy.setopt(pycurl.URL, transfer.url)
-                easy.setopt(pycurl.HTTPHEADER, transfer.header_lines)
-                easy.setopt(pycurl.TIMEOUT_MS, max(int(transfer.timeout_s * 1000), 1))
-                easy.setopt(pycurl.HEADERFUNCTION, transfer.on_header)
-                easy.setopt(pycurl.WRITEFUNCTION, transfer.on_body)
-                active[transfer] = easy
-                active[easy] = transfer
-                multi.add_handle(easy)
-            elif transfer in active:  # an abort of a running transfer (a finished one is on its way back)
-                easy = active.pop(transfer)
-                del active[easy]
-                multi.remove_handle(easy)
-                free_handles.append(easy)
-                transfer.error = ConnectionError("aborted")  # (never seen: its waiter is being cancelled)
-                finished.append(transfer)
-        self._deliver(finished)
-
-    def _collect(self, multi, active: dict, free_handles: list) -> None:
-        finished = []
-        while True:
-            queued, ok, failed = multi.info_read()
-            for easy, code, message in [(easy, 0, "") for easy in ok] + list(failed):
-                transfer = active.pop(easy)
-                del active[transfer]
-                multi.remove_handle(easy)
-                free_handles.append(easy)
-                transfer.finish(code, message)
-                finished.append(transfer)
-            if not queued:
-                break
-        self._deliver(finished)
-
-    def _new_handle(self):
-        easy = pycurl.Curl()
-        easy.setopt(pycurl.NOSIGNAL, 1)  # (no SIGALRM for timeouts: this is not the main thread)
-        easy.setopt(pycurl.CONNECTTIMEOUT_MS, int(self.connect_timeout_s * 1000))
-        # The socket read timeout of the other paths: a store silent this long (whole
-        # seconds, curl's unit) fails the attempt, before the transfer's own deadline.
-        easy.setopt(pycurl.LOW_SPEED_LIMIT, 1)
-        easy.setopt(pycurl.LOW_SPEED_TIME, max(math.ceil(self.read_timeout_s), 1))
-        easy.setopt(pycurl.PROXY, "")  # the SDK path serves endpoints behind a proxy (s3_lean)
-        easy.setopt(pycurl.PATH_AS_IS, 1)  # a key's "../" or "//" is part of its name, not a path to tidy
-        easy.setopt(pycurl.BUFFERSIZE, RECEIVE_BUFFER_BYTES)
-        easy.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_1_1)
-        if self.ca_bundle_path:
-            easy.setopt(pycurl.CAINFO, self.ca_bundle_path)
-        return easy
+            while self._queue:
+                what, transfer = self._queue.popleft()
+                if what == "add":
+                    transfer.error = ConnectionError("the HTTP engine is closed")
+                    self._deliver([transfer])
 
     def _deliver(self, finished: list) -> None:
         if not finished:
@@ -329,19 +414,6 @@ class CurlEngine:
             self._token.run_sync_soon(_set_done, finished)
         except trio.RunFinishedError:
             pass  # the daemon's trio loop is gone: nobody waits
-
-    def _fail_all(self, active: dict, exc: BaseException) -> None:
-        transfers = [transfer for transfer in active if isinstance(transfer, Transfer)]
-        for transfer in transfers:
-            if transfer.error is None:
-                transfer.error = ConnectionError(f"the HTTP engine stopped: {exc}")
-        self._deliver(transfers)
-        active.clear()
-        while self._queue:
-            what, transfer = self._queue.popleft()
-            if what == "add":
-                transfer.error = ConnectionError("the HTTP engine is closed")
-                self._deliver([transfer])
 
 
 def _set_done(transfers: list) -> None:

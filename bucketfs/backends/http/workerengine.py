@@ -1,0 +1,422 @@
+"""Small GETs for trio tasks, run by fetch worker processes (fetchworker.py): the
+daemon's side. A drop-in for CurlEngine (`get(transfer)`, `close()`).
+
+Why: the process that answers FUSE runs every request under one GIL. With the GETs'
+HTTP work (libcurl and its callbacks, a whole object's MD5) in other processes, the
+daemon's part of a GET is a request written and its body copied in as it arrives
+(docs/design.md, "Worker processes").
+
+Invariants:
+- A body lands in the caller's buffer, reserved by the caller in the daemon's memory
+  budget; the worker keeps none. Nothing is written into a buffer after its GET was
+  cancelled or failed: frames of a GET nobody waits for are dropped.
+- No reader waits forever: a worker that dies fails its GETs at once
+  (ConnectionError: the backend's retries send them again, to a live worker), and one
+  silent past a GET's deadline plus WORKER_GRACE_S is killed, with the same effect.
+  A dead worker is replaced, at most once per RESTART_MIN_INTERVAL_S.
+- No worker outlives the engine: close() ends them, a trio run that ends ends them
+  (the next run starts its own), and the kernel ends them with the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import trio
+
+import bucketfs
+from bucketfs.backends.http.curl import BodyTransfer, CurlEngine, Transfer
+from bucketfs.backends.http.fetchworker import (
+    ABORT,
+    BODY,
+    DATA,
+    DONE,
+    FRAME,
+    GET,
+    RANGED,
+    REQUEST_LENGTH,
+)
+
+log = logging.getLogger(__name__)
+
+# A worker that says nothing this long past a GET's own deadline (which curl enforces
+# in the worker) is stuck: it is killed and its GETs fail, to be retried.
+WORKER_GRACE_S = 5.0
+# Replacements of workers that die at once are spaced by this much, doubled per quick
+# death up to RESTART_MAX_INTERVAL_S: a worker that cannot start costs no busy loop.
+RESTART_MIN_INTERVAL_S = 1.0
+RESTART_MAX_INTERVAL_S = 30.0
+# Frames are received this much at a time: a 100 KB body in one or two receives.
+RECEIVE_BUFFER_BYTES = 1 << 20
+_ERRORS = {"timeout": TimeoutError, "connection": ConnectionError, "os": OSError}
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(bucketfs.__file__)))
+
+
+class _Digest:
+    """The MD5 a worker computed, where answer_of expects a hashlib object."""
+
+    __slots__ = ("_digest",)
+
+    def __init__(self, digest: bytes):
+        self._digest = digest
+
+    def digest(self) -> bytes:
+        return self._digest
+
+
+class _Worker:
+    def __init__(self, proc: subprocess.Popen, raw: socket.socket):
+        self.proc, self.raw = proc, raw  # (raw: the non-blocking socket under `sock`)
+        self.sock = trio.socket.from_stdlib_socket(raw)
+        self.pid = proc.pid
+        self.started_s = time.monotonic()
+        self.pending: dict = {}  # tid -> Transfer
+        self.deadlines: dict = {}  # tid -> when (time.monotonic) its DONE is overdue
+        self.outbox = bytearray()  # requests the socket did not take at once
+        self.outbox_ready = trio.Event()
+        self.alive = True
+        self.gets_count = 0  # GETs sent to it
+
+
+class WorkerEngine:
+    signs_requests = True  # a Transfer's `signing` is signed in the worker
+
+    def __init__(
+        self,
+        workers_count: int,
+        max_transfers_count: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        ca_bundle_path: Optional[str],
+    ):
+        self.workers_count = workers_count
+        self.max_transfers_count = max_transfers_count
+        self._argv_tail = [
+            str(max_transfers_count),
+            repr(connect_timeout_s),
+            repr(read_timeout_s),
+            ca_bundle_path or "",
+        ]
+        self.workers: list = []  # live _Worker
+        self.restarts_count = 0  # workers replaced after they died or were killed
+        self._token: Optional[trio.lowlevel.TrioToken] = None
+        self._next_tid = 0
+        self._closed = False
+        self._changed = trio.Event()  # set when a worker starts or the engine closes
+        self._restart_interval_s = RESTART_MIN_INTERVAL_S
+
+    def pids(self) -> list:
+        return [worker.pid for worker in self.workers]
+
+    async def get(self, transfer: Transfer) -> Transfer:
+        """Run `transfer` in a worker; its results are set when this returns (error included)."""
+        if self._token is not trio.lowlevel.current_trio_token():
+            self._start_run()
+        worker = await self._worker_for(transfer.timeout_s)
+        tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
+        kind = BODY if isinstance(transfer, BodyTransfer) else RANGED
+        request = marshal.dumps(
+            (
+                GET,
+                tid,
+                kind,
+                transfer.url,
+                transfer.header_lines,
+                len(transfer.buffer),
+                transfer.skip_bytes,
+                transfer.timeout_s,
+                transfer.signing,
+            )
+        )
+        worker.pending[tid] = transfer
+        worker.gets_count += 1
+        worker.deadlines[tid] = time.monotonic() + transfer.timeout_s + WORKER_GRACE_S
+        self._send(worker, REQUEST_LENGTH.pack(len(request)) + request)
+        try:
+            await transfer.done.wait()
+        except BaseException:
+            # Cancelled: the frames still coming for it are dropped, so nothing writes
+            # into its buffer after this returns; the worker stops its transfer.
+            worker.deadlines.pop(tid, None)
+            if worker.pending.pop(tid, None) is not None and worker.alive:
+                self._send(worker, _abort_request(tid))
+            raise
+        return transfer
+
+    def close(self) -> None:
+        """End every worker; GETs still running end with ConnectionError. Idempotent."""
+        self._closed = True
+        self._changed.set()
+        self._stop_workers("the HTTP engine is closed")
+
+    # -- workers -----------------------------------------------------------------
+    def _start_run(self) -> None:
+        """Workers for this trio run (their readers are its system tasks); those of an
+        earlier run, whose readers ended with it, are ended first."""
+        self._stop_workers("the HTTP engine restarted")
+        self._token = trio.lowlevel.current_trio_token()
+        if self._closed:
+            return
+        for _ in range(self.workers_count):
+            self._spawn()
+        trio.lowlevel.spawn_system_task(self._watch, self._token, name="bucketfs fetch worker watchdog")
+
+    async def _watch(self, token) -> None:
+        """Kill workers that are silent past a GET's deadline (curl enforces it in the
+        worker, so a live one has answered by then): their GETs fail and are retried."""
+        try:
+            while self._token is token:
+                await trio.sleep(WORKER_GRACE_S / 2)
+                now_s = time.monotonic()
+                for worker in list(self.workers):
+                    if worker.deadlines and min(worker.deadlines.values()) < now_s:
+                        log.warning("fetch worker %d: silent past a GET's deadline; killing it", worker.pid)
+                        self._lost(worker, "killed: silent past a GET's deadline")
+        except trio.Cancelled:
+            pass  # the run ended: its workers with it
+
+    def _spawn(self) -> bool:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            child.set_inheritable(True)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")]))
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bucketfs.backends.http.fetchworker",
+                    str(child.fileno()),
+                    str(os.getpid()),
+                    *self._argv_tail,
+                ],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
+        except OSError as exc:
+            parent.close()
+            log.warning("a fetch worker could not start: %s", exc)
+            return False
+        finally:
+            child.close()
+        parent.setblocking(False)
+        worker = _Worker(proc, parent)
+        self.workers.append(worker)
+        trio.lowlevel.spawn_system_task(self._read, worker, name=f"bucketfs fetch worker {worker.pid}")
+        trio.lowlevel.spawn_system_task(self._write, worker, name=f"bucketfs fetch worker {worker.pid} requests")
+        self._changed.set()
+        self._changed = trio.Event()
+        return True
+
+    async def _worker_for(self, timeout_s: float) -> _Worker:
+        """The live worker with the fewest GETs; waits (within `timeout_s`) for one to start."""
+        if self.workers:
+            return min(self.workers, key=_load)
+        with trio.move_on_after(max(timeout_s, 0)):
+            while True:
+                if self._closed:
+                    raise ConnectionError("the HTTP engine is closed")
+                if self.workers:
+                    return min(self.workers, key=_load)
+                await self._changed.wait()
+        raise ConnectionError("no fetch worker is running")
+
+    def _lost(self, worker: _Worker, reason: str) -> None:
+        """`worker` is gone (or made to go): its GETs fail, its process is ended, and a
+        replacement is started unless the engine is closing."""
+        if not worker.alive:
+            return
+        worker.alive = False
+        self.workers.remove(worker)
+        worker.sock.close()
+        for transfer in worker.pending.values():
+            transfer.error = ConnectionError(f"fetch worker {worker.pid}: {reason}")
+            transfer.done.set()
+        worker.pending.clear()
+        worker.deadlines.clear()
+        worker.outbox_ready.set()  # (its writer ends)
+        code = _end(worker.proc)
+        if self._closed or self._token is None:
+            return
+        log.warning("fetch worker %d ended (%s, exit status %s); starting another", worker.pid, reason, code)
+        self.restarts_count += 1
+        lived_s = time.monotonic() - worker.started_s
+        if lived_s > RESTART_MAX_INTERVAL_S:
+            self._restart_interval_s = RESTART_MIN_INTERVAL_S
+        delay_s = max(self._restart_interval_s - lived_s, 0)
+        self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
+        trio.lowlevel.spawn_system_task(self._respawn, delay_s, self._token, name="bucketfs fetch worker restart")
+
+    async def _respawn(self, delay_s: float, token) -> None:
+        try:
+            while not self._closed and self._token is token and len(self.workers) < self.workers_count:
+                await trio.sleep(delay_s)
+                if self._closed or self._token is not token or self._spawn():
+                    return
+                delay_s = self._restart_interval_s
+                self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
+        except trio.Cancelled:
+            pass  # the run ended: its workers with it
+
+    def _stop_workers(self, reason: str) -> None:
+        for worker in list(self.workers):
+            self._lost(worker, reason)
+        self._token = None
+
+    # -- the socket ----------------------------------------------------------------
+    @staticmethod
+    def _send(worker: _Worker, data: bytes) -> None:
+        """Queue `data` for `worker`, in order. The worker's writer task sends what the
+        tasks of one scheduling batch queued with one system call (each call also wakes
+        the worker: ~10 us of the daemon's CPU each, per GET when sent at once)."""
+        if not worker.outbox:
+            worker.outbox_ready.set()
+        worker.outbox += data
+
+    async def _write(self, worker: _Worker) -> None:
+        try:
+            while worker.alive:
+                await worker.outbox_ready.wait()
+                worker.outbox_ready = trio.Event()
+                while worker.outbox and worker.alive:
+                    sent = await worker.sock.send(worker.outbox)
+                    del worker.outbox[:sent]
+        except (OSError, trio.ClosedResourceError) as exc:
+            self._lost(worker, f"its socket failed: {exc}")
+        except trio.Cancelled:
+            self._token = None  # (no restart into a run that is ending)
+            self._lost(worker, "the trio run ended")
+
+    async def _read(self, worker: _Worker) -> None:
+        """Receive `worker`'s frames until it is gone: bodies copied into the buffers of
+        the GETs still waited on, each DONE ending its GET once its body is in."""
+        buffer = bytearray(RECEIVE_BUFFER_BYTES)
+        view = memoryview(buffer)
+        have = 0  # bytes in buffer
+        # The frame whose body is being received: [tid, transfer or None, offset, bytes
+        # left, appended (a BODY transfer's), meta (a DONE's) or None]; else None.
+        body = None
+        reason = "its socket closed"
+        try:
+            while True:
+                received = await worker.sock.recv_into(view[have:])
+                if not received:
+                    break
+                have += received
+                at = 0
+                while at < have:
+                    if body is not None:
+                        tid, transfer, offset, left, appended, meta = body
+                        piece = min(left, have - at)
+                        live = transfer is not None and transfer is worker.pending.get(tid)
+                        if live:
+                            if appended:
+                                transfer.buffer += view[at : at + piece]
+                            else:
+                                transfer.buffer[offset : offset + piece] = view[at : at + piece]
+                        at += piece
+                        if piece < left:
+                            body[2], body[3] = offset + piece, left - piece
+                            continue
+                        body = None
+                        if live and meta is not None:
+                            self._done(worker, tid, transfer, meta)
+                        continue
+                    if have - at < FRAME.size:
+                        break
+                    kind, tid, offset, body_bytes, meta_bytes = FRAME.unpack_from(buffer, at)
+                    if kind not in (DATA, DONE) or (kind == DATA) == bool(meta_bytes):
+                        raise ValueError(f"a frame of type {kind} with {meta_bytes} bytes of meta")
+                    if have - at < FRAME.size + meta_bytes:
+                        if FRAME.size + meta_bytes > len(buffer):
+                            raise ValueError(f"{meta_bytes} bytes of meta")
+                        break
+                    meta = marshal.loads(view[at + FRAME.size : at + FRAME.size + meta_bytes]) if meta_bytes else None
+                    at += FRAME.size + meta_bytes
+                    transfer = worker.pending.get(tid)
+                    appended = isinstance(transfer, BodyTransfer)
+                    if transfer is not None and not appended and offset + body_bytes > len(transfer.buffer):
+                        raise ValueError(f"a body past its buffer ({offset + body_bytes} > {len(transfer.buffer)})")
+                    if body_bytes:
+                        body = [tid, transfer, offset, body_bytes, appended, meta]
+                    elif meta is not None and transfer is not None:
+                        self._done(worker, tid, transfer, meta)
+                if at:
+                    # What is left is at most a frame's start (bodies are copied out as they
+                    # arrive): a small copy, and never an overlapping one.
+                    buffer[: have - at] = bytes(view[at:have])
+                    have -= at
+        except (OSError, trio.ClosedResourceError) as exc:
+            reason = f"its socket failed: {exc}"
+        except (ValueError, EOFError, TypeError) as exc:
+            reason = f"it broke the protocol: {exc}"
+            log.error("fetch worker %d broke the protocol: %s", worker.pid, exc)
+        except trio.Cancelled:
+            reason = "the trio run ended"
+            self._token = None  # (no restart into a run that is ending)
+        self._lost(worker, reason)
+
+    @staticmethod
+    def _done(worker: _Worker, tid: int, transfer: Transfer, meta: tuple) -> None:
+        del worker.pending[tid]
+        del worker.deadlines[tid]
+        _finish(transfer, meta)
+
+
+def _load(worker: _Worker) -> int:
+    return len(worker.pending)
+
+
+def _abort_request(tid: int) -> bytes:
+    request = marshal.dumps((ABORT, tid))
+    return REQUEST_LENGTH.pack(len(request)) + request
+
+
+def _finish(transfer: Transfer, meta: tuple) -> None:
+    status, headers, received_bytes, error_body, error_kind, error_text, md5 = meta
+    transfer.status, transfer.headers, transfer.received_bytes = status, headers, received_bytes
+    transfer.error_body = bytearray(error_body)
+    if error_kind:
+        transfer.error = _ERRORS.get(error_kind, OSError)(error_text)
+    transfer.md5 = None if md5 is None else _Digest(md5)
+    transfer.done.set()
+
+
+def _end(proc: subprocess.Popen) -> Optional[int]:
+    """End a worker and reap it; its exit status. Killed at once if it has not exited:
+    it holds no state (the daemon's buffers and caches are not its), and the trio
+    thread must not wait for it."""
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait()
+
+
+def engine_workers(engine) -> tuple:
+    """(fetch workers running, workers replaced) of a backend's engine: (0, 0) for
+    CurlEngine or none."""
+    if isinstance(engine, WorkerEngine):
+        return len(engine.workers), engine.restarts_count
+    return 0, 0
+
+
+def small_get_engine(
+    workers_count: int,
+    max_transfers_count: int,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    ca_bundle_path: Optional[str],
+):
+    """The engine of small GETs: worker processes (--fetch-workers), else a thread of
+    this process."""
+    if workers_count > 0:
+        return WorkerEngine(workers_count, max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
+    return CurlEngine(max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
