@@ -2,20 +2,25 @@
 daemon's side. A drop-in for CurlEngine (`get(transfer)`, `close()`).
 
 Why: the process that answers FUSE runs every request under one GIL. With the GETs'
-HTTP work (libcurl and its callbacks, a whole object's MD5) in other processes, the
-daemon's part of a GET is a request written and its body copied in as it arrives
-(docs/design.md, "Worker processes").
+HTTP work (libcurl and its callbacks, SigV4 signing, a whole object's MD5) in other
+processes, the daemon's part of a GET is a request queued and its body copied in
+(docs/design.md, "Fetch workers").
 
 Invariants:
 - A body lands in the caller's buffer, reserved by the caller in the daemon's memory
-  budget; the worker keeps none. Nothing is written into a buffer after its GET was
-  cancelled or failed: frames of a GET nobody waits for are dropped.
+  budget; the worker keeps none past HELD_MAX_BYTES. Nothing is written into a buffer
+  after its GET was cancelled or failed: frames of a GET nobody waits for are dropped.
 - No reader waits forever: a worker that dies fails its GETs at once
   (ConnectionError: the backend's retries send them again, to a live worker), and one
   silent past a GET's deadline plus WORKER_GRACE_S is killed, with the same effect.
-  A dead worker is replaced, at most once per RESTART_MIN_INTERVAL_S.
-- No worker outlives the engine: close() ends them, a trio run that ends ends them
-  (the next run starts its own), and the kernel ends them with the daemon.
+  A dead worker is replaced, at once the first time, then no more often than every
+  RESTART_MIN_INTERVAL_S (doubling while they keep dying young).
+- No worker outlives the engine: close() kills them, and the kernel kills them when
+  the daemon's thread that started them ends (PR_SET_PDEATHSIG, fetchworker.py).
+- Workers outlive a trio run (the CLI's commands and the tests run several): their
+  reader and writer tasks are the run's system tasks, and keep their stream's state
+  on the worker, so the next run's tasks go on where they stopped. The GETs of a run
+  that ended fail (nobody waits for them).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ log = logging.getLogger(__name__)
 # A worker that says nothing this long past a GET's own deadline (which curl enforces
 # in the worker) is stuck: it is killed and its GETs fail, to be retried.
 WORKER_GRACE_S = 5.0
-# Replacements of workers that die at once are spaced by this much, doubled per quick
+# Replacements of workers that die young are spaced by this much, doubled per young
 # death up to RESTART_MAX_INTERVAL_S: a worker that cannot start costs no busy loop.
 RESTART_MIN_INTERVAL_S = 1.0
 RESTART_MAX_INTERVAL_S = 30.0
@@ -77,12 +82,19 @@ class _Worker:
         self.sock = trio.socket.from_stdlib_socket(raw)
         self.pid = proc.pid
         self.started_s = time.monotonic()
-        self.pending: dict = {}  # tid -> Transfer
-        self.deadlines: dict = {}  # tid -> when (time.monotonic) its DONE is overdue
-        self.outbox = bytearray()  # requests the socket did not take at once
-        self.outbox_ready = trio.Event()
         self.alive = True
         self.gets_count = 0  # GETs sent to it
+        self.pending: dict = {}  # tid -> Transfer
+        self.deadlines: dict = {}  # tid -> when (time.monotonic) its DONE is overdue
+        self.outbox = bytearray()  # requests not sent yet
+        self.outbox_ready = trio.Event()
+        self.run_token: Optional[trio.lowlevel.TrioToken] = None  # the run its tasks belong to
+        # The receiving stream's state, kept here across trio runs (see the invariants).
+        self.inbox = bytearray(RECEIVE_BUFFER_BYTES)
+        self.inbox_bytes = 0
+        # The frame whose body is being received: [tid, transfer or None, offset, bytes
+        # left, appended (a BODY transfer's), meta (a DONE's) or None]; else None.
+        self.body: Optional[list] = None
 
 
 class WorkerEngine:
@@ -106,11 +118,12 @@ class WorkerEngine:
         ]
         self.workers: list = []  # live _Worker
         self.restarts_count = 0  # workers replaced after they died or were killed
-        self._token: Optional[trio.lowlevel.TrioToken] = None
+        self._token: Optional[trio.lowlevel.TrioToken] = None  # the run the engine serves
         self._next_tid = 0
         self._closed = False
         self._changed = trio.Event()  # set when a worker starts or the engine closes
         self._restart_interval_s = RESTART_MIN_INTERVAL_S
+        self._respawning = False
 
     def pids(self) -> list:
         return [worker.pid for worker in self.workers]
@@ -118,7 +131,7 @@ class WorkerEngine:
     async def get(self, transfer: Transfer) -> Transfer:
         """Run `transfer` in a worker; its results are set when this returns (error included)."""
         if self._token is not trio.lowlevel.current_trio_token():
-            self._start_run()
+            self._attach_run()
         worker = await self._worker_for(transfer.timeout_s)
         tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
         kind = BODY if isinstance(transfer, BodyTransfer) else RANGED
@@ -151,38 +164,32 @@ class WorkerEngine:
         return transfer
 
     def close(self) -> None:
-        """End every worker; GETs still running end with ConnectionError. Idempotent."""
+        """Kill every worker; GETs still running end with ConnectionError. Idempotent."""
         self._closed = True
         self._changed.set()
-        self._stop_workers("the HTTP engine is closed")
+        for worker in list(self.workers):
+            self._lost(worker, "the HTTP engine is closed")
 
     # -- workers -----------------------------------------------------------------
-    def _start_run(self) -> None:
-        """Workers for this trio run (their readers are its system tasks); those of an
-        earlier run, whose readers ended with it, are ended first."""
-        self._stop_workers("the HTTP engine restarted")
+    def _attach_run(self) -> None:
+        """Serve the current trio run: the workers' tasks, the watchdog, and the workers
+        the count lacks (all of them on first use)."""
         self._token = trio.lowlevel.current_trio_token()
         if self._closed:
             return
-        for _ in range(self.workers_count):
-            self._spawn()
+        for worker in self.workers:
+            self._start_tasks(worker)
+        while len(self.workers) < self.workers_count and self._spawn():
+            pass
         trio.lowlevel.spawn_system_task(self._watch, self._token, name="bucketfs fetch worker watchdog")
 
-    async def _watch(self, token) -> None:
-        """Kill workers that are silent past a GET's deadline (curl enforces it in the
-        worker, so a live one has answered by then): their GETs fail and are retried."""
-        try:
-            while self._token is token:
-                await trio.sleep(WORKER_GRACE_S / 2)
-                now_s = time.monotonic()
-                for worker in list(self.workers):
-                    if worker.deadlines and min(worker.deadlines.values()) < now_s:
-                        log.warning("fetch worker %d: silent past a GET's deadline; killing it", worker.pid)
-                        self._lost(worker, "killed: silent past a GET's deadline")
-        except trio.Cancelled:
-            pass  # the run ended: its workers with it
+    def _start_tasks(self, worker: _Worker) -> None:
+        worker.run_token = self._token
+        trio.lowlevel.spawn_system_task(self._read, worker, name=f"bucketfs fetch worker {worker.pid}")
+        trio.lowlevel.spawn_system_task(self._write, worker, name=f"bucketfs fetch worker {worker.pid} requests")
 
     def _spawn(self) -> bool:
+        """Start a worker; False (logged) if it cannot be."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             child.set_inheritable(True)
@@ -211,11 +218,24 @@ class WorkerEngine:
         parent.setblocking(False)
         worker = _Worker(proc, parent)
         self.workers.append(worker)
-        trio.lowlevel.spawn_system_task(self._read, worker, name=f"bucketfs fetch worker {worker.pid}")
-        trio.lowlevel.spawn_system_task(self._write, worker, name=f"bucketfs fetch worker {worker.pid} requests")
+        self._start_tasks(worker)
         self._changed.set()
         self._changed = trio.Event()
         return True
+
+    async def _watch(self, token) -> None:
+        """Kill workers that are silent past a GET's deadline (curl enforces it in the
+        worker, so a live one has answered by then): their GETs fail and are retried."""
+        try:
+            while self._token is token and not self._closed:
+                await trio.sleep(WORKER_GRACE_S / 2)
+                now_s = time.monotonic()
+                for worker in list(self.workers):
+                    if worker.deadlines and min(worker.deadlines.values()) < now_s:
+                        log.warning("fetch worker %d: silent past a GET's deadline; killing it", worker.pid)
+                        self._lost(worker, "killed: silent past a GET's deadline")
+        except trio.Cancelled:
+            pass  # the run ended
 
     async def _worker_for(self, timeout_s: float) -> _Worker:
         """The live worker with the fewest GETs; waits (within `timeout_s`) for one to start."""
@@ -231,46 +251,60 @@ class WorkerEngine:
         raise ConnectionError("no fetch worker is running")
 
     def _lost(self, worker: _Worker, reason: str) -> None:
-        """`worker` is gone (or made to go): its GETs fail, its process is ended, and a
-        replacement is started unless the engine is closing."""
+        """`worker` is gone (or made to go): its GETs fail, its process is killed and
+        reaped, and a replacement is started unless the engine is closed."""
         if not worker.alive:
             return
         worker.alive = False
         self.workers.remove(worker)
-        worker.sock.close()
-        for transfer in worker.pending.values():
-            transfer.error = ConnectionError(f"fetch worker {worker.pid}: {reason}")
-            transfer.done.set()
-        worker.pending.clear()
-        worker.deadlines.clear()
+        try:
+            worker.sock.close()  # (wakes its tasks, in the run they wait in)
+        except RuntimeError:  # outside a trio run: no task waits on it
+            worker.raw.close()
+        self._fail_pending(worker, f"fetch worker {worker.pid}: {reason}")
         worker.outbox_ready.set()  # (its writer ends)
         code = _end(worker.proc)
-        if self._closed or self._token is None:
+        if self._closed:
             return
         log.warning("fetch worker %d ended (%s, exit status %s); starting another", worker.pid, reason, code)
         self.restarts_count += 1
-        lived_s = time.monotonic() - worker.started_s
-        if lived_s > RESTART_MAX_INTERVAL_S:
-            self._restart_interval_s = RESTART_MIN_INTERVAL_S
-        delay_s = max(self._restart_interval_s - lived_s, 0)
-        self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
-        trio.lowlevel.spawn_system_task(self._respawn, delay_s, self._token, name="bucketfs fetch worker restart")
+        if time.monotonic() - worker.started_s > RESTART_MAX_INTERVAL_S:
+            self._restart_interval_s = RESTART_MIN_INTERVAL_S  # (it lived: no longer dying young)
+        if self._token is not None and not self._respawning:
+            self._respawning = True
+            trio.lowlevel.spawn_system_task(self._respawn, self._token, name="bucketfs fetch worker restart")
 
-    async def _respawn(self, delay_s: float, token) -> None:
+    async def _respawn(self, token) -> None:
+        """Bring the workers back to their count: at once, then (while they keep dying
+        young or cannot start) at a doubling interval."""
         try:
+            delay_s = 0.0
             while not self._closed and self._token is token and len(self.workers) < self.workers_count:
                 await trio.sleep(delay_s)
-                if self._closed or self._token is not token or self._spawn():
+                if self._closed or self._token is not token:
                     return
+                self._spawn()
                 delay_s = self._restart_interval_s
                 self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
         except trio.Cancelled:
-            pass  # the run ended: its workers with it
+            pass  # the run ended: the next one starts what is lacking
+        finally:
+            self._respawning = False
 
-    def _stop_workers(self, reason: str) -> None:
-        for worker in list(self.workers):
-            self._lost(worker, reason)
-        self._token = None
+    @staticmethod
+    def _fail_pending(worker: _Worker, message: str) -> None:
+        for transfer in worker.pending.values():
+            transfer.error = ConnectionError(message)
+            transfer.done.set()
+        worker.pending.clear()
+        worker.deadlines.clear()
+
+    def _run_ended(self, worker: _Worker) -> None:
+        """The trio run of `worker`'s tasks is ending: its GETs fail (nobody waits for
+        them); the worker stays, for the next run's tasks."""
+        if self._token is worker.run_token:
+            self._token = None
+        self._fail_pending(worker, "the trio run ended")
 
     # -- the socket ----------------------------------------------------------------
     @staticmethod
@@ -285,85 +319,82 @@ class WorkerEngine:
     async def _write(self, worker: _Worker) -> None:
         try:
             while worker.alive:
-                await worker.outbox_ready.wait()
-                worker.outbox_ready = trio.Event()
+                if not worker.outbox:
+                    await worker.outbox_ready.wait()
+                    worker.outbox_ready = trio.Event()
                 while worker.outbox and worker.alive:
                     sent = await worker.sock.send(worker.outbox)
                     del worker.outbox[:sent]
         except (OSError, trio.ClosedResourceError) as exc:
             self._lost(worker, f"its socket failed: {exc}")
         except trio.Cancelled:
-            self._token = None  # (no restart into a run that is ending)
-            self._lost(worker, "the trio run ended")
+            self._run_ended(worker)
 
     async def _read(self, worker: _Worker) -> None:
         """Receive `worker`'s frames until it is gone: bodies copied into the buffers of
         the GETs still waited on, each DONE ending its GET once its body is in."""
-        buffer = bytearray(RECEIVE_BUFFER_BYTES)
-        view = memoryview(buffer)
-        have = 0  # bytes in buffer
-        # The frame whose body is being received: [tid, transfer or None, offset, bytes
-        # left, appended (a BODY transfer's), meta (a DONE's) or None]; else None.
-        body = None
-        reason = "its socket closed"
+        view = memoryview(worker.inbox)
         try:
             while True:
-                received = await worker.sock.recv_into(view[have:])
+                received = await worker.sock.recv_into(view[worker.inbox_bytes :])
                 if not received:
-                    break
-                have += received
-                at = 0
-                while at < have:
-                    if body is not None:
-                        tid, transfer, offset, left, appended, meta = body
-                        piece = min(left, have - at)
-                        live = transfer is not None and transfer is worker.pending.get(tid)
-                        if live:
-                            if appended:
-                                transfer.buffer += view[at : at + piece]
-                            else:
-                                transfer.buffer[offset : offset + piece] = view[at : at + piece]
-                        at += piece
-                        if piece < left:
-                            body[2], body[3] = offset + piece, left - piece
-                            continue
-                        body = None
-                        if live and meta is not None:
-                            self._done(worker, tid, transfer, meta)
-                        continue
-                    if have - at < FRAME.size:
-                        break
-                    kind, tid, offset, body_bytes, meta_bytes = FRAME.unpack_from(buffer, at)
-                    if kind not in (DATA, DONE) or (kind == DATA) == bool(meta_bytes):
-                        raise ValueError(f"a frame of type {kind} with {meta_bytes} bytes of meta")
-                    if have - at < FRAME.size + meta_bytes:
-                        if FRAME.size + meta_bytes > len(buffer):
-                            raise ValueError(f"{meta_bytes} bytes of meta")
-                        break
-                    meta = marshal.loads(view[at + FRAME.size : at + FRAME.size + meta_bytes]) if meta_bytes else None
-                    at += FRAME.size + meta_bytes
-                    transfer = worker.pending.get(tid)
-                    appended = isinstance(transfer, BodyTransfer)
-                    if transfer is not None and not appended and offset + body_bytes > len(transfer.buffer):
-                        raise ValueError(f"a body past its buffer ({offset + body_bytes} > {len(transfer.buffer)})")
-                    if body_bytes:
-                        body = [tid, transfer, offset, body_bytes, appended, meta]
-                    elif meta is not None and transfer is not None:
-                        self._done(worker, tid, transfer, meta)
-                if at:
-                    # What is left is at most a frame's start (bodies are copied out as they
-                    # arrive): a small copy, and never an overlapping one.
-                    buffer[: have - at] = bytes(view[at:have])
-                    have -= at
+                    self._lost(worker, "its socket closed")
+                    return
+                worker.inbox_bytes += received
+                self._take_frames(worker, view)
         except (OSError, trio.ClosedResourceError) as exc:
-            reason = f"its socket failed: {exc}"
+            self._lost(worker, f"its socket failed: {exc}")
         except (ValueError, EOFError, TypeError) as exc:
-            reason = f"it broke the protocol: {exc}"
             log.error("fetch worker %d broke the protocol: %s", worker.pid, exc)
+            self._lost(worker, f"it broke the protocol: {exc}")
         except trio.Cancelled:
-            reason = "the trio run ended"
-            self._token = None  # (no restart into a run that is ending)
-        self._lost(worker, reason)
+            self._run_ended(worker)
+
+    def _take_frames(self, worker: _Worker, view: memoryview) -> None:
+        """Consume the frames in `worker`'s inbox, keeping a frame's start that has not
+        fully arrived (bodies are copied out as they arrive)."""
+        have, at = worker.inbox_bytes, 0
+        while at < have:
+            if worker.body is not None:
+                tid, transfer, offset, left, appended, meta = worker.body
+                piece = min(left, have - at)
+                live = transfer is not None and transfer is worker.pending.get(tid)
+                if live:
+                    if appended:
+                        transfer.buffer += view[at : at + piece]
+                    else:
+                        transfer.buffer[offset : offset + piece] = view[at : at + piece]
+                at += piece
+                if piece < left:
+                    worker.body[2], worker.body[3] = offset + piece, left - piece
+                    continue
+                worker.body = None
+                if live and meta is not None:
+                    self._done(worker, tid, transfer, meta)
+                continue
+            if have - at < FRAME.size:
+                break
+            kind, tid, offset, body_bytes, meta_bytes = FRAME.unpack_from(view, at)
+            if kind not in (DATA, DONE) or (kind == DATA) == bool(meta_bytes):
+                raise ValueError(f"a frame of type {kind} with {meta_bytes} bytes of meta")
+            if have - at < FRAME.size + meta_bytes:
+                if FRAME.size + meta_bytes > len(view):
+                    raise ValueError(f"{meta_bytes} bytes of meta")
+                break
+            meta = marshal.loads(view[at + FRAME.size : at + FRAME.size + meta_bytes]) if meta_bytes else None
+            at += FRAME.size + meta_bytes
+            transfer = worker.pending.get(tid)
+            appended = isinstance(transfer, BodyTransfer)
+            if transfer is not None and not appended and offset + body_bytes > len(transfer.buffer):
+                raise ValueError(f"a body past its buffer ({offset + body_bytes} > {len(transfer.buffer)})")
+            if body_bytes:
+                worker.body = [tid, transfer, offset, body_bytes, appended, meta]
+            elif meta is not None and transfer is not None:
+                self._done(worker, tid, transfer, meta)
+        if at:
+            # What is left is at most a frame's start: a small copy, never an overlapping one.
+            worker.inbox[: have - at] = bytes(view[at:have])
+            worker.inbox_bytes = have - at
 
     @staticmethod
     def _done(worker: _Worker, tid: int, transfer: Transfer, meta: tuple) -> None:
