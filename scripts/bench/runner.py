@@ -85,7 +85,7 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         self.cache_epoch_note: Optional[str] = None
         self.s3torch_note: Optional[str] = s3torch_missing(backend)  # why its column is empty (s3torch.py)
         self.s3torch_logged = False
-        self.thread_census = ThreadCensus()  # the daemon's CPU by thread in each bucketfs run (threadcpu.py)
+        self.thread_census = ThreadCensus()  # bucketfs's CPU by thread and fetch worker in each run (threadcpu.py)
 
     # -- bookkeeping ------------------------------------------------------------
     def row(self, key, label, unit, higher_is_better, target="") -> Row:
@@ -167,7 +167,8 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
-            # By thread: main (trio, FUSE), curl, workers (threadcpu.py); after the client's CPU was read.
+            # By thread and process: main (trio, FUSE), curl, workers, fetch workers (threadcpu.py); after the
+            # client's CPU was read.
             run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before)
             from bucketfs.testing.mounting import daemon_stats
 

@@ -1,11 +1,13 @@
-"""Issue 37's measure: the CPU the daemon spends per unit of work, by thread, and the
-throughput ceilings it implies.
+"""Issue 37's measure: the CPU bucketfs spends per unit of work, by thread and process,
+and the throughput ceilings it implies.
 
-bucketfs is one process today: the daemon. Its main thread runs trio and serves FUSE
-(every request the kernel sends goes through it); a libcurl thread ("bucketfs-curl")
-runs the small GETs; trio's thread cache runs the larger GETs (urllib3) and the disk
-I/O. A per-thread census (/proc/PID/task/TID/stat) before and after each bucketfs run
-splits the daemon's CPU into those roles:
+bucketfs is the daemon and, with --fetch-workers N, N fetch worker processes it starts.
+The daemon's main thread runs trio and serves FUSE (every request the kernel sends goes
+through it); a libcurl thread ("bucketfs-curl") runs the small GETs, or the fetch
+workers run them (fetchworker.py: libcurl and the MD5 on other cores); trio's thread
+cache runs the larger GETs (urllib3) and the disk I/O. A per-thread census
+(/proc/PID/task/TID/stat) and a census of the daemon's children (/proc/PID/stat)
+before and after each bucketfs run split bucketfs's CPU into those roles:
 
 - main: the thread whose id is the process's (trio, the FUSE loop);
 - curl: the thread Python names "bucketfs-curl" (py-spy dump names the threads where
@@ -14,16 +16,22 @@ splits the daemon's CPU into those roles:
 - workers: trio's cache threads (named "Trio thread N", or after the function a job
   runs), and the CPU of threads that exited during the run (the process's total less
   its live threads': trio's idle cache threads exit after 10 s; main and curl do not);
+- fetch workers: the daemon's child processes whose command line names
+  bucketfs.backends.http.fetchworker (workers that start during the run count from 0),
+  and the daemon's reaped children (a worker that dies is replaced, and the daemon's
+  cutime and cstime then hold its CPU);
 - other: any other thread (none today).
 
+bucketfs's total is the daemon's CPU (all its threads) plus its fetch workers'.
+
 Per run (W1, W2 epochs, W5): CPU per small file (ms) and per GB read (s), of the main
-thread and of the daemon in total, and the bounds they imply: on unlimited cores the
+thread and of bucketfs in total, and the bounds they imply: on unlimited cores the
 main thread alone caps a mount at 1 / (its CPU per unit), which no extra core lifts; on
-N free cores the daemon also needs its total per unit from N of them: min(1 / main,
-N / daemon). (Python threads share one GIL, so the daemon's other threads' Python work
-is not fully parallel either: the bound is a ceiling, not a forecast.) For W5 (small
-files and shards at once) each figure charges the whole run to one unit: per file as if
-the shards were free, per GB over both.
+N free cores bucketfs also needs its total per unit from N of them: min(1 / main,
+N / bucketfs). (Python threads share one GIL, so the daemon's other threads' Python
+work is not fully parallel either, though the fetch workers' is: the bound is a
+ceiling, not a forecast.) For W5 (small files and shards at once) each figure charges
+the whole run to one unit: per file as if the shards were free, per GB over both.
 """
 
 from __future__ import annotations
@@ -37,8 +45,9 @@ from typing import Optional
 from .common import MB, text_table
 from .procs import proc_cpu_s
 
-ROLES = ("main", "curl", "workers", "other")
+ROLES = ("main", "curl", "workers", "fetch_workers", "other")
 CURL_THREAD_NAME = "bucketfs-curl"  # bucketfs/backends/http/curl.py
+FETCH_WORKER_MODULE = b"bucketfs.backends.http.fetchworker"  # workerengine.py runs it with `python -m`
 FREE_CORES = (2, 4, 8)  # bounds printed for these numbers of free cores
 # Issue 37's machine-independent targets (per cold ~100 KB file, per GB streamed).
 MAIN_MS_PER_FILE = 0.25
@@ -67,6 +76,72 @@ def task_cpu(pid: int) -> dict:
     return tasks
 
 
+def _stat_fields(pid: int) -> Optional[list]:
+    """The fields of /proc/PID/stat after the command's name (state first), or None if
+    the process is gone; the name is skipped, since it may hold spaces and brackets."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def reaped_children_cpu_s(pid: int) -> float:
+    """CPU s (user+sys) of the children `pid` has reaped (cutime + cstime): a fetch
+    worker that died and was replaced leaves its CPU there."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
+def _is_fetch_worker(pid: int, state: str) -> bool:
+    if state == "Z":
+        # Exited but not yet reaped: the kernel has emptied its command line, and its
+        # CPU reaches the daemon's cutime only when reaped. The daemon starts no other
+        # processes while it serves.
+        return True
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return FETCH_WORKER_MODULE in f.read()
+    except OSError:  # exited meanwhile
+        return False
+
+
+def fetch_workers_cpu(pid: int) -> dict:
+    """(worker pid, start ticks) -> CPU s (user+sys) of each fetch worker of the daemon
+    `pid`; the start time tells a worker from a later one that got its pid back."""
+    tick = os.sysconf("SC_CLK_TCK")
+    workers = {}
+    for name in os.listdir("/proc"):  # /proc/PID/task/TID/children needs CONFIG_PROC_CHILDREN
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is None or int(fields[1]) != pid or not _is_fetch_worker(int(name), fields[0]):
+            continue
+        workers[(int(name), int(fields[19]))] = (int(fields[11]) + int(fields[12])) / tick
+    return workers
+
+
+def fetch_workers_snapshot(pid: int) -> tuple:
+    """(fetch_workers_cpu, reaped_children_cpu_s) of the daemon `pid`, read again if a
+    worker was reaped between the two reads: else its CPU would count twice, or not at all."""
+    for _attempt in range(5):
+        reaped_s = reaped_children_cpu_s(pid)
+        workers = fetch_workers_cpu(pid)
+        if reaped_children_cpu_s(pid) == reaped_s:
+            break
+    return workers, reaped_s
+
+
+def fetch_workers_delta_s(before: dict, after: dict, reaped_s: float) -> float:
+    """CPU s the fetch workers spent between two fetch_workers_cpu() (`reaped_s`: the
+    daemon's reaped children's CPU between them). A worker that started meanwhile counts
+    from 0; one reaped meanwhile counts through `reaped_s`, which holds its whole life,
+    less what it had spent before."""
+    live_s = sum(cpu_s - before.get(key, 0.0) for key, cpu_s in after.items())
+    reaped_before_s = sum(cpu_s for key, cpu_s in before.items() if key not in after)
+    return max(0.0, live_s + reaped_s - reaped_before_s)
+
+
 _PY_SPY_THREAD = re.compile(r'^Thread (\d+) \([^)]*\): "(.*)"$')
 
 
@@ -91,18 +166,21 @@ def python_thread_names(pid: int) -> dict:
 
 
 class ThreadCensus:
-    """The daemon's CPU by role over one run: start() before, finish() after."""
+    """bucketfs's CPU by role over one run (the daemon's threads, its fetch worker
+    processes): start() before, finish() after."""
 
     def __init__(self):
         self._names: dict = {}  # (pid, tid) -> Python thread name, kept across runs of one daemon
 
     def start(self, pid: int) -> tuple:
-        return pid, task_cpu(pid), proc_cpu_s(pid)
+        return pid, task_cpu(pid), proc_cpu_s(pid), fetch_workers_snapshot(pid)
 
     def finish(self, snapshot: tuple) -> dict:
-        pid, before, total_before = snapshot
+        pid, before, total_before, (workers_before, reaped_before_s) = snapshot
         after = task_cpu(pid)
-        total = proc_cpu_s(pid) - total_before
+        total = proc_cpu_s(pid) - total_before  # the daemon's own: its threads, live and exited
+        workers_after, reaped_after_s = fetch_workers_snapshot(pid)
+        fetch_workers_s = fetch_workers_delta_s(workers_before, workers_after, reaped_after_s - reaped_before_s)
         own_comm = after.get(pid, before.get(pid, ("", 0, 0)))[0]
         unnamed = [tid for tid, (comm, *_cpu) in after.items() if tid != pid and comm == own_comm]
         if any((pid, tid) not in self._names for tid in unnamed):
@@ -127,13 +205,15 @@ class ThreadCensus:
             by_role[role] += delta
         exited = max(0.0, total - sum(by_role.values()))
         by_role["workers"] += exited
+        by_role["fetch_workers"] = fetch_workers_s
         out = {role: round(value, 3) for role, value in by_role.items()}
         out.update(
             main_user=round(main_user, 3),
             main_sys=round(main_sys, 3),
             exited=round(exited, 3),
-            total=round(total, 3),
+            total=round(total + fetch_workers_s, 3),  # all of bucketfs: the daemon and its fetch workers
             threads=len(after),
+            fetch_workers_count=len(workers_after),
         )
         return out
 
@@ -160,7 +240,9 @@ def _is_streamed(label: str) -> bool:
 
 
 class ThreadCpuReport:
-    """The CPU-per-unit table and its targets, mixed into `Bench` (runner.py)."""
+    """The CPU-per-unit table and its targets, mixed into `Bench` (runner.py). "daemon"
+    in its keys (daemon_cpu_s, daemon_ms_per_file, ...) is all of bucketfs: the daemon
+    and its fetch workers (ThreadCensus's total)."""
 
     def cpu_per_unit_rows(self) -> list:
         rows = []
@@ -194,7 +276,7 @@ class ThreadCpuReport:
 
             targets, met = [], []
             if _is_cold_small_files(run["run"]):
-                targets += [f"main <= {MAIN_MS_PER_FILE} ms/file", f"daemon <= {DAEMON_MS_PER_FILE} ms/file"]
+                targets += [f"main <= {MAIN_MS_PER_FILE} ms/file", f"bucketfs <= {DAEMON_MS_PER_FILE} ms/file"]
                 met += [main_ms <= MAIN_MS_PER_FILE, total_ms <= DAEMON_MS_PER_FILE]
             if _is_streamed(run["run"]):
                 targets.append(f"main <= {MAIN_S_PER_GB} s/GB")
@@ -241,9 +323,9 @@ class ThreadCpuReport:
             "bucketfs run",
             "files",
             "GB",
-            "CPU s: main (user+sys) / curl / workers / other = daemon",
-            "ms/file: main / daemon",
-            "s/GB: main / daemon",
+            "CPU s: main (user+sys) / curl / workers / fetch workers / other = bucketfs total",
+            "ms/file: main / bucketfs",
+            "s/GB: main / bucketfs",
             "ceiling, main thread: files/s / GB/s",
             f"bound on {cores} free cores: files/s",
             f"bound on {cores} free cores: GB/s",
@@ -260,7 +342,7 @@ class ThreadCpuReport:
                     "-" if not r["files"] else f"{r['files']:,}",
                     f"{r['GB']:.2f}",
                     f"{cpu['main']:.2f} ({r['main_user_s']:.2f}+{r['main_sys_s']:.2f}) / {cpu['curl']:.2f} / "
-                    f"{cpu['workers']:.2f} / {cpu['other']:.2f} = {r['daemon_cpu_s']:.2f}",
+                    f"{cpu['workers']:.2f} / {cpu['fetch_workers']:.2f} / {cpu['other']:.2f} = {r['daemon_cpu_s']:.2f}",
                     f"{fmt(r['main_ms_per_file'])} / {fmt(r['daemon_ms_per_file'])}",
                     f"{fmt(r['main_s_per_GB'])} / {fmt(r['daemon_s_per_GB'])}",
                     f"{fmt(r['ceiling_files_s'], 0)} / {fmt(r['ceiling_GB_s'], 2)}",
