@@ -34,6 +34,7 @@ def _backend(endpoint: str, curl: bool = True, read_timeout_s: float = 5.0) -> S
         retry_attempts_count=2,
         retry_base_delay_s=0.01,
         retry_max_delay_s=0.05,
+        fetch_workers_count=0,  # the engine on a thread of this process (test_fetch_workers.py: in workers)
     )
     session = boto3.session.Session(
         aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40, region_name="us-east-1"
