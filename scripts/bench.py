@@ -32,7 +32,7 @@ environment as for the other clients; --s5cmd-workers N for another --numworkers
 copied faster here than s5cmd's default of 256, see bench/copythenread.py), then the same cold epoch (8 and 32 threads) runs
 on the copy with the page cache dropped. Its effective rate, files / (copy s + epoch s),
 is printed beside bucketfs's and direct boto3's cold epoch with bucketfs's GETs and
-daemon CPU per file. Without s5cmd (or on --backend gcs) the table says so.
+CPU per file (its daemon's and fetch workers'). Without s5cmd (or on --backend gcs) the table says so.
 
 Cold runs: page cache dropped (`echo 3 > /proc/sys/vm/drop_caches`, root) and, for
 bucketfs, a fresh mount (with --cache-dir DIR in --mount-args: bucketfs's cache
@@ -44,12 +44,21 @@ answer, a reader error or a hang (a run over 300 s) prints FAIL and the script e
 Targets missed are reported, not failures.
 
 Per run it reports the requests (LIST/GET/HEAD) and response bytes the proxy saw, the
-CPU seconds of the daemon, of this script, of the proxy and of the server, and those
-of processes that are not part of the benchmark (the machine may be shared: numbers
-taken while others' CPU or the host's steal time is high are noise). Diagnostics: --py-spy DIR profiles the
+CPU seconds of the mount (bucketfs's daemon and its fetch workers), of this script, of
+the proxy and of the server, and those of processes that are not part of the benchmark
+(the machine may be shared: numbers taken while others' CPU or the host's steal time is
+high are noise). Diagnostics: --py-spy DIR profiles the
 daemon in each bucketfs run (collapsed stacks, GIL holders only); --proxy-log FILE
 records every request with its byte range, with a `# start RUN` line per run.
 Needs root for drop_caches and FUSE; optional: pip install xxhash webdataset torch py-spy.
+
+--fetch-workers-variant N (default 2; 0: off): after the workloads, W2's cold epochs (8
+and 32 threads), W1 with 4 readers and W5 (those of them asked for) run again on a mount
+with `--fetch-workers N` (and --mount-args), each cold as the default mount's runs are,
+every byte verified; bucketfs's CPU per unit by thread and process covers them, and a
+table compares the two designs per workload: throughput, main-thread and bucketfs CPU
+per unit, the ceiling 1 / main and the bound on 2/4/8 free cores (--json:
+"fetch_workers_variant"). See bench/fetchworkers.py.
 
 --alternatives (S3 only) adds existing FUSE mounts as further systems, each through the
 same proxy: "rclone mount" (`rclone mount :s3:BUCKET`, --vfs-cache-mode off,

@@ -17,8 +17,11 @@ command, its setup and its workloads), as a package by concern:
 - epochs: W6, random-order epochs over a data set twice the cache (disk cache, memory
   budget), files cached per epoch with the cache's policy and with LRU
 - s3torchconnector: s3torch: its client beside direct boto3 in W1, W2 and W5 (issue 37)
-- threadcpu: the daemon's CPU by thread (main, curl, workers) in each run, per small file
-  and per GB, and the throughput ceilings it implies (issue 37)
+- threadcpu: bucketfs's CPU by role in each run: the daemon's threads (main, curl,
+  workers, other) and its fetch worker processes (fetch workers, with --fetch-workers),
+  per small file and per GB, and the throughput ceilings it implies (issue 37)
+- fetchworkers: W2's cold epochs, W1 and W5 again on a mount with --fetch-workers N
+  (--fetch-workers-variant) and their comparison with the default mount's runs
 - issue37: issue 37's targets, evaluated on a run
 - report: targets, the result and cost tables, what the emulation allows, the summary
 - wds: the webdataset child process (its own process, so torch stays out of the bench)

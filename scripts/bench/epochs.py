@@ -261,7 +261,7 @@ class CacheEpochs:
             "of them from disk %",
             "GETs, epochs 1-4",
             "files/s, epochs 1-4",
-            "daemon CPU s, epochs 1-4",
+            "bucketfs CPU s, epochs 1-4",
             "target",
             "met",
         )

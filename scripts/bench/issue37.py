@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .common import MB
 from .s3torch import SYSTEM as S3TORCH
-from .threadcpu import DAEMON_MS_PER_FILE, MAIN_MS_PER_FILE, MAIN_S_PER_GB
+from .threadcpu import DAEMON_MS_PER_FILE, MAIN_MS_PER_FILE, MAIN_S_PER_GB, is_cold_small_files, is_streamed
 
 W2_OVER_S3TORCH = 1.2  # W2 cold epoch, 32 threads: bucketfs / s3torchconnector
 W5_OVER_S3TORCH = 1.2  # W5 total MB/s: bucketfs / s3torchconnector
@@ -64,8 +64,8 @@ class Issue37:
                 f">= {W1_OVER_DIRECT}x",
                 None if r is None else r >= W1_OVER_DIRECT,
             )
-        for row in self.cpu_per_unit_rows():
-            if row["run"].startswith("W2 epoch cold"):
+        for row in self.cpu_per_unit_rows():  # (with the fetch-workers variant's runs: fetchworkers.py)
+            if is_cold_small_files(row["run"]):
                 add(
                     f"{row['run']}: main thread CPU per file (ceiling)",
                     f"{row['main_ms_per_file']:.3f} ms ({row['ceiling_files_s']:,.0f} files/s)",
@@ -78,7 +78,7 @@ class Issue37:
                     f"<= {DAEMON_MS_PER_FILE} ms",
                     row["daemon_ms_per_file"] <= DAEMON_MS_PER_FILE,
                 )
-            elif row["run"] in ("W1 1 reader(s)", "W1 4 reader(s)"):
+            elif is_streamed(row["run"]):
                 add(
                     f"{row['run']}: main thread CPU per GB streamed (ceiling)",
                     f"{row['main_s_per_GB']:.3f} s ({row['ceiling_GB_s']:,.2f} GB/s)",

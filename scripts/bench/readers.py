@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import os
 import threading
 import time
 from typing import Callable, Iterator
@@ -56,6 +57,16 @@ def pull_loop(items: list, worker_fn: Callable) -> Callable:
             worker_fn(i, items[i])
 
     return body
+
+
+def file_reader(root: str) -> Callable[[str], bytes]:
+    """read(rel) -> the whole file `rel` below `root`, in one read (an epoch's reader)."""
+
+    def read(rel: str) -> bytes:
+        with open(os.path.join(root, rel), "rb") as f:
+            return f.read()
+
+    return read
 
 
 def read_file_streaming(path: str, buf: bytearray) -> tuple:

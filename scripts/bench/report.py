@@ -144,7 +144,7 @@ class Report:
             "HEAD",
             "other req",
             "fetched MB",
-            "daemon CPU s",
+            "mount CPU s",
             "client CPU s",
             "proxy CPU s",
             "server CPU s",
@@ -182,9 +182,10 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
     deployment that CPU is the store's and the network's, not the training machine's;
     here it shares the machine's cores with the client, so it caps every client.
     - W1 MB/s: the store's CPU per MB (the lower of bucketfs's and direct's runs) plus
-      each system's own CPU per MB (its readers', and bucketfs's daemon's), on `cpus`
-      cores: a reader side that cheap cannot pass cpus / (that sum) MB/s. The local
-      disk's readers are the least any reader side spends: no client passes that one.
+      each system's own CPU per MB (its readers', and bucketfs's: its daemon's and its
+      fetch workers'), on `cpus` cores: a reader side that cheap cannot pass cpus / (that
+      sum) MB/s. The local disk's readers are the least any reader side spends: no
+      client passes that one.
     - webdataset: the local loop keeps the cores busy (its busy CPU is ~cpus x its
       seconds), so a mount's run needs at least (the local loop's busy CPU + the store's
       CPU) / cpus seconds even if its daemon cost nothing: a ceiling on mount / local."""
@@ -208,7 +209,8 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
         bounds = " / ".join(f"{cpus / (store_s_per_mb + v):,.0f}" for v in client_s_per_mb.values())
         lines.append(
             f"  {label}: the store used {1000 * store_s_per_mb:.2f} ms of CPU per MB (server + proxy); the reader "
-            f"side ({'daemon + ' if 'bucketfs' in client_s_per_mb else ''}readers) used, per MB: {parts} ms. "
+            f"side ({'bucketfs daemon and fetch workers + ' if 'bucketfs' in client_s_per_mb else ''}readers) used, "
+            f"per MB: {parts} ms. "
             f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
             f"({' / '.join(client_s_per_mb)})"
         )
@@ -289,10 +291,16 @@ def print_report(bench, args, backend_cls, started: float) -> int:
         )
         print(cpu_per_unit)
         print()
+    fetch_workers = bench.fetch_workers_table()
+    if fetch_workers:
+        print(bench.fetch_workers_title())
+        print(fetch_workers)
+        print()
     print("Requests and costs of each run (requests and bytes counted by the proxy; fetched = response bodies):")
     print(bench.cost_table())
     print(
-        "(client CPU = this script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
+        "(mount CPU = bucketfs's daemon and its fetch workers, or an alternative mount's process; client CPU = this\n"
+        " script's threads and children; others' CPU = CPU time of processes that are not part of this\n"
         " benchmark during the run: noise from a shared machine, which has 2 CPUs = 2 CPU s per second of wall time;\n"
         " steal = CPU time the hypervisor gave other guests while this VM wanted it: a slow host)"
     )
@@ -333,6 +341,7 @@ def print_report(bench, args, backend_cls, started: float) -> int:
                     "cache_epochs": bench.cache_epoch_results,
                     "s3torchconnector": bench.s3torch_rows(),
                     "cpu_per_unit": bench.cpu_per_unit_rows(),
+                    "fetch_workers_variant": bench.fetch_workers_results(),
                     "issue37": bench.issue37_results(),
                     "runs": bench.runs,
                     "failures": bench.failures,

@@ -1,7 +1,8 @@
 """`Bench`: the systems compared (bucketfs, direct SDK reads, local disk, alternative
 mounts), a cold start of each, and `measure()`, one run of a workload on a system with
-its costs around it (the proxy's requests and bytes, the CPU of the daemon, client,
-proxy, server and of other processes), a watchdog for hangs and the verification."""
+its costs around it (the proxy's requests and bytes, the CPU of the mount (bucketfs's
+daemon and fetch workers, or an alternative mount's process), of the client, proxy,
+server and of other processes), a watchdog for hangs and the verification."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from .common import MB, RUN_TIMEOUT_S, SYSTEMS, log
 from .copythenread import CopyThenRead
 from .datasets import Dataset, Verifier
 from .epochs import CacheEpochs
+from .fetchworkers import FetchWorkersVariant
 from .issue37 import Issue37
 from .procs import CpuCensus, drop_caches, proc_cpu_s, self_cpu_s, steal_s
 from .report import Report
@@ -42,11 +44,21 @@ class Row:
     met: Optional[bool] = None
 
 
-class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnector, ThreadCpuReport, Issue37, Report):
+class Bench(
+    Workloads,
+    CopyThenRead,
+    WarmAgainstCopy,
+    CacheEpochs,
+    S3TorchConnector,
+    FetchWorkersVariant,
+    ThreadCpuReport,
+    Issue37,
+    Report,
+):
     """One benchmark over a data set and a store: the systems it compares, the rows of the
     result and every run's costs. The workloads (W1-W5, W2's copy-then-read and warm, W6,
-    s3torchconnector's runs) and the report (with the daemon's CPU per unit by thread)
-    are its mixins."""
+    s3torchconnector's runs, the fetch-workers variant's runs) and the report (with
+    bucketfs's CPU per unit by thread and process) are its mixins."""
 
     def __init__(self, args, dataset: Dataset, backend, work_dir: str):
         self.args, self.ds, self.backend, self.work_dir = args, dataset, backend, work_dir
@@ -86,6 +98,7 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         self.s3torch_note: Optional[str] = s3torch_missing(backend)  # why its column is empty (s3torch.py)
         self.s3torch_logged = False
         self.thread_census = ThreadCensus()  # bucketfs's CPU by thread and fetch worker in each run (threadcpu.py)
+        self.fetch_workers_variant_count: Optional[int] = None  # N once its runs were made (fetchworkers.py)
 
     # -- bookkeeping ------------------------------------------------------------
     def row(self, key, label, unit, higher_is_better, target="") -> Row:
@@ -128,11 +141,11 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         remote = system != "local"
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
-        daemon_before = proc_cpu_s(self.mount.pid) if system == "bucketfs" else None
         threads_before = self.thread_census.start(self.mount.pid) if system == "bucketfs" else None
         alt = self.alt_mounts.get(system)
+        alt_before = None
         if alt is not None:
-            daemon_before = proc_cpu_s(alt.pid)
+            alt_before = proc_cpu_s(alt.pid)
             alt.label += ("; " if alt.label else "") + label
         self_before = self_cpu_s()
         steal_before = steal_s()
@@ -166,10 +179,13 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         run["server_cpu_s"] = round(self.backend.server_cpu_s() - server_before, 3)
         proxy_cpu_s = self.backend.proxy_cpu_s() - proxy_before
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
-            run["daemon_cpu_s"] = round(proc_cpu_s(self.mount.pid) - daemon_before, 3)
             # By thread and process: main (trio, FUSE), curl, workers, fetch workers (threadcpu.py); after the
             # client's CPU was read.
-            run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before)
+            threads = run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before)
+            # The mount's CPU (the "mount CPU" of the tables, the per-MB figures): all of bucketfs, the daemon
+            # and its fetch workers (--fetch-workers), not the daemon process alone. The key keeps its name,
+            # for --json files of earlier runs, as threadcpu's "daemon_*" keys do.
+            run["daemon_cpu_s"] = threads["total"]
             from bucketfs.testing.mounting import daemon_stats
 
             with contextlib.suppress(OSError, ValueError):
@@ -179,7 +195,7 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
                 f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}"
             )
         elif alt is not None and alt.proc is not None and alt.proc.poll() is None:
-            run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - daemon_before, 3)
+            run["daemon_cpu_s"] = round(proc_cpu_s(alt.pid) - alt_before, 3)
         elif alt is not None:
             verifier.fail(f"{alt.title} died during the run: {alt._tail(800)}")
         # CPU used by processes that are not part of this benchmark (a shared machine): noise.
@@ -203,7 +219,7 @@ class Bench(Workloads, CopyThenRead, WarmAgainstCopy, CacheEpochs, S3TorchConnec
         if remote:
             extra = f" | requests {run['requests']} fetched {run['fetched_bytes'] / MB:.1f} MB"
             if run.get("daemon_cpu_s") is not None:
-                extra += f" daemon_cpu {run['daemon_cpu_s']:.2f}s"
+                extra += f" mount_cpu {run['daemon_cpu_s']:.2f}s"
             extra += f" proxy_cpu {run['proxy_cpu_s']:.2f}s"
         log(
             f"  {label:<28} {system:<9} {summary}{extra} client_cpu {run['client_cpu_s']:.2f}s server_cpu {run['server_cpu_s']:.2f}s"

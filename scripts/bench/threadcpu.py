@@ -31,7 +31,9 @@ N free cores bucketfs also needs its total per unit from N of them: min(1 / main
 N / bucketfs). (Python threads share one GIL, so the daemon's other threads' Python
 work is not fully parallel either, though the fetch workers' is: the bound is a
 ceiling, not a forecast.) For W5 (small files and shards at once) each figure charges
-the whole run to one unit: per file as if the shards were free, per GB over both.
+the whole run to one unit: per file as if the shards were free, per GB over both. The
+fetch-workers variant's runs (fetchworkers.py: "<run>, fetch workers N") count the units
+of the run they repeat, and have its targets.
 """
 
 from __future__ import annotations
@@ -218,8 +220,25 @@ class ThreadCensus:
         return out
 
 
+# A run repeated on a mount with other options (fetchworkers.py: --fetch-workers N) is
+# labelled "<its base run's label>, fetch workers N": it reads what its base run reads.
+_VARIANT_SUFFIX = re.compile(r", fetch workers \d+$")
+
+
+def variant_label(label: str, fetch_workers: int) -> str:
+    """The label of `label`'s run repeated on a mount with --fetch-workers `fetch_workers`."""
+    return f"{label}, fetch workers {fetch_workers}"
+
+
+def base_label(label: str) -> str:
+    """The label of the run `label` repeats (itself for a run of the default mount): its
+    units and targets are that run's."""
+    return _VARIANT_SUFFIX.sub("", label)
+
+
 def run_units(label: str, ds) -> Optional[tuple]:
     """(small files, bytes) a bucketfs run read, by its label; None for runs not counted."""
+    label = base_label(label)
     shards = ds.bytes_of(ds.shards)
     images = ds.bytes_of(ds.images)
     if label in ("W1 1 reader(s)", "W1 4 reader(s)", "W1 webdataset"):
@@ -231,12 +250,12 @@ def run_units(label: str, ds) -> Optional[tuple]:
     return None
 
 
-def _is_cold_small_files(label: str) -> bool:
-    return label.startswith("W2 epoch cold")
+def is_cold_small_files(label: str) -> bool:
+    return base_label(label).startswith("W2 epoch cold")
 
 
-def _is_streamed(label: str) -> bool:
-    return label in ("W1 1 reader(s)", "W1 4 reader(s)")
+def is_streamed(label: str) -> bool:
+    return base_label(label) in ("W1 1 reader(s)", "W1 4 reader(s)")
 
 
 class ThreadCpuReport:
@@ -266,19 +285,20 @@ class ThreadCpuReport:
             main_ms, total_ms = per_file(main), per_file(total)
             main_s_gb, total_s_gb = per_gb(main), per_gb(total)
 
+            # 4 decimals: a GB/s ceiling of ~0.1 (W5) to 0.1 MB/s, for tables that print it in MB/s.
             def ceiling(per_unit, scale):
-                return None if not per_unit else round(scale / per_unit, 2)
+                return None if not per_unit else round(scale / per_unit, 4)
 
             def bound(main_unit, total_unit, cores, scale):
                 if not main_unit or not total_unit:
                     return None
-                return round(min(scale / main_unit, cores * scale / total_unit), 2)
+                return round(min(scale / main_unit, cores * scale / total_unit), 4)
 
             targets, met = [], []
-            if _is_cold_small_files(run["run"]):
+            if is_cold_small_files(run["run"]):
                 targets += [f"main <= {MAIN_MS_PER_FILE} ms/file", f"bucketfs <= {DAEMON_MS_PER_FILE} ms/file"]
                 met += [main_ms <= MAIN_MS_PER_FILE, total_ms <= DAEMON_MS_PER_FILE]
-            if _is_streamed(run["run"]):
+            if is_streamed(run["run"]):
                 targets.append(f"main <= {MAIN_S_PER_GB} s/GB")
                 met.append(main_s_gb <= MAIN_S_PER_GB)
             rows.append(

@@ -20,9 +20,12 @@ from typing import Callable
 from .common import CACHED_PASSES, ENTRY, MB, PARALLEL_PARTS, READ_BYTES, RUN_TIMEOUT_S, digest, log
 from .datasets import Verifier
 from .procs import RssSampler, drop_caches, proc_status_kib
-from .readers import median_run, pull_loop, read_file_streaming, read_object_direct, run_threads
+from .readers import file_reader, median_run, pull_loop, read_file_streaming, read_object_direct, run_threads
 from .s3torch import SYSTEM as S3TORCH
 from .stores import S3Direct
+
+W5_SMALL_READERS = 32  # W5's threads reading the ImageFolder files...
+W5_SHARD_READERS = 4  # ... while these stream the shards
 
 
 class Workloads:
@@ -61,16 +64,7 @@ class Workloads:
                         wall = run_threads(reader, list(zip(groups, executors)), v)
                         return {"MB/s": round(total / wall / MB, 1)}
                 else:
-                    root = self.root(system)
-
-                    def fn(v, root=root):
-                        def reader(group):
-                            buf = bytearray(READ_BYTES)
-                            for rel in group:
-                                v.check(rel, *read_file_streaming(os.path.join(root, rel), buf))
-
-                        wall = run_threads(reader, [(g,) for g in groups], v)
-                        return {"MB/s": round(total / wall / MB, 1)}
+                    fn = self.w1_fs_run(self.root(system), readers)
 
                 run = self.measure(f"W1 {readers} reader(s)", system, fn)
                 if system == "direct":
@@ -80,6 +74,23 @@ class Workloads:
                 client = None  # (s3torchconnector's: its native client goes with it)
                 self.record(key, system, run.get("MB/s"))
         self.w1_webdataset()
+
+    def w1_fs_run(self, root: str, readers: int) -> Callable[[Verifier], dict]:
+        """W1's run on a file system at `root`: `readers` threads, each streaming its
+        share of the shards with 1 MiB reads."""
+        total = self.ds.bytes_of(self.ds.shards)
+        groups = [self.ds.shards[r::readers] for r in range(readers)]
+
+        def fn(v):
+            def reader(group):
+                buf = bytearray(READ_BYTES)
+                for rel in group:
+                    v.check(rel, *read_file_streaming(os.path.join(root, rel), buf))
+
+            wall = run_threads(reader, [(g,) for g in groups], v)
+            return {"MB/s": round(total / wall / MB, 1)}
+
+        return fn
 
     def w1_webdataset(self) -> None:
         ds = self.ds
@@ -161,8 +172,7 @@ class Workloads:
                     run = self.measure("W2 listing", system, lambda v: self._w2_list_fs(v, self.root(system)))
                 if threads == 8:  # the 32-thread pass lists again only to load the fresh mount
                     self.record("W2.list", system, run.get("s"))
-                order = list(ds.images)
-                random.Random(threads).shuffle(order)
+                order = self.w2_order(threads)
                 passes = ("cold", "warm") if system not in ("direct", S3TORCH) else ("cold",)
                 if system not in ("direct", S3TORCH) and threads == 32:
                     passes += ("evicted",)
@@ -190,12 +200,7 @@ class Workloads:
                             lambda v: self._epoch(v, order, threads, lambda rel: client.get(ds.bucket, rel)),
                         )
                     else:
-                        root = self.root(system)
-
-                        def read(rel, root=root):
-                            with open(os.path.join(root, rel), "rb") as f:
-                                return f.read()
-
+                        read = file_reader(self.root(system))
                         run = self.measure(
                             f"W2 epoch {temp} {threads}t", system, lambda v: self._epoch(v, order, threads, read)
                         )
@@ -206,6 +211,13 @@ class Workloads:
                     client.close()
                 dataset = None
         self.w2_copy_then_read()  # copy-then-read (s5cmd), after the other systems (copythenread.py)
+
+    def w2_order(self, threads: int) -> list:
+        """The ImageFolder files in the order W2's epochs with `threads` threads read them
+        (the same for every system and mount)."""
+        order = list(self.ds.images)
+        random.Random(threads).shuffle(order)
+        return order
 
     def _w2_list_fs(self, v: Verifier, root: str) -> dict:
         t0 = time.perf_counter()
@@ -405,17 +417,15 @@ class Workloads:
     # -- W5 mixed -------------------------------------------------------------------
     def w5(self) -> None:
         ds = self.ds
-        self.row("W5.mbps", "W5 32 small + 4 shard readers", "MB/s", True, ">= direct")
+        self.row(
+            "W5.mbps", f"W5 {W5_SMALL_READERS} small + {W5_SHARD_READERS} shard readers", "MB/s", True, ">= direct"
+        )
         limit_mb = self.max_memory_bytes() / MB + 150
         self.row("W5.rss", "W5 daemon peak RSS (sampled)", "MB", False, f"<= {limit_mb:.0f} MB")
         self.row("W5.hwm", "W5 daemon VmHWM", "MB", False, f"<= {limit_mb:.0f} MB")
         # How long a small-file reader (a DataLoader worker) waits while shards stream.
         self.row("W5.p50", "W5 small file p50 latency", "ms", False, "-")
         self.row("W5.p99", "W5 small file p99 latency", "ms", False, "-")
-        total = ds.bytes_of(ds.images) + ds.bytes_of(ds.shards)
-        order = list(ds.images)
-        random.Random(5).shuffle(order)
-        groups = [ds.shards[r::4] for r in range(4)]
         for system in (*self.systems, *self.s3torch_systems()):
             self.cold(system)
             if system == S3TORCH:  # one client for both parts
@@ -429,10 +439,10 @@ class Workloads:
                     buf = self.s3torch_read_buffer()
                     return [(rel, *self.s3torch_stream(client, rel, buf)) for rel in group]
 
-                executors = [None] * 4
+                executors = [None] * W5_SHARD_READERS
             elif system == "direct":
-                client = self.backend.direct(32 + 4 * PARALLEL_PARTS)
-                executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in groups]
+                client = self.backend.direct(W5_SMALL_READERS + W5_SHARD_READERS * PARALLEL_PARTS)
+                executors = [ThreadPoolExecutor(PARALLEL_PARTS) for _ in range(W5_SHARD_READERS)]
 
                 def small(_i, rel, client=client):
                     data = client.get(ds.bucket, rel)
@@ -441,48 +451,10 @@ class Workloads:
                 def stream(group, ex, client=client):
                     return [(rel, *read_object_direct(client, ds.bucket, rel, ds.size(rel), ex)) for rel in group]
             else:
-                root = self.root(system)
+                small, stream = fs_mixed_readers(self.root(system))
+                executors = [None] * W5_SHARD_READERS
 
-                def small(_i, rel, root=root):
-                    with open(os.path.join(root, rel), "rb") as f:
-                        data = f.read()
-                    return rel, len(data), digest(data)
-
-                def stream(group, _ex, root=root):
-                    buf = bytearray(READ_BYTES)
-                    return [(rel, *read_file_streaming(os.path.join(root, rel), buf)) for rel in group]
-
-                executors = [None] * 4
-
-            def fn(v):
-                sampler = RssSampler(self.mount.pid) if system == "bucketfs" else contextlib.nullcontext()
-                latencies_s = []
-
-                def timed_small(i, rel):
-                    started_s = time.monotonic()
-                    result = small(i, rel)
-                    latencies_s.append(time.monotonic() - started_s)
-                    v.check(*result)
-
-                with sampler:
-                    body_small = pull_loop(order, timed_small)
-
-                    def body_stream(group, ex):
-                        for rel, n, h in stream(group, ex):
-                            v.check(rel, n, h)
-
-                    args = [(body_small, None)] * 32 + [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
-                    wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
-                out = {"MB/s": round(total / wall / MB, 1)}
-                if len(latencies_s) >= 2:
-                    percentiles_s = statistics.quantiles(latencies_s, n=100)
-                    out["p50_ms"] = round(percentiles_s[49] * 1000, 1)
-                    out["p99_ms"] = round(percentiles_s[98] * 1000, 1)
-                if system == "bucketfs":
-                    out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
-                    out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
-                return out
-
+            fn = self.w5_run(system, small, stream, executors)
             run = self.measure("W5 mixed", system, fn)
             if system == "direct":
                 for ex in executors:
@@ -495,3 +467,60 @@ class Workloads:
             if system == "bucketfs":
                 self.record("W5.rss", system, run.get("peak_rss_MB"))
                 self.record("W5.hwm", system, run.get("vm_hwm_MB"))
+
+    def w5_run(self, system: str, small: Callable, stream: Callable, executors: list) -> Callable[[Verifier], dict]:
+        """W5's run: W5_SMALL_READERS threads read the ImageFolder files (small(i, rel) ->
+        (rel, size, digest)) while W5_SHARD_READERS stream the shards (stream(group,
+        executor) -> [(rel, size, digest)]); a bucketfs run samples the daemon's RSS."""
+        ds = self.ds
+        total = ds.bytes_of(ds.images) + ds.bytes_of(ds.shards)
+        order = list(ds.images)
+        random.Random(5).shuffle(order)
+        groups = [ds.shards[r::W5_SHARD_READERS] for r in range(W5_SHARD_READERS)]
+
+        def fn(v):
+            sampler = RssSampler(self.mount.pid) if system == "bucketfs" else contextlib.nullcontext()
+            latencies_s = []
+
+            def timed_small(i, rel):
+                started_s = time.monotonic()
+                result = small(i, rel)
+                latencies_s.append(time.monotonic() - started_s)
+                v.check(*result)
+
+            with sampler:
+                body_small = pull_loop(order, timed_small)
+
+                def body_stream(group, ex):
+                    for rel, n, h in stream(group, ex):
+                        v.check(rel, n, h)
+
+                args = [(body_small, None)] * W5_SMALL_READERS
+                args += [(body_stream, (g, ex)) for g, ex in zip(groups, executors)]
+                wall = run_threads(lambda f, a: f(*a) if a else f(), args, v)
+            out = {"MB/s": round(total / wall / MB, 1)}
+            if len(latencies_s) >= 2:
+                percentiles_s = statistics.quantiles(latencies_s, n=100)
+                out["p50_ms"] = round(percentiles_s[49] * 1000, 1)
+                out["p99_ms"] = round(percentiles_s[98] * 1000, 1)
+            if system == "bucketfs":
+                out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
+                out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
+            return out
+
+        return fn
+
+
+def fs_mixed_readers(root: str) -> tuple:
+    """W5's (small, stream) on a file system at `root` (see Workloads.w5_run)."""
+
+    def small(_i, rel):
+        with open(os.path.join(root, rel), "rb") as f:
+            data = f.read()
+        return rel, len(data), digest(data)
+
+    def stream(group, _ex):
+        buf = bytearray(READ_BYTES)
+        return [(rel, *read_file_streaming(os.path.join(root, rel), buf)) for rel in group]
+
+    return small, stream
