@@ -180,7 +180,7 @@ def serve(sock: socket.socket, loop: CurlLoop) -> None:
             if request[0] == GET:
                 _, tid, kind, url, header_lines, length_bytes, skip_bytes, timeout_s, signing = request
                 if signing is not None:
-                    header_lines = _signed(signers, url, signing)
+                    header_lines = signed_lines(signers, url, signing)
                 cls = BodyTransfer if kind == BODY else Transfer
                 sink = typing.cast(bytearray, _Sink(out, tid, length_bytes))  # (the part of bytearray Transfer uses)
                 transfer = cls(url, header_lines, sink, skip_bytes, timeout_s)
@@ -201,7 +201,7 @@ def serve(sock: socket.socket, loop: CurlLoop) -> None:
     loop.run(sock.fileno(), on_wake, deliver, lambda: closed[0])
 
 
-def _signed(signers: dict, url: str, signing: tuple) -> list:
+def signed_lines(signers: dict, url: str, signing: tuple) -> list:
     """The header lines of a GET of `url` signed with SigV4 as `signing` says:
     (region, access key, secret key, token, host, headers)."""
     region, access_key, secret_key, token, host, headers = signing

@@ -13,8 +13,9 @@ Invariants:
 - No reader waits forever: a worker that dies fails its GETs at once
   (ConnectionError: the backend's retries send them again, to a live worker), and one
   silent past a GET's deadline plus WORKER_GRACE_S is killed, with the same effect.
-  A dead worker is replaced, at once the first time, then no more often than every
-  RESTART_MIN_INTERVAL_S (doubling while they keep dying young).
+  A dead worker that served is replaced at once; one that died before it ended a GET
+  (it cannot start, or crashes at once) after RESTART_MIN_INTERVAL_S, doubling up to
+  RESTART_MAX_INTERVAL_S while that goes on: no busy loop of interpreters starting.
 - No worker outlives the engine: close() kills them, and the kernel kills them when
   the daemon's thread that started them ends (PR_SET_PDEATHSIG, fetchworker.py).
 - Workers outlive a trio run (the CLI's commands and the tests run several): their
@@ -47,6 +48,7 @@ from bucketfs.backends.http.fetchworker import (
     GET,
     RANGED,
     REQUEST_LENGTH,
+    signed_lines,
 )
 
 log = logging.getLogger(__name__)
@@ -54,10 +56,13 @@ log = logging.getLogger(__name__)
 # A worker that says nothing this long past a GET's own deadline (which curl enforces
 # in the worker) is stuck: it is killed and its GETs fail, to be retried.
 WORKER_GRACE_S = 5.0
-# Replacements of workers that die young are spaced by this much, doubled per young
-# death up to RESTART_MAX_INTERVAL_S: a worker that cannot start costs no busy loop.
+# Replacements of workers that die before they end a GET are spaced by this much,
+# doubled per such death up to RESTART_MAX_INTERVAL_S: no busy loop of interpreters.
 RESTART_MIN_INTERVAL_S = 1.0
 RESTART_MAX_INTERVAL_S = 30.0
+# Workers in a row that die before they end a GET (or cannot be started) before the
+# GETs go to a thread of the daemon instead.
+YOUNG_DEATHS_MAX = 3
 # Frames are received this much at a time: a 100 KB body in one or two receives.
 RECEIVE_BUFFER_BYTES = 1 << 20
 _ERRORS = {"timeout": TimeoutError, "connection": ConnectionError, "os": OSError}
@@ -84,6 +89,7 @@ class _Worker:
         self.started_s = time.monotonic()
         self.alive = True
         self.gets_count = 0  # GETs sent to it
+        self.answered = False  # it has ended a GET: it started and serves
         self.pending: dict = {}  # tid -> Transfer
         self.deadlines: dict = {}  # tid -> when (time.monotonic) its DONE is overdue
         self.outbox = bytearray()  # requests not sent yet
@@ -124,15 +130,24 @@ class WorkerEngine:
         self._changed = trio.Event()  # set when a worker starts or the engine closes
         self._restart_interval_s = RESTART_MIN_INTERVAL_S
         self._respawning = False
+        self._young_deaths_count = 0  # workers in a row that died before ending a GET
+        self._loop_args = (connect_timeout_s, read_timeout_s, ca_bundle_path)
+        self._signers: dict = {}  # region -> Signer, for the fallback's GETs
+        # The thread engine the GETs go to once workers proved unable to run (_young_death).
+        self.fallback: Optional[CurlEngine] = None
 
     def pids(self) -> list:
         return [worker.pid for worker in self.workers]
 
     async def get(self, transfer: Transfer) -> Transfer:
         """Run `transfer` in a worker; its results are set when this returns (error included)."""
+        if self.fallback is not None:
+            return await self._on_fallback(transfer)
         if self._token is not trio.lowlevel.current_trio_token():
             self._attach_run()
         worker = await self._worker_for(transfer.timeout_s)
+        if worker is None:
+            return await self._on_fallback(transfer)
         tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
         kind = BODY if isinstance(transfer, BodyTransfer) else RANGED
         request = marshal.dumps(
@@ -163,12 +178,20 @@ class WorkerEngine:
             raise
         return transfer
 
+    async def _on_fallback(self, transfer: Transfer) -> Transfer:
+        assert self.fallback is not None
+        if transfer.signing is not None:  # (signed here: the thread's loop sends headers as they are)
+            transfer.header_lines, transfer.signing = signed_lines(self._signers, transfer.url, transfer.signing), None
+        return await self.fallback.get(transfer)
+
     def close(self) -> None:
         """Kill every worker; GETs still running end with ConnectionError. Idempotent."""
         self._closed = True
         self._changed.set()
         for worker in list(self.workers):
             self._lost(worker, "the HTTP engine is closed")
+        if self.fallback is not None:
+            self.fallback.close()
 
     # -- workers -----------------------------------------------------------------
     def _attach_run(self) -> None:
@@ -237,8 +260,9 @@ class WorkerEngine:
         except trio.Cancelled:
             pass  # the run ended
 
-    async def _worker_for(self, timeout_s: float) -> _Worker:
-        """The live worker with the fewest GETs; waits (within `timeout_s`) for one to start."""
+    async def _worker_for(self, timeout_s: float) -> Optional[_Worker]:
+        """The live worker with the fewest GETs; waits (within `timeout_s`) for one to
+        start; None once the GETs go to the fallback thread."""
         if self.workers:
             return min(self.workers, key=_load)
         with trio.move_on_after(max(timeout_s, 0)):
@@ -247,6 +271,8 @@ class WorkerEngine:
                     raise ConnectionError("the HTTP engine is closed")
                 if self.workers:
                     return min(self.workers, key=_load)
+                if self.fallback is not None:
+                    return None
                 await self._changed.wait()
         raise ConnectionError("no fetch worker is running")
 
@@ -268,28 +294,53 @@ class WorkerEngine:
             return
         log.warning("fetch worker %d ended (%s, exit status %s); starting another", worker.pid, reason, code)
         self.restarts_count += 1
-        if time.monotonic() - worker.started_s > RESTART_MAX_INTERVAL_S:
-            self._restart_interval_s = RESTART_MIN_INTERVAL_S  # (it lived: no longer dying young)
-        if self._token is not None and not self._respawning:
+        # One that served is replaced at once; one that died before it ended a GET (it
+        # cannot start, or crashes at once) after a delay that doubles each time.
+        delay_s = 0.0
+        if worker.answered:
+            self._restart_interval_s = RESTART_MIN_INTERVAL_S
+        else:
+            delay_s = self._restart_interval_s
+            self._young_death()
+        if self._token is not None and not self._respawning and self.fallback is None:
             self._respawning = True
-            trio.lowlevel.spawn_system_task(self._respawn, self._token, name="bucketfs fetch worker restart")
+            trio.lowlevel.spawn_system_task(self._respawn, delay_s, self._token, name="bucketfs fetch worker restart")
 
-    async def _respawn(self, token) -> None:
-        """Bring the workers back to their count: at once, then (while they keep dying
-        young or cannot start) at a doubling interval."""
+    async def _respawn(self, delay_s: float, token) -> None:
+        """Bring the workers back to their count, the first after `delay_s`, any more
+        (while they cannot start) at the doubling interval."""
         try:
-            delay_s = 0.0
-            while not self._closed and self._token is token and len(self.workers) < self.workers_count:
+            while (
+                not self._closed
+                and self._token is token
+                and self.fallback is None
+                and len(self.workers) < self.workers_count
+            ):
                 await trio.sleep(delay_s)
                 if self._closed or self._token is not token:
                     return
-                self._spawn()
+                if not self._spawn():
+                    self._young_death()
                 delay_s = self._restart_interval_s
-                self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
         except trio.Cancelled:
             pass  # the run ended: the next one starts what is lacking
         finally:
             self._respawning = False
+
+    def _young_death(self) -> None:
+        """A worker died before it ended a GET, or could not be started: the next
+        replacement waits twice as long, and after YOUNG_DEATHS_MAX in a row the GETs go
+        to a thread of this process instead (logged): reads keep working where workers
+        cannot (a sandbox that forbids starting processes, a broken interpreter path)."""
+        self._restart_interval_s = min(self._restart_interval_s * 2, RESTART_MAX_INTERVAL_S)
+        self._young_deaths_count += 1
+        if self._young_deaths_count >= YOUNG_DEATHS_MAX and self.fallback is None:
+            log.error(
+                "fetch workers: %d in a row ended before serving a GET; the GETs run on a thread of the daemon",
+                self._young_deaths_count,
+            )
+            self.fallback = CurlEngine(self.max_transfers_count, *self._loop_args)
+            self._changed.set()  # (GETs waiting for a worker take the thread)
 
     @staticmethod
     def _fail_pending(worker: _Worker, message: str) -> None:
@@ -396,8 +447,10 @@ class WorkerEngine:
             worker.inbox[: have - at] = bytes(view[at:have])
             worker.inbox_bytes = have - at
 
-    @staticmethod
-    def _done(worker: _Worker, tid: int, transfer: Transfer, meta: tuple) -> None:
+    def _done(self, worker: _Worker, tid: int, transfer: Transfer, meta: tuple) -> None:
+        if not worker.answered:
+            worker.answered = True
+            self._young_deaths_count = 0
         del worker.pending[tid]
         del worker.deadlines[tid]
         _finish(transfer, meta)
