@@ -96,13 +96,15 @@ def _s3_target(
     curl: bool = True,
     put=None,
     versions: str = "etag",
+    config_overrides: Optional[dict] = None,
 ) -> ContractTarget:
-    """`curl`: small GETs on the curl engine (else all of them on urllib3 worker threads)."""
+    """`curl`: small GETs on the curl engine (else all of them on urllib3 worker threads).
+    `config_overrides`: Config fields of every backend of the target (its variants too)."""
     from bucketfs.backends.s3 import S3Backend
     from bucketfs.testing.servers import closed_port_url, inject_s3_failures, without_curl
 
     def make(bucket_name: str = bucket, secret_key: Optional[str] = None, **overrides) -> Backend:
-        config = server.config(bucket_name, **overrides)
+        config = server.config(bucket_name, **{**(config_overrides or {}), **overrides})
         backend = S3Backend(config, session=server.session(secret_key=secret_key))
         return _closing(stack, backend if curl else without_curl(backend))
 
@@ -124,17 +126,23 @@ def _s3_target(
     )
 
 
-def rclone_target(request, stack: contextlib.ExitStack, curl: bool = True) -> ContractTarget:
+def rclone_target(
+    request, stack: contextlib.ExitStack, curl: bool = True, fetch_workers_count: int = 0
+) -> ContractTarget:
+    """`fetch_workers_count`: small GETs (and flat LIST pages) in that many fetch worker
+    processes (--fetch-workers), signed there."""
     server = request.getfixturevalue("rclone_server")
     bucket = request.getfixturevalue("s3_bucket")
+    name = "s3-rclone-workers" if fetch_workers_count else "s3-rclone" if curl else "s3-rclone-threads"
     return _s3_target(
-        "s3-rclone" if curl else "s3-rclone-threads",
+        name,
         server,
         bucket,
         stack,
         lambda objects: server.write_files(bucket, objects),
         authenticates=True,
         curl=curl,
+        config_overrides={"fetch_workers_count": fetch_workers_count} if fetch_workers_count else None,
     )
 
 
@@ -253,6 +261,7 @@ FACTORIES = {
     "s3-rclone-no-etag": lambda request, stack: rclone_other_etags_target(request, stack, "none"),
     "s3-rclone": rclone_target,
     "s3-rclone-threads": lambda request, stack: rclone_target(request, stack, curl=False),
+    "s3-rclone-workers": lambda request, stack: rclone_target(request, stack, fetch_workers_count=2),
     "s3-moto": moto_target,
     "gcs": gcs_target,
     "gcs-threads": gcs_threads_target,

@@ -52,7 +52,8 @@ DATA, DONE = 1, 2  # frames back
 RANGED, BODY = 0, 1  # kinds of GET: into a buffer of known length, or a whole answer
 REQUEST_LENGTH = struct.Struct("<I")
 FRAME = struct.Struct("<BIQII")  # type, tid, offset, body length, meta length
-# Pieces gathered before they are sent whatever the batch (sendmsg takes 1,024).
+# Pieces per sendmsg (it takes at most 1,024, IOV_MAX), and gathered before they are
+# sent whatever the batch.
 IOV_MAX_COUNT = 510
 # Body bytes held before they are sent though their GETs have not ended: the worker's
 # memory beyond libcurl's, whatever the GETs in flight.
@@ -143,17 +144,26 @@ class _Out:
             self.flush()
 
     def flush(self) -> None:
+        """Send every frame gathered. A failure is the worker's end (os._exit): the
+        pieces of other GETs went with it, and only the daemon's view of a dead worker
+        (each of its GETs failed, then retried) keeps every body whole."""
         parts = [memoryview(part) for part in self._frames if part]
         self._frames = []
-        while parts:
-            sent = self._sock.sendmsg(parts)
-            done_count = 0
-            while done_count < len(parts) and sent >= len(parts[done_count]):
-                sent -= len(parts[done_count])
-                done_count += 1
-            parts = parts[done_count:]
-            if parts:
-                parts[0] = parts[0][sent:]
+        try:
+            while parts:
+                batch = parts[:IOV_MAX_COUNT]
+                sent = self._sock.sendmsg(batch)
+                done_count = 0
+                while done_count < len(batch) and sent >= len(batch[done_count]):
+                    sent -= len(batch[done_count])
+                    done_count += 1
+                parts = parts[done_count:]
+                if sent:
+                    parts[0] = parts[0][sent:]
+        except OSError as exc:
+            if not isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+                log.error("sending to the daemon failed: %s", exc)
+            os._exit(2)
 
 
 def serve(sock: socket.socket, loop: CurlLoop) -> None:

@@ -200,11 +200,15 @@ class WorkerEngine:
         self._token = trio.lowlevel.current_trio_token()
         if self._closed:
             return
+        trio.lowlevel.spawn_system_task(self._watch, self._token, name="bucketfs fetch worker watchdog")
         for worker in self.workers:
             self._start_tasks(worker)
-        while len(self.workers) < self.workers_count and self._spawn():
-            pass
-        trio.lowlevel.spawn_system_task(self._watch, self._token, name="bucketfs fetch worker watchdog")
+        while len(self.workers) < self.workers_count:
+            if not self._spawn():
+                # Tried again later, at the doubling interval (or the GETs go to a thread).
+                self._young_death()
+                self._schedule_respawn(self._restart_interval_s)
+                break
 
     def _start_tasks(self, worker: _Worker) -> None:
         worker.run_token = self._token
@@ -212,8 +216,12 @@ class WorkerEngine:
         trio.lowlevel.spawn_system_task(self._write, worker, name=f"bucketfs fetch worker {worker.pid} requests")
 
     def _spawn(self) -> bool:
-        """Start a worker; False (logged) if it cannot be."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        """Start a worker; False (logged) if it cannot be (no descriptors, no process)."""
+        try:
+            parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            log.warning("a fetch worker could not start: %s", exc)
+            return False
         try:
             child.set_inheritable(True)
             env = dict(os.environ)
@@ -302,7 +310,10 @@ class WorkerEngine:
         else:
             delay_s = self._restart_interval_s
             self._young_death()
-        if self._token is not None and not self._respawning and self.fallback is None:
+        self._schedule_respawn(delay_s)
+
+    def _schedule_respawn(self, delay_s: float) -> None:
+        if self._token is not None and not self._respawning and self.fallback is None and not self._closed:
             self._respawning = True
             trio.lowlevel.spawn_system_task(self._respawn, delay_s, self._token, name="bucketfs fetch worker restart")
 
