@@ -339,16 +339,15 @@ class Config:
         help="parallel requests and pooled connections, {range}",
         details="when all are busy, requests a reader waits for go first",
     )
-    fetch_workers_count: Optional[int] = option(
-        None,
+    fetch_workers_count: int = option(
+        0,
         flag="--fetch-workers",
         kind="int",
         low=0,
         high=FETCH_WORKERS_MAX,
         group=STORE,
-        default_text="0 on fewer than 4 cores, 1 on 4-7, 2 on more",
         help="processes that run the small GETs (libcurl, signing, the whole-object checksum) on other cores, "
-        "{range}; 0: a thread of the daemon",
+        "{range}; 0: a thread of the daemon (docs/design.md#fetch-workers: no gain measured yet)",
         details="bodies stream into the daemon's buffers (the memory budget covers them); a worker that dies "
         "is replaced and its GETs retried; takes effect where pycurl is installed",
     )

@@ -503,26 +503,15 @@ def engine_workers(engine) -> tuple:
     return 0, 0
 
 
-def auto_workers_count(cores_count: Optional[int] = None) -> int:
-    """--fetch-workers's default: none on a machine of 2-3 cores, where the store's
-    client, the loaders and the daemon already share them (a worker's CPU per GET is a
-    little more than the thread's); one on 4-7; two past that, which serve more GETs
-    per second than the daemon's main thread can hand them today (docs/design.md)."""
-    cores = cores_count if cores_count is not None else (os.cpu_count() or 1)
-    return 0 if cores < 4 else 1 if cores < 8 else 2
-
-
 def small_get_engine(
-    workers_count: Optional[int],
+    workers_count: int,
     max_transfers_count: int,
     connect_timeout_s: float,
     read_timeout_s: float,
     ca_bundle_path: Optional[str],
 ):
-    """The engine of small GETs: worker processes (--fetch-workers; None: as many as
-    auto_workers_count says), else a thread of this process."""
-    if workers_count is None:
-        workers_count = auto_workers_count()
+    """The engine of small GETs: worker processes (--fetch-workers), else a thread of
+    this process."""
     if workers_count > 0:
         return WorkerEngine(workers_count, max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
     return CurlEngine(max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
