@@ -30,7 +30,6 @@ import termios
 import threading
 import time
 
-import boto3
 import pytest
 import trio
 
@@ -40,7 +39,7 @@ from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES, Transfer
 from bucketfs.backends.http.fetchworker import HELD_MAX_BYTES
 from bucketfs.backends.http.workerengine import WorkerEngine
 from bucketfs.backends.s3 import S3Backend
-from bucketfs.config import BucketURL, Config
+from tests.contract.test_http_curl import socket_backend
 from tests.contract.test_slow_body import socket_store
 
 pytestmark = pytest.mark.timeout(90)
@@ -137,22 +136,7 @@ def _socket_backend(
     endpoint: str, workers_count: int = 1, read_timeout_s: float = 10.0, attempts_count: int = 3
 ) -> S3Backend:
     """An S3Backend on a socket_store, its small GETs on `workers_count` fetch workers."""
-    config = Config(
-        url=BucketURL("s3", "bucket", ""),
-        mountpoint="/nonexistent",
-        endpoint_url=endpoint,
-        region="us-east-1",
-        read_timeout_s=read_timeout_s,
-        connect_timeout_s=2.0,
-        retry_attempts_count=attempts_count,
-        retry_base_delay_s=0.01,
-        retry_max_delay_s=0.05,
-        fetch_workers_count=workers_count,
-    )
-    session = boto3.session.Session(
-        aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40, region_name="us-east-1"
-    )
-    backend = S3Backend(config, session=session)
+    backend = socket_backend(endpoint, read_timeout_s, attempts_count, workers_count)
     assert isinstance(backend.curl, WorkerEngine), "pycurl is a dependency: the fetch workers must be there"
     return backend
 

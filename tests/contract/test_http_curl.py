@@ -23,7 +23,11 @@ pytestmark = pytest.mark.timeout(60)
 BODY_BYTES = 2000
 
 
-def _backend(endpoint: str, curl: bool = True, read_timeout_s: float = 5.0) -> S3Backend:
+def socket_backend(
+    endpoint: str, read_timeout_s: float = 5.0, attempts_count: int = 2, workers_count: int = 0
+) -> S3Backend:
+    """An S3Backend (fake keys, fast retries) on a socket_store, its small GETs on the curl
+    engine's thread (`workers_count` 0) or on fetch workers (test_fetch_workers.py)."""
     config = Config(
         url=BucketURL("s3", "bucket", ""),
         mountpoint="/nonexistent",
@@ -31,16 +35,21 @@ def _backend(endpoint: str, curl: bool = True, read_timeout_s: float = 5.0) -> S
         region="us-east-1",
         read_timeout_s=read_timeout_s,
         connect_timeout_s=2.0,
-        retry_attempts_count=2,
+        retry_attempts_count=attempts_count,
         retry_base_delay_s=0.01,
         retry_max_delay_s=0.05,
-        fetch_workers_count=0,  # the engine on a thread of this process (test_fetch_workers.py: in workers)
+        fetch_workers_count=workers_count,
     )
     session = boto3.session.Session(
         aws_access_key_id="AKIAEXAMPLEEXAMPLE12", aws_secret_access_key="s" * 40, region_name="us-east-1"
     )
     backend = S3Backend(config, session=session)
     assert backend.curl is not None, "pycurl is a dependency: its engine must be there"
+    return backend
+
+
+def _backend(endpoint: str, curl: bool = True, read_timeout_s: float = 5.0) -> S3Backend:
+    backend = socket_backend(endpoint, read_timeout_s)
     return backend if curl else without_curl(backend)
 
 

@@ -322,7 +322,6 @@ class CurlEngine:
     def __init__(
         self, max_transfers_count: int, connect_timeout_s: float, read_timeout_s: float, ca_bundle_path: Optional[str]
     ):
-        self.max_transfers_count = max_transfers_count
         self._loop_args = (max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
         self._token: Optional[trio.lowlevel.TrioToken] = None
         self._thread: Optional[threading.Thread] = None

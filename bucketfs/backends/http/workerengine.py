@@ -86,7 +86,6 @@ class _Worker:
         self.proc, self.raw = proc, raw  # (raw: the non-blocking socket under `sock`)
         self.sock = trio.socket.from_stdlib_socket(raw)
         self.pid = proc.pid
-        self.started_s = time.monotonic()
         self.alive = True
         self.gets_count = 0  # GETs sent to it
         self.answered = False  # it has ended a GET: it started and serves
@@ -115,13 +114,8 @@ class WorkerEngine:
         ca_bundle_path: Optional[str],
     ):
         self.workers_count = workers_count
-        self.max_transfers_count = max_transfers_count
-        self._argv_tail = [
-            str(max_transfers_count),
-            repr(connect_timeout_s),
-            repr(read_timeout_s),
-            ca_bundle_path or "",
-        ]
+        # Each worker's CurlLoop's, and the fallback thread engine's.
+        self._engine_args = (max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
         self.workers: list = []  # live _Worker
         self.restarts_count = 0  # workers replaced after they died or were killed
         self._token: Optional[trio.lowlevel.TrioToken] = None  # the run the engine serves
@@ -131,7 +125,6 @@ class WorkerEngine:
         self._restart_interval_s = RESTART_MIN_INTERVAL_S
         self._respawning = False
         self._young_deaths_count = 0  # workers in a row that died before ending a GET
-        self._loop_args = (connect_timeout_s, read_timeout_s, ca_bundle_path)
         self._signers: dict = {}  # region -> Signer, for the fallback's GETs
         # The thread engine the GETs go to once workers proved unable to run (_young_death).
         self.fallback: Optional[CurlEngine] = None
@@ -233,7 +226,7 @@ class WorkerEngine:
                     "bucketfs.backends.http.fetchworker",
                     str(child.fileno()),
                     str(os.getpid()),
-                    *self._argv_tail,
+                    *(repr(arg) if isinstance(arg, float) else str(arg or "") for arg in self._engine_args),
                 ],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -350,7 +343,7 @@ class WorkerEngine:
                 "fetch workers: %d in a row ended before serving a GET; the GETs run on a thread of the daemon",
                 self._young_deaths_count,
             )
-            self.fallback = CurlEngine(self.max_transfers_count, *self._loop_args)
+            self.fallback = CurlEngine(*self._engine_args)
             self._changed.set()  # (GETs waiting for a worker take the thread)
 
     @staticmethod
