@@ -32,22 +32,20 @@ class Issue37:
             results.append({"what": what, "figure": figure, "target": target, "met": met})
 
         cannot = f" (s3torchconnector {self.s3torch_note})" if self.s3torch_note else ""
+        def versus_s3torch(key, what, unit, digits, target):
+            r = ratio(val(key), val(key, S3TORCH))
+            figures = None if r is None else f"({val(key):,.{digits}f} / {val(key, S3TORCH):,.{digits}f} {unit})"
+            add(
+                f"{what}: bucketfs / s3torchconnector",
+                None if r is None else f"{r:.2f}x {figures}",
+                f">= {target}x{cannot}",
+                None if r is None else r >= target,
+            )
+
         if "W2.cold32" in self.rows:
-            r = ratio(val("W2.cold32"), val("W2.cold32", S3TORCH))
-            add(
-                "W2 cold epoch, 32 threads: bucketfs / s3torchconnector",
-                None if r is None else f"{r:.2f}x ({val('W2.cold32'):,.0f} / {val('W2.cold32', S3TORCH):,.0f} files/s)",
-                f">= {W2_OVER_S3TORCH}x{cannot}",
-                None if r is None else r >= W2_OVER_S3TORCH,
-            )
+            versus_s3torch("W2.cold32", "W2 cold epoch, 32 threads", "files/s", 0, W2_OVER_S3TORCH)
         if "W5.mbps" in self.rows:
-            r = ratio(val("W5.mbps"), val("W5.mbps", S3TORCH))
-            add(
-                "W5 mixed: bucketfs / s3torchconnector",
-                None if r is None else f"{r:.2f}x ({val('W5.mbps'):,.1f} / {val('W5.mbps', S3TORCH):,.1f} MB/s)",
-                f">= {W5_OVER_S3TORCH}x{cannot}",
-                None if r is None else r >= W5_OVER_S3TORCH,
-            )
+            versus_s3torch("W5.mbps", "W5 mixed", "MB/s", 1, W5_OVER_S3TORCH)
             limit_mb = self.max_memory_bytes() / MB + 150
             peaks = [x for x in (val("W5.rss"), val("W5.hwm")) if x is not None]
             add(
