@@ -32,6 +32,7 @@ class Issue37:
             results.append({"what": what, "figure": figure, "target": target, "met": met})
 
         cannot = f" (s3torchconnector {self.s3torch_note})" if self.s3torch_note else ""
+
         def versus_s3torch(key, what, unit, digits, target):
             r = ratio(val(key), val(key, S3TORCH))
             figures = None if r is None else f"({val(key):,.{digits}f} / {val(key, S3TORCH):,.{digits}f} {unit})"
