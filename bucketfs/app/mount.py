@@ -294,7 +294,7 @@ async def serve(
     try:
         # One directory per bucket URL and endpoint, kept for the next mount of them
         # (claimed once the bucket is known to exist: a typo leaves nothing behind).
-        # Locked while this process lives; a private one if another mount holds it.
+        # Shared with the other mounts of them on this host while this process lives.
         cache_dir = claim_dir(config.cache_dir, *mount_identity(config.url, config.endpoint_url))
     except errors.UserError:
         await backend.aclose()
@@ -331,6 +331,7 @@ async def _serve(
                 nursery,
                 disk_cache_dir=cache_dir.path if cache_dir else None,
                 disk_cache_dir_fd=cache_dir.fd if cache_dir else None,
+                disk_cache_alone=cache_dir.alone if cache_dir else True,
                 listing_index=index,
             )
             ops = FuseOperations(fs, config)

@@ -9,9 +9,9 @@ the same URL and endpoint uses (directory.claim_shared_dir). There is no second 
 a later mount with the same --cache-dir and --block-size reads what warm stored.
 
 Invariants:
-- The cache directory is locked as a mount locks it: warm fails with one line (exit 9)
-  while a mount or another warm holds it, and a mount started while warm runs caches
-  in a private directory (directory.py).
+- The cache directory is shared as a mount shares it: warm may run beside mounts and
+  other warms of the same URL, each seeing what the others stored (directory.py,
+  journal.py).
 - Resumable: a part the cache holds at the listed version costs no GET. Objects with
   no version (versions.UNPINNED) are never stored, so never fetched; empty objects
   need no GET.
@@ -229,6 +229,7 @@ async def _fill(backend, config: Config, cache_dir, roots: list, concurrency: in
             stats,
             nursery,
             dir_fd=cache_dir.fd,
+            alone=cache_dir.alone,
         )
         chunk = config.block_size_bytes
         part_bytes = -(-PART_BYTES // chunk) * chunk

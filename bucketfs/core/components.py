@@ -56,11 +56,13 @@ def build_components(
     disk_cache_dir: Optional[str] = None,
     disk_cache_dir_fd: Optional[int] = None,
     listing_index=None,
+    disk_cache_alone: bool = True,
 ) -> Components:
     """The components of a filesystem on `backend`, sized by `config`, their background
     tasks in `nursery`. `disk_cache_dir`: a directory of this mount's own for the local
     disk cache, if any; `disk_cache_dir_fd`: the locked descriptor of it the mount holds
-    (without one, the cache opens the path itself); `listing_index`: the listing index
+    (without one, the cache opens the path itself), and `disk_cache_alone` whether no
+    other mount shared it when it was claimed; `listing_index`: the listing index
     (core/listing_index.py) the namespace's listings come from (--index)."""
     stats = Stats()
     budget = MemoryBudget(config.max_memory_bytes, stats)
@@ -75,6 +77,7 @@ def build_components(
             nursery,
             budget,
             dir_fd=disk_cache_dir_fd,
+            alone=disk_cache_alone,
         )
     namespace = Namespace(
         backend,

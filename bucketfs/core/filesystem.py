@@ -116,9 +116,12 @@ class Filesystem:
         disk_cache_dir: Optional[str] = None,
         disk_cache_dir_fd: Optional[int] = None,
         listing_index=None,
+        disk_cache_alone: bool = True,
     ):
         """Builds its components with `build_components` (the arguments are its own)."""
-        parts = build_components(backend, config, nursery, disk_cache_dir, disk_cache_dir_fd, listing_index)
+        parts = build_components(
+            backend, config, nursery, disk_cache_dir, disk_cache_dir_fd, listing_index, disk_cache_alone
+        )
         self.config = config
         self.stats = parts.stats
         self.budget = parts.budget

@@ -104,16 +104,19 @@ class DiskCache:
         nursery: trio.Nursery,
         budget=None,
         dir_fd: Optional[int] = None,
+        alone: bool = True,
     ):
         """`budget`: the MemoryBudget the index and pending writes are charged to, if any.
         `dir_fd`: a descriptor of `directory` the caller holds (locked) for the cache's
-        life; without it, `directory` is opened here (tests)."""
+        life; without it, `directory` is opened here (tests). `alone`: no other mount
+        shares the directory now (directory.CacheDir.alone)."""
         self.inner = inner
         self.directory = directory
         self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
         self.stats = stats
         self.nursery = nursery
+        self._alone = alone
         # entry_id(key, version) -> Entry, in the policy's segments (policy.py)
         self._entries = policy.Residency(self._disk_bytes, lru=LRU_POLICY)
         self._data_disk_bytes = 0  # what the data files take on disk (see _disk_bytes)
@@ -137,7 +140,7 @@ class DiskCache:
         self._budget = budget
         self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
         self._charged_index_bytes = 0
-        self._deletes_send, self._deletes_receive = trio.open_memory_channel(float("inf"))  # entry numbers
+        self._deletes_send, self._deletes_receive = trio.open_memory_channel(float("inf"))  # ids
         try:
             if dir_fd is None:
                 dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -148,7 +151,8 @@ class DiskCache:
         except OSError as exc:
             raise dir_error(directory, exc) from None
         self._data_fd: Any = None  # the data directory's descriptor (an int) once it is open
-        self._journal = self._load()
+        self._journal: Any = None
+        self._load()
         self._charge_index(force=True)
         self.nursery.start_soon(self._delete_worker)
         self._start_read_ahead()
@@ -187,38 +191,54 @@ class DiskCache:
             rounded += (stored_bytes // self.chunk_bytes + 1) * self._unit_bytes
         return rounded
 
-    def _load(self):
-        """The journal, its entries (from earlier mounts) taken in, LRU first, evicted
-        down to the capacity in one pass, and the data files no entry names removed
-        in the background. Runs before the mount serves."""
+    def _load(self) -> None:
+        """The journal (`_journal`), its entries (from earlier mounts) taken in, LRU
+        first, evicted down to the capacity (in one pass if alone on the directory),
+        and the data files no entry names removed in the background. Runs before the
+        mount serves."""
         started_s = time.monotonic()
         try:
-            loaded = journal.Journal(self._dir_fd, self.chunk_bytes)
+            self._journal = loaded = journal.Journal(self._dir_fd, self.chunk_bytes, alone=self._alone)
         except OSError as exc:
             raise dir_error(self.directory, exc) from None
+        weakref.finalize(self, loaded.close)
         loaded_bytes = 0
-        for entry_no, entry in loaded.entries.items():
+        for eid, entry in loaded.entries.items():
             entry.recorded = True
-            self._entries.load(loaded.ids[entry_no], entry)
+            self._entries.load(eid, entry)
             loaded_bytes += entry.stored_bytes
             self._data_disk_bytes += self._disk_bytes(entry)
             self.index_bytes += entry.index_bytes()
             self._live_record_bytes += entry.record_bytes()
         loaded.entries.clear()  # (the index is _entries now)
-        loaded.ids.clear()
+        if loaded.skipped_bytes:
+            log.warning(
+                "disk cache %s: %d bytes of torn or damaged journal records skipped (a crash or a full disk)",
+                self.directory,
+                loaded.skipped_bytes,
+            )
+        if loaded.incompatible:
+            log.warning(
+                "disk cache %s is in use by mounts with another block size; this mount runs without it",
+                self.directory,
+            )
+            self._write_failures = WRITE_FAILURES_MAX
         self._measure_dirs()  # (without the data directory yet: a new one is a block)
-        evicted_count = self._evict_at_load(len(loaded._header))
-        self._entries.settle(self._room_bytes(len(loaded._header) + self._live_record_bytes))
+        # Alone, the evicted entries' records go with the rewrite below and their files
+        # with the orphans; beside other mounts, evictions are journaled one by one.
+        evicted_count = self._evict_at_load(journal.HEADER_BYTES) if self._alone else 0
+        self._entries.settle(self._room_bytes(journal.HEADER_BYTES + self._live_record_bytes))
         self.stats["disk_cache.loaded_bytes"] = loaded_bytes
         try:
             self._data_fd = self._open_data_dir()
             try:
-                if (
+                if not loaded.incompatible and (
                     loaded.fresh
                     or evicted_count
                     or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes)
                 ):
-                    loaded.compact(self._entries.values())  # (the evicted objects' records go)
+                    # (the evicted objects' records go)
+                    loaded.compact(lambda: self._caught_up_entries(force=loaded.fresh or bool(evicted_count)))
             except OSError as exc:
                 if exc.errno not in NO_SPACE_ERRNOS:
                     raise
@@ -230,7 +250,8 @@ class DiskCache:
                 )
                 loaded.broken = True
                 self._write_failures = WRITE_FAILURES_MAX
-            orphans, highest_no = journal.find_orphans(self._data_fd, (e.entry_no for e in self._entries.values()))
+            # (beside other mounts, a young file may be a write whose record is on its way)
+            orphans = journal.find_orphans(self._data_fd, self._entries, 0 if self._alone else journal.ORPHAN_AGE_S)
         except OSError as exc:
             if exc.errno not in NO_SPACE_ERRNOS:
                 raise dir_error(self.directory, exc) from None
@@ -243,10 +264,9 @@ class DiskCache:
             self._write_failures = WRITE_FAILURES_MAX
             self._entries.clear()
             self._data_disk_bytes = self.index_bytes = self._live_record_bytes = 0
-            return loaded
-        # Files past every number the journal knows (a crash before their records):
-        # new entries must not take their names while they are being removed.
-        loaded.next_entry_no = max(loaded.next_entry_no, highest_no + 1)
+            return
+        if not self._alone:
+            self._evict_to_capacity()
         if orphans:
             self._in_background(self._remove_orphans, orphans)
         if self._entries or orphans:
@@ -260,7 +280,56 @@ class DiskCache:
                 len(orphans) - evicted_count,
                 time.monotonic() - started_s,
             )
-        return loaded
+
+    def _caught_up_entries(self, force: bool):
+        """The entries a journal rewrite keeps, once every record appended so far is
+        taken in (called with appends held: journal.compact); None if the journal no
+        longer needs it (another mount rewrote it meanwhile) and `force` is false."""
+        self._apply_tail()
+        if not force and not self._journal.needs_compacting(self._live_record_bytes, self._compact_min_bytes):
+            return None
+        return self._entries.values()
+
+    def _apply_tail(self) -> bool:
+        """Take in what the other mounts of this directory stored and evicted since the
+        last look (their journal records); whether there was any. A look costs a stat."""
+        if self._data_fd is None:
+            return False
+        try:
+            ops = self._journal.read_tail()
+        except OSError as exc:
+            log.warning("disk cache %s: cannot read its journal (%s)", self.directory, exc)
+            return False
+        if not ops:
+            return False
+        cb = self.chunk_bytes
+        for op in ops:
+            kind, eid = op[0], op[1]
+            if kind == "C":
+                entry = self._entries.get(eid)
+                if entry is None:
+                    continue  # (of an object evicted here meanwhile)
+                before_bytes, stored_before = self._disk_bytes(entry), entry.stored_bytes
+                entry.add_pairs(op[2], cb)
+                grown_bytes = self._disk_bytes(entry) - before_bytes
+                self._data_disk_bytes += grown_bytes
+                # (another mount's new bytes take room here too: they age the resident set)
+                self._entries.grew(eid, grown_bytes, entry.stored_bytes - stored_before)
+            elif kind == "E":
+                if eid not in self._entries:
+                    entry = journal.Entry(eid, op[2], cb, op[3])
+                    entry.recorded = True
+                    self._entries.admit(eid, entry, self._disk_bytes_for(op[2]))
+                    self.index_bytes += entry.index_bytes()
+                    self._live_record_bytes += entry.record_bytes()
+            else:  # deleted by another mount, files and all
+                for gone in eid:
+                    entry = self._entries.pop(gone, None)
+                    if entry is not None:
+                        self._forget(entry)
+        self._charge_index()
+        self.stats["disk_cache.records_from_other_mounts"] += len(ops)
+        return True
 
     def _open_data_dir(self) -> int:
         try:
@@ -313,7 +382,7 @@ class DiskCache:
                 break
             if entry.stored_bytes != entry.object_bytes:
                 continue  # (a sparse file: reading it whole would fill the page cache with its holes)
-            names.append(journal.data_name(entry.entry_no))
+            names.append(journal.data_name(entry.eid))
             total_bytes += entry.stored_bytes
         self.stats["disk_cache.read_ahead_bytes"] = total_bytes
         if names:
@@ -406,7 +475,11 @@ class DiskCache:
         version never is). Asks only: no read counts for the replacement policy."""
         if not versions.persistent(version) or start >= end:
             return False
-        entry = self._entries.get(journal.entry_id(key, version))
+        eid = journal.entry_id(key, version)
+        return self._holds(eid, start, end) or (self._apply_tail() and self._holds(eid, start, end))
+
+    def _holds(self, eid: bytes, start: int, end: int) -> bool:
+        entry = self._entries.get(eid)
         if entry is None:
             return False
         lo, hi = self._span(start, end, entry.object_bytes)
@@ -420,11 +493,13 @@ class DiskCache:
         end = min(end, object_bytes)
         lo, hi = self._span(start, end, object_bytes)
         found = self._on_disk(eid, lo, hi)
+        if found is None and self._apply_tail():  # (another mount's, perhaps)
+            found = self._on_disk(eid, lo, hi)
         if found is None:
             self.stats["disk_cache.misses"] += 1
             return None
         entry, crcs = found
-        name = journal.data_name(entry.entry_no)
+        name = journal.data_name(entry.eid)
         try:
             data = _WOULD_BLOCK
             if self._loop_reads and hi - lo <= LOOP_READ_MAX_BYTES:
@@ -459,7 +534,7 @@ class DiskCache:
 
     def _path(self, entry) -> str:
         """(for messages)"""
-        return os.path.join(self.directory, journal.DATA_DIR_NAME, journal.data_name(entry.entry_no))
+        return os.path.join(self.directory, journal.DATA_DIR_NAME, journal.data_name(entry.eid))
 
     async def read_range(
         self, key: str, start: int, end: int, version: str, object_bytes: Optional[int] = None
@@ -568,11 +643,7 @@ class DiskCache:
             return
         entry = self._entries.get(eid)
         if entry is None:
-            entry_no = self._journal.next_entry_no
-            self._journal.next_entry_no += 1
-            entry = journal.Entry(
-                entry_no, object_bytes, cb, journal.entry_record(entry_no, key, version, object_bytes)
-            )
+            entry = journal.Entry(eid, object_bytes, cb, journal.entry_payload(key, version, object_bytes))
             # (as it will take once stored whole: the policy admits it where that fits)
             self._entries.admit(eid, entry, self._disk_bytes_for(object_bytes))
             self.index_bytes += entry.index_bytes()
@@ -584,12 +655,12 @@ class DiskCache:
             crcs = await trio.to_thread.run_sync(
                 _write_chunks,
                 self._data_fd,
-                journal.data_name(entry.entry_no),
+                journal.data_name(eid),
                 lo,
                 view[lo - start : hi - start],
                 cb,
                 self._journal,
-                entry.entry_no,
+                eid,
                 definition,
                 limiter=self._write_limiter,
             )
@@ -606,7 +677,7 @@ class DiskCache:
             return
         entry.recorded = True
         if entry.gone:  # evicted while we wrote: what we wrote must go too
-            self._queue_delete(entry.entry_no)
+            self._queue_delete(eid)
             return
         before_bytes = self._disk_bytes(entry)
         for i, crc in crcs.items():
@@ -625,10 +696,11 @@ class DiskCache:
         started_s, before_bytes = time.monotonic(), self._journal.size_bytes
 
         def snapshot():  # (in the rewriting thread, appends held: the index as of now, from the trio thread)
-            return trio.from_thread.run_sync(lambda: list(self._entries.values()))
+            return trio.from_thread.run_sync(self._caught_up_entries, False)
 
         try:
-            await trio.to_thread.run_sync(self._journal.compact, snapshot)
+            if not await trio.to_thread.run_sync(self._journal.compact, snapshot):
+                return  # (another mount rewrote it)
             self.stats["disk_cache.journal_rewrites"] += 1
             log.info(
                 "disk cache journal rewritten: %.1f -> %.1f MiB in %.2f s",
@@ -643,6 +715,7 @@ class DiskCache:
             self._compacting = False
 
     def _evict_to_capacity(self) -> None:
+        self._apply_tail()  # (the bound is for every mount's files together)
         self._measure_dirs()
         self._entries.set_room(self._room_bytes(self._journal.size_bytes))
         while self.stored_bytes > self.capacity_bytes:
@@ -668,18 +741,18 @@ class DiskCache:
         self._forget(entry)
         self._charge_index()
         self.stats["disk_cache.evictions"] += 1
-        self._queue_delete(entry.entry_no)
+        self._queue_delete(entry.eid)
 
-    def _queue_delete(self, entry_no: int) -> None:
+    def _queue_delete(self, eid: bytes) -> None:
         # A queue, not a task per file: evicting 200,000 objects at once must not
         # start 200,000 tasks (~5 KB each).
         self._begin()
-        self._deletes_send.send_nowait(entry_no)
+        self._deletes_send.send_nowait(eid)
 
     async def _delete_worker(self) -> None:
         """Delete queued entries' files, a batch per thread call."""
-        async for entry_no in self._deletes_receive:
-            batch = [entry_no]
+        async for eid in self._deletes_receive:
+            batch = [eid]
             while len(batch) < DELETE_BATCH_MAX:
                 try:
                     batch.append(self._deletes_receive.receive_nowait())

@@ -1,24 +1,27 @@
 """The disk cache's directories under --cache-dir: which one a mount uses, and the
-locks that keep each one a single mount's.
+locks that say who uses it.
 
 Invariants:
 - One directory per bucket URL and endpoint (`<scheme>-<bucket>-<digest>`), kept
-  across mounts, locked by the mount using it: flock on the directory itself (an
-  O_DIRECTORY descriptor), held as long as the process lives, however it ends. No
-  file in it matters to the lock, so deleting one cannot hand the directory to a
-  second mount.
+  across mounts and shared by every mount and `bucketfs warm` of them on the host
+  (the journal, journal.py, makes that safe). Each holds a shared flock on the
+  directory itself (an O_DIRECTORY descriptor) as long as its process lives, however
+  it ends; one that finds it could take the lock exclusively is `alone` at start
+  (it may then repair and rewrite what the others would be reading). No file in it
+  matters to the lock.
 - The cache works only through that descriptor (dir_fd=, never the path): if the
   directory is deleted under a running mount, its writes fail (ENOENT, a write error)
   and its reads miss, while the next mount makes and locks a new directory at the
-  path. Two mounts never write into one directory.
-- A second mount of the same URL caches in a private directory
+  path. A mount never writes into a directory it did not lock.
+- A directory locked exclusively (by an earlier version of bucketfs, whose cache
+  was one mount's) leaves a new mount a private directory
   (`bucketfs-<pid>-<random>`), locked the same way and removed at its exit. A
   private directory whose lock can be taken belongs to no running mount (one killed
   with -9, in whatever PID namespace): every mount removes those before it starts.
   One whose lock is held is never touched (a PID says nothing across namespaces or
   after reuse).
-- `bucketfs warm` locks the same kept directory a mount of its URL would, and fails
-  (exit 9) rather than warming a private one if a running mount holds it.
+- `bucketfs warm` shares the kept directory a mount of its URL uses, and fails
+  (exit 9) rather than warming a private one.
 - No space to make a directory (ENOSPC, EDQUOT, EIO): the mount runs without a disk
   cache (logged). A directory that cannot be made for any other reason (EACCES,
   EROFS, ENOTDIR...) is the user's to fix: exit 9.
@@ -34,6 +37,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from typing import Optional
 
 from bucketfs import errors
@@ -46,17 +50,22 @@ _PRIVATE_DIR_RE = re.compile(r"bucketfs-\d+-")
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 # A directory deleted or replaced between making it and locking it: try again.
 CLAIM_ATTEMPTS = 3
+# A kept directory held exclusively for a moment (another mount turning its
+# exclusive lock into a shared one) is tried again for up to this long.
+CLAIM_WAIT_S = 1.0
+CLAIM_RETRY_S = 0.01
 
 
 class CacheDir:
     """A cache directory this mount holds: `path` (for messages and removal), `fd` (a
-    locked O_DIRECTORY descriptor every cache file operation goes through) and whether
-    it is `private` (removed by `close`)."""
+    locked O_DIRECTORY descriptor every cache file operation goes through), whether
+    it is `private` (removed by `close`) and whether no other process used it when
+    it was claimed (`alone`)."""
 
-    __slots__ = ("path", "fd", "private")
+    __slots__ = ("path", "fd", "private", "alone")
 
-    def __init__(self, path: str, fd: int, private: bool):
-        self.path, self.fd, self.private = path, fd, private
+    def __init__(self, path: str, fd: int, private: bool, alone: bool = True):
+        self.path, self.fd, self.private, self.alone = path, fd, private, alone
 
     def close(self) -> None:
         """Release it (removing it first if private, while still locked, so no other
@@ -110,35 +119,54 @@ def _is_dir_of(path: str, fd: int) -> bool:
     return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
-def _open_locked(path: str) -> Optional[int]:
-    """A locked descriptor of the directory `path` (made if missing), or None if
-    another mount holds it."""
+def _share_lock(fd: int) -> Optional[bool]:
+    """Hold a shared lock of `fd`: whether it could have been exclusive (no other
+    holder), or None if another process holds it exclusively (past CLAIM_WAIT_S)."""
+    deadline_s = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        if _try_lock(fd):
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (from exclusive: never waits)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            if time.monotonic() >= deadline_s:
+                return None
+            time.sleep(CLAIM_RETRY_S)  # (another mount between its exclusive and shared lock)
+
+
+def _open_shared(path: str) -> Optional[CacheDir]:
+    """The kept directory `path` (made if missing), locked shared, or None if a process
+    holds it exclusively."""
     for _ in range(CLAIM_ATTEMPTS):
         os.makedirs(path, mode=0o700, exist_ok=True)
         try:
             fd = _open_dir(path)
         except FileNotFoundError:
             continue  # (deleted between the two: make it again)
-        if not _try_lock(fd):
+        alone = _share_lock(fd)
+        if alone is None:
             os.close(fd)
             return None
         if _is_dir_of(path, fd):
-            return fd
+            return CacheDir(path, fd, private=False, alone=alone)
         os.close(fd)  # (deleted or replaced before we held it)
     raise OSError(errno.EAGAIN, f"{path} keeps being replaced")
 
 
 def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
     """The cache directory under `path` of the mount `identity` (its bucket URL and
-    endpoint), kept across mounts and locked until closed (or the process ends). If
-    another live mount holds it: a private directory, removed by close(). None if the
-    disk has no room for one (the mount then runs without a disk cache)."""
+    endpoint), kept across mounts, shared with the other mounts of it and locked until
+    closed (or the process ends). If a process holds it exclusively (an earlier
+    version's mount): a private directory, removed by close(). None if the disk has no
+    room for one (the mount then runs without a disk cache)."""
     directory = shared_dir_path(path, identity, name_hint)
     try:
         remove_stale_private_dirs(path)
-        fd = _open_locked(directory)
-        if fd is not None:
-            return CacheDir(directory, fd, private=False)
+        shared = _open_shared(directory)
+        if shared is not None:
+            return shared
         private = _make_private_dir(path)
     except OSError as exc:
         if exc.errno in NO_SPACE_ERRNOS:
@@ -148,7 +176,8 @@ def claim_dir(path: str, identity: str, name_hint: str) -> Optional[CacheDir]:
             return None
         raise dir_error(path, exc) from None
     log.warning(
-        "disk cache %s is in use by another mount of %s; this one caches in %s, removed at exit",
+        "disk cache %s is held exclusively by another mount of %s (an earlier bucketfs); "
+        "this one caches in %s, removed at exit",
         directory,
         identity,
         private.path,
@@ -169,22 +198,22 @@ def shared_dir_path(path: str, identity: str, name_hint: str) -> str:
 
 
 def claim_shared_dir(path: str, identity: str, name_hint: str) -> CacheDir:
-    """The directory under `path` kept across mounts of `identity`, locked until closed
-    (`bucketfs warm`: a private directory would be removed at exit, so one held by a
-    running mount is an error, exit 9, not a fallback)."""
+    """The directory under `path` kept across mounts of `identity`, shared and locked
+    until closed (`bucketfs warm`: a private directory would be removed at exit, so one
+    held exclusively is an error, exit 9, not a fallback)."""
     directory = shared_dir_path(path, identity, name_hint)
     try:
         remove_stale_private_dirs(path)
-        fd = _open_locked(directory)
+        shared = _open_shared(directory)
     except OSError as exc:
         raise dir_error(path, exc) from None
-    if fd is None:
+    if shared is None:
         raise errors.UserError(
-            f"cache directory {directory} is in use by a running mount or warm of {identity} "
-            "(warm before mounting, e.g. as ExecStartPre=, or warm through the mountpoint)",
+            f"cache directory {directory} is held exclusively by a running mount of {identity} "
+            "(an earlier bucketfs: warm once it is unmounted, or through the mountpoint)",
             errors.EXIT_BAD_CACHE_DIR,
         )
-    return CacheDir(directory, fd, private=False)
+    return shared
 
 
 def _make_private_dir(path: str) -> CacheDir:

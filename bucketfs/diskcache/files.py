@@ -19,16 +19,16 @@ from typing import Optional
 import trio
 
 from bucketfs.diskcache import pagecache
-from bucketfs.diskcache.journal import chunks_record, data_name, delete_record
+from bucketfs.diskcache.journal import chunks_payload, data_name, delete_payload
 
 log = logging.getLogger(__name__)
 
 
 def write_chunks(
-    data_fd: int, name: str, offset: int, view, chunk_bytes: int, journal, entry_no: int, definition: bytes
+    data_fd: int, name: str, offset: int, view, chunk_bytes: int, journal, eid: bytes, definition: bytes
 ) -> dict:
     """Write `view` at `offset` (a chunk boundary) of the data file `name`, then journal
-    the CRC-32 of each chunk in it (after `definition`, the entry's record, if not
+    the CRC-32 of each chunk in it (after `definition`, the entry's payload, if not
     journaled yet); the CRCs."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=data_fd)
     try:
@@ -39,7 +39,9 @@ def write_chunks(
         os.close(fd)
     first = offset // chunk_bytes
     crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
-    journal.append(definition + chunks_record(entry_no, crcs.items()))
+    journal.append(
+        [definition, chunks_payload(eid, crcs.items())] if definition else [chunks_payload(eid, crcs.items())]
+    )
     return crcs
 
 
@@ -58,14 +60,14 @@ def remove_files(data_fd: int, names) -> tuple:
     return removed_count, first_error
 
 
-def delete_files(data_fd: int, journal, entry_nos: list) -> Optional[OSError]:
+def delete_files(data_fd: int, journal, eids: list) -> Optional[OSError]:
     """Delete the entries' files and journal it in one append (a lost record only
     costs a bad read of the missing file at a later mount); the first error other
     than a missing file, if any."""
-    _, first_error = remove_files(data_fd, map(data_name, entry_nos))
+    _, first_error = remove_files(data_fd, map(data_name, eids))
     if not journal.broken:
         try:
-            journal.append(b"".join(map(delete_record, entry_nos)))
+            journal.append([delete_payload(eids)])
         except OSError as exc:
             first_error = first_error or exc
     return first_error

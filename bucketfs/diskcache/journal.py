@@ -1,29 +1,41 @@
-"""The disk cache's journal: what is on disk and its checksums, kept across mounts.
+"""The disk cache's journal: what is on disk and its checksums, kept across mounts and
+shared by every mount of one cache directory on a host.
 
-One append-only file per cache directory. Records say "entry N is (key, version,
-size)", "these chunks of entry N are on disk with these CRC-32s" and "entry N is
-deleted". Loading it at mount gives back the cache a previous mount left.
+One append-only file per cache directory. Records say "object version I (a 16-byte
+id of its key and version) is (key, version, size)", "these chunks of I are on disk
+with these CRC-32s" and "these objects are deleted". Loading it at mount gives back
+the cache earlier mounts left; reading what was appended since (`read_tail`) gives a
+running mount what the other mounts on the host stored and evicted.
 
 Invariants:
 - A chunk record is appended only after its bytes were written (pwrite), and every
   chunk is checked against its CRC on every read: a crash or power loss that kept the
   record but not the bytes costs a GET, never a wrong byte. No fsync is needed.
-- Each record carries its own CRC-32; loading stops at the first torn or bad one and
-  cuts the file there, so appends resume after the last good record.
-- Entry numbers are never reused (data files are named by them): a record can never
-  describe another object's file.
-- A chunk size other than the one the journal was written with discards the cache.
+- Data files are named by the object version's id, so mounts need no shared counter:
+  two mounts storing one object write the same bytes at the same places, and a record
+  can only ever describe its own object's bytes (which the CRCs check).
+- Several processes append: each batch of records is one write() with O_APPEND, taken
+  under a shared flock of `journal.lock`, so batches never interleave. Each record
+  starts with a sync word and carries its writer's id and a CRC-32 (of the id and the
+  payload): a reader skips its own records, and after a torn or damaged record
+  (a writer killed mid-write, a full disk, a power loss) it resynchronises at the next
+  sync word that starts a whole good record, so one writer's tear never hides the
+  others' later records. A record cut at the end of the file is either still being
+  written or torn: it is waited for until a whole record follows it.
+- A torn tail is cut at load only by a mount alone on the directory (holding the
+  lock exclusively); with other mounts live nothing is ever truncated.
+- Bounded: once it holds COMPACT_RATIO times what its live entries need (evictions
+  leave dead records), one mount rewrites it (`compact`) holding `journal.lock`
+  exclusively: it first reads every record appended so far, writes its index as a
+  new journal whose header names its generation and where its snapshot ends, and
+  renames it in place. The others finish reading the old file (still open) and go on
+  in the new one after the snapshot, which holds nothing they do not know. A failed
+  rewrite leaves the journal as it was. Each Entry keeps its definition payload for this.
 - Every access goes through the cache directory's descriptor (dir_fd=): a journal
   deleted with its directory under a running mount takes no appends, and is never
   confused with a new journal at the same path.
-- An entry number defined twice as two different objects (only two writers sharing
-  one journal could do that) is dropped at load: its file and CRCs are nobody's.
-- Writes come from worker threads: each record batch is one write() with O_APPEND,
-  so batches do not interleave. A short or failed write leaves a torn tail; the
-  journal then takes no more appends (loading would stop at the tear).
-- Bounded: once it holds COMPACT_RATIO times what its live entries need (evictions
-  leave dead records), it is rewritten from the index (`compact`, at load or while
-  mounted), appends held meanwhile; a failed rewrite leaves the journal as it was. Each Entry keeps its definition record for this.
+- A chunk size other than the journal's: a mount alone on the directory discards the
+  cache; one beside other mounts (which use it) runs without it (`incompatible`).
 """
 
 from __future__ import annotations
@@ -31,21 +43,32 @@ from __future__ import annotations
 import array
 import collections
 import errno
+import fcntl
 import hashlib
 import itertools
 import os
+import secrets
 import struct
 import threading
+import time
 import zlib
 from typing import Optional
 
-MAGIC = b"bucketfs-cache-journal-1\n"
-_HEADER = struct.Struct("<I")  # chunk bytes
-_RECORD = struct.Struct("<II")  # payload length, CRC-32 of the payload
-_ENTRY = struct.Struct("<cQQH")  # b"E", entry number, object bytes, key length; then key, version
-_CHUNKS = struct.Struct("<cQ")  # b"C", entry number; then (chunk index, CRC-32) pairs
+MAGIC = b"bucketfs-cache-journal-2\n"
+_HEADER = struct.Struct("<IQQ")  # chunk bytes, generation (rewrites so far), where the snapshot ends
+HEADER_BYTES = len(MAGIC) + _HEADER.size
+# Every record: sync word, payload length, CRC-32 of writer and payload, writer.
+# 0xF5 never occurs in UTF-8, so keys rarely hold the sync word; a false one must
+# also start a record whose CRC-32 matches to be taken.
+SYNC = b"\xf5\x8b\xc3\x1e"
+_RECORD = struct.Struct("<4sIIQ")
+_WRITER = struct.Struct("<Q")
+_ENTRY = struct.Struct("<cQH")  # b"E", object bytes, key length; then key, version
+_CHUNKS = struct.Struct("<c16s")  # b"C", id; then (chunk index, CRC-32) pairs
 _PAIR = struct.Struct("<II")
-_DELETE = struct.Struct("<cQ")  # b"D", entry number
+ID_BYTES = 16  # b"D", then ids
+# The writer of a rewritten journal's snapshot: no process (every reader takes it).
+SNAPSHOT_WRITER = 0
 # Rewritten (at load, or while mounted) once it holds this many times the bytes its
 # live records need, plus a margin (evictions leave dead records behind): the caller's
 # `min_bytes`, at most COMPACT_MIN_BYTES.
@@ -56,16 +79,23 @@ LOAD_BLOCK_BYTES = 8 * 1024 * 1024
 # record is long: a length field past RECORD_MAX_BYTES is a torn one.
 CHUNKS_PER_RECORD_MAX = 8192
 RECORD_MAX_BYTES = 1024 * 1024
-# Memory an Entry and its place in the index take, past its definition record and 4
+# Memory an Entry and its place in the index take, past its definition payload and 4
 # bytes a chunk: 406 bytes traced for a 2-chunk object (a 200,000-entry index), plus
 # allocator slack, plus the policy's clock stamp (a slot and an int: policy.py).
 INDEX_ENTRY_BYTES = 480
+# A data file no record names is removed at start only if it is older than this
+# while other mounts are live: younger, it may be a write whose record is on its way.
+ORPHAN_AGE_S = 600
 
 
 def entry_id(key: str, version: str) -> bytes:
-    """The in-memory name of an object version: 16 bytes, not two strings and a tuple
-    (a million cached objects is ImageNet)."""
-    return hashlib.blake2b(f"{key}\0{version}".encode("utf-8", "surrogateescape"), digest_size=16).digest()
+    """The name of an object version: 16 bytes, not two strings and a tuple (a million
+    cached objects is ImageNet), and its data file's name in hex."""
+    return _id_of(key.encode("utf-8", "surrogateescape") + b"\0" + version.encode("utf-8", "surrogateescape"))
+
+
+def _id_of(key_nul_version: bytes) -> bytes:
+    return hashlib.blake2b(key_nul_version, digest_size=ID_BYTES).digest()
 
 
 # Objects of up to this many chunks keep their chunk bitmap in an int (28-36 bytes;
@@ -81,7 +111,7 @@ class Entry:
     and their CRC-32s. Memory: `index_bytes()`."""
 
     __slots__ = (
-        "entry_no",
+        "eid",
         "object_bytes",
         "definition",
         "present",
@@ -92,9 +122,9 @@ class Entry:
         "read_at",
     )
 
-    def __init__(self, entry_no: int, object_bytes: int, chunk_bytes: int, definition: bytes):
-        self.entry_no, self.object_bytes = entry_no, object_bytes
-        self.definition = definition  # its E record, to rewrite the journal without key strings in memory
+    def __init__(self, eid: bytes, object_bytes: int, chunk_bytes: int, definition: bytes):
+        self.eid, self.object_bytes = eid, object_bytes
+        self.definition = definition  # its E payload, to rewrite the journal without key strings in memory
         chunks_count = -(-object_bytes // chunk_bytes)
         # chunk i is on disk: bit i of an int, or byte i of a bytearray (INT_BITMAP_CHUNKS_MAX)
         self.present = 0 if chunks_count <= INT_BITMAP_CHUNKS_MAX else bytearray(chunks_count)
@@ -126,6 +156,13 @@ class Entry:
             present[chunk] = 1
         self.stored_bytes += min(chunk_bytes, self.object_bytes - chunk * chunk_bytes)
 
+    def add_pairs(self, pairs: bytes, chunk_bytes: int) -> None:
+        """Mark the chunks of a C record's (chunk index, CRC-32) `pairs` stored."""
+        chunks_count = len(self.crcs)
+        for i, crc in _PAIR.iter_unpack(pairs):
+            if i < chunks_count:
+                self.add(i, crc, chunk_bytes)
+
     def present_chunks(self) -> list:
         """The indexes of the chunks on disk, in order."""
         present = self.present
@@ -134,17 +171,18 @@ class Entry:
         return list(itertools.compress(range(len(present)), present))
 
     def records(self) -> bytes:
-        """What the journal needs to know of it: its definition and its chunks."""
+        """What the journal needs to know of it, as a rewrite's snapshot: its
+        definition and its chunks."""
         crcs = self.crcs
         pairs = [(i, crcs[i]) for i in self.present_chunks()]
-        return self.definition + b"".join(
-            chunks_record(self.entry_no, pairs[at : at + CHUNKS_PER_RECORD_MAX])
+        return frame(self.definition, SNAPSHOT_WRITER) + b"".join(
+            frame(chunks_payload(self.eid, pairs[at : at + CHUNKS_PER_RECORD_MAX]), SNAPSHOT_WRITER)
             for at in range(0, len(pairs), CHUNKS_PER_RECORD_MAX)
         )
 
     def record_bytes(self) -> int:
         """len(records()), counting every chunk (an estimate of what a rewrite keeps)."""
-        return len(self.definition) + _RECORD.size + _CHUNKS.size + _PAIR.size * len(self.crcs)
+        return len(self.definition) + 2 * _RECORD.size + _CHUNKS.size + _PAIR.size * len(self.crcs)
 
     def index_bytes(self) -> int:
         """The memory it takes, as charged to the budget."""
@@ -152,181 +190,331 @@ class Entry:
         return INDEX_ENTRY_BYTES + len(self.definition) + 4 * len(self.crcs) + bitmap_bytes
 
 
-def _record(payload: bytes) -> bytes:
-    return _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
+def frame(payload: bytes, writer: int) -> bytes:
+    """A record: `payload` framed for the journal as written by `writer`."""
+    return _RECORD.pack(SYNC, len(payload), _crc(writer, payload), writer) + payload
 
 
-def entry_record(entry_no: int, key: str, version: str, object_bytes: int) -> bytes:
-    """The definition record: entry number, size, key and version (one UTF-8 encoding,
-    the one entry_id hashes)."""
+def _crc(writer: int, payload) -> int:
+    return zlib.crc32(payload, zlib.crc32(_WRITER.pack(writer)))
+
+
+def entry_payload(key: str, version: str, object_bytes: int) -> bytes:
+    """The definition: size, key and version (one UTF-8 encoding, the one entry_id hashes)."""
     key_b, version_b = key.encode("utf-8", "surrogateescape"), version.encode("utf-8", "surrogateescape")
-    return _record(_ENTRY.pack(b"E", entry_no, object_bytes, len(key_b)) + key_b + version_b)
+    return _ENTRY.pack(b"E", object_bytes, len(key_b)) + key_b + version_b
 
 
-def chunks_record(entry_no: int, pairs) -> bytes:
-    """The record of (chunk index, CRC-32) `pairs` of an entry."""
-    return _record(_CHUNKS.pack(b"C", entry_no) + b"".join(_PAIR.pack(i, crc) for i, crc in pairs))
+def chunks_payload(eid: bytes, pairs) -> bytes:
+    """The (chunk index, CRC-32) `pairs` of an object version."""
+    return _CHUNKS.pack(b"C", eid) + b"".join(_PAIR.pack(i, crc) for i, crc in pairs)
 
 
-def delete_record(entry_no: int) -> bytes:
-    return _record(_DELETE.pack(b"D", entry_no))
+def delete_payload(eids) -> bytes:
+    return b"D" + b"".join(eids)
 
 
-def _parse(data: memoryview, chunk_bytes: int, entries: collections.OrderedDict, ids: dict, conflicts: set) -> tuple:
-    """Apply the whole records at the start of `data` to `entries` (entry number ->
-    Entry, least recently written first) and `ids` (entry number -> entry_id):
-    (their length, the highest entry number seen, whether a bad record stopped it).
-    `conflicts`: entry numbers defined as two different objects (dropped, and every
-    later record of them ignored)."""
-    at = highest_no = 0
-    while at + _RECORD.size <= len(data):
-        length, crc = _RECORD.unpack_from(data, at)
-        start = at + _RECORD.size
-        payload = data[start : start + length]
-        if length > RECORD_MAX_BYTES:
-            return at, highest_no, True  # a torn length field: do not read on for it
-        if len(payload) < length:
-            break  # (cut by the end of `data`: the next block may hold the rest)
-        if not length or zlib.crc32(payload) != crc:
-            return at, highest_no, True
-        at = start + length
-        kind = bytes(payload[:1])
-        if kind == b"E":
-            _, no, object_bytes, key_len = _ENTRY.unpack_from(payload)
-            highest_no = max(highest_no, no)
-            body = bytes(payload[_ENTRY.size :])
-            # the id straight from the bytes: entry_id's encoding of the decoded strings
-            eid = hashlib.blake2b(body[:key_len] + b"\0" + body[key_len:], digest_size=16).digest()
-            known = ids.get(no)
-            if no in conflicts:
-                continue
-            if known is None:
-                entries[no] = Entry(no, object_bytes, chunk_bytes, bytes(data[start - _RECORD.size : at]))
-                ids[no] = eid
-            elif known != eid:
-                # One number, two objects: two writers shared this journal (numbers are
-                # never reused otherwise). Neither its file nor its CRCs can be trusted.
-                del entries[no], ids[no]
-                conflicts.add(no)
-                continue
-            entries.move_to_end(no)  # (a repeated definition, from two first writes at once, keeps the chunks)
-        elif kind == b"C":
-            _, no = _CHUNKS.unpack_from(payload)
-            entry = entries.get(no)
-            if entry is not None:  # (chunks of a deleted entry, from a write that raced its eviction)
-                chunks_count = len(entry.crcs)
-                for i, chunk_crc in _PAIR.iter_unpack(payload[_CHUNKS.size :]):
-                    if i < chunks_count:
-                        entry.add(i, chunk_crc, chunk_bytes)
-                entries.move_to_end(no)
-        elif kind == b"D":
-            no = _DELETE.unpack_from(payload)[1]
-            if entries.pop(no, None) is not None:
-                del ids[no]
-        else:
-            return at, highest_no, True
-    return at, highest_no, False
+# What a record says (parse's results): ("E", id, object bytes, payload),
+# ("C", id, pairs bytes), ("D", [ids]).
+def _decode(payload: bytes) -> Optional[tuple]:
+    kind = payload[:1]
+    if kind == b"E" and len(payload) >= _ENTRY.size:
+        _, object_bytes, key_len = _ENTRY.unpack_from(payload)
+        return (
+            "E",
+            _id_of(payload[_ENTRY.size : _ENTRY.size + key_len] + b"\0" + payload[_ENTRY.size + key_len :]),
+            object_bytes,
+            payload,
+        )
+    if kind == b"C" and len(payload) >= _CHUNKS.size:
+        return ("C", payload[1 : _CHUNKS.size], payload[_CHUNKS.size :])
+    if kind == b"D":
+        return ("D", [payload[at : at + ID_BYTES] for at in range(1, len(payload) - ID_BYTES + 1, ID_BYTES)])
+    return None  # (a kind a later version writes: its records are skipped whole)
 
 
-def _load(dir_fd: int, header: bytes, chunk_bytes: int, entries: collections.OrderedDict, ids: dict) -> Optional[tuple]:
-    """Read the journal in the directory `dir_fd` in blocks (a journal of a million
-    objects is hundreds of MB: never all of it in memory at once): (the length of its
-    good prefix, its total length, the highest entry number seen), or None if it is
-    missing or does not start with `header`."""
-    try:
-        fd = os.open(JOURNAL_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
+def _whole_record_at(data: bytes, at: int) -> Optional[int]:
+    """The end of the whole, good record at `at`, or None."""
+    if at + _RECORD.size > len(data):
         return None
-    conflicts: set = set()
-    with open(fd, "rb") as f:
-        if f.read(len(header)) != header:
+    sync, length, crc, writer = _RECORD.unpack_from(data, at)
+    end = at + _RECORD.size + length
+    if sync != SYNC or not 0 < length <= RECORD_MAX_BYTES or end > len(data):
+        return None
+    return end if _crc(writer, memoryview(data)[at + _RECORD.size : end]) == crc else None
+
+
+def _next_whole_record(data: bytes, at: int) -> Optional[int]:
+    """Where the first whole good record after `at` starts, or None."""
+    while True:
+        at = data.find(SYNC, at + 1)
+        if at < 0:
             return None
-        good, highest_no, pending = len(header), 0, b""
-        while True:
-            block = f.read(LOAD_BLOCK_BYTES)
-            data = pending + block
-            used, highest, bad = _parse(memoryview(data), chunk_bytes, entries, ids, conflicts)
-            good += used
-            highest_no = max(highest_no, highest)
-            pending = data[used:]
-            if bad or not block:
-                return good, good + len(pending) + len(f.read()), highest_no
+        if _whole_record_at(data, at) is not None:
+            return at
+
+
+def parse(data: bytes, skip_writer: int = -1) -> tuple:
+    """The records at the start of `data`: (what they say, as _decode's tuples, except
+    the records of `skip_writer`; how many bytes were used; how many of those were
+    skipped as torn or damaged). A record cut by the end of `data` is not used (more
+    may come), unless a whole record after it shows it torn."""
+    ops: list = []
+    at = skipped = 0
+    n = len(data)
+    while at + _RECORD.size <= n:
+        sync, length, crc, writer = _RECORD.unpack_from(data, at)
+        start = at + _RECORD.size
+        end = start + length
+        if sync == SYNC and 0 < length <= RECORD_MAX_BYTES:
+            if end > n:  # still being written, or torn
+                resume = _next_whole_record(data, at)
+                if resume is None:
+                    break
+                skipped += resume - at
+                at = resume
+                continue
+            payload = data[start:end]
+            if _crc(writer, payload) == crc:
+                at = end
+                if writer != skip_writer:
+                    op = _decode(payload)
+                    if op is not None:
+                        ops.append(op)
+                continue
+        # torn or damaged: go on at the next sync word (or keep the bytes one may start in)
+        resume = data.find(SYNC, at + 1)
+        if resume < 0:
+            resume = max(at + 1, n - len(SYNC) + 1)
+        skipped += resume - at
+        at = resume
+    return ops, at, skipped
+
+
+def apply_loaded(ops: list, entries: collections.OrderedDict, chunk_bytes: int) -> None:
+    """Apply parsed records to `entries` (id -> Entry, least recently written first)."""
+    for op in ops:
+        kind = op[0]
+        if kind == "C":
+            entry = entries.get(op[1])
+            if entry is not None:  # (chunks of a deleted entry, from a write that raced its eviction)
+                entry.add_pairs(op[2], chunk_bytes)
+                entries.move_to_end(op[1])
+        elif kind == "E":
+            if op[1] in entries:
+                entries.move_to_end(op[1])  # (defined again: two first writes at once, or another mount's)
+            else:
+                entries[op[1]] = Entry(op[1], op[2], chunk_bytes, op[3])
+        else:
+            for eid in op[1]:
+                entries.pop(eid, None)
 
 
 JOURNAL_NAME = "journal"
 _NEW_NAME = "journal.new"
+LOCK_NAME = "journal.lock"
 
 
 class Journal:
     """The journal of the cache directory open as `dir_fd` (every access relative to
     it: a directory deleted under the mount fails appends, never finds another's),
-    loaded and open for appends. `entries` (entry number -> Entry, least recently
-    written first) and `ids` (entry number -> entry_id) are what earlier mounts left,
-    for the cache to take over. `fresh`: there was no usable journal (new, or another
-    format or chunk size), so it needs `compact` before any append. A torn tail is cut
-    in place (a truncate needs no free space). `broken`: it takes no appends."""
+    loaded and open for appends. `entries` (id -> Entry, least recently written first)
+    is what earlier mounts left, for the cache to take over; `read_tail` then gives
+    what other mounts append. `alone`: no other mount uses the directory (a torn tail
+    may be cut, a journal of another chunk size discarded). `fresh`: there was no
+    usable journal, so it needs `compact` before any append. `broken`: it takes no
+    appends. `incompatible`: other mounts use it with another chunk size."""
 
-    def __init__(self, dir_fd: int, chunk_bytes: int):
+    def __init__(self, dir_fd: int, chunk_bytes: int, alone: bool = True):
         self.dir_fd = dir_fd
+        self.chunk_bytes = chunk_bytes
+        self.writer = secrets.randbits(63) | 1  # this process's records (never SNAPSHOT_WRITER)
         self.entries: collections.OrderedDict = collections.OrderedDict()
-        self.ids: dict = {}
-        self.broken = False
-        self._lock = threading.Lock()  # appends against a rewrite
-        self._header = MAGIC + _HEADER.pack(chunk_bytes)
-        _unlink_quietly(_NEW_NAME, dir_fd)  # (a rewrite a crash interrupted)
-        loaded = _load(dir_fd, self._header, chunk_bytes, self.entries, self.ids)
-        highest_no = 0
-        self.fresh = loaded is None
-        self.size_bytes = 0
-        if loaded is not None:
-            self.size_bytes, file_bytes, highest_no = loaded
-            if self.size_bytes < file_bytes:  # cut a torn tail, so appends follow the last good record
-                fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
-                try:
-                    os.ftruncate(fd, self.size_bytes)
-                finally:
-                    os.close(fd)
-        self.next_entry_no = highest_no + 1  # never an earlier number, even a deleted one's
+        self.broken = self.incompatible = self.fresh = False
+        self.size_bytes = 0  # the file's, as last seen
+        self.skipped_bytes = 0  # of torn or damaged records
+        self._lock = threading.Lock()  # this process's appends and rewrites, one at a time
+        self._read_lock = threading.Lock()  # the reading position, against a rewrite's switch
+        self._read_fd: Optional[int] = None
+        self._read_ino = 0
+        self.position = 0  # of the next record to read
+        self.generation = 0
+        self._snapshot_end = 0
+        self._lock_fd: Optional[int] = None
+        try:
+            self._lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                raise
+            self.broken = True  # (a full disk: what it holds is served, nothing is stored)
+        try:
+            with self._flock(fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+                if alone:
+                    _unlink_quietly(_NEW_NAME, dir_fd)  # (a rewrite a crash interrupted)
+                state = self._open_current()
+                if state == "ok":
+                    self._load()
+                    if alone and self.position < self.size_bytes:  # cut a torn tail (a truncate needs no space)
+                        self._truncate_tail()
+                elif state == "incompatible" and not alone:
+                    self.incompatible = self.broken = True
+                else:
+                    self.fresh = True  # (missing, or discarded by the first rewrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd in (self._read_fd, self._lock_fd):
+            if fd is not None:
+                os.close(fd)
+        self._read_fd = self._lock_fd = None
+
+    def _flock(self, mode: int):
+        return _Flock(self._lock_fd, mode)  # (no lock file: a broken journal, never written)
+
+    def _header(self, generation: int, snapshot_end: int) -> bytes:
+        return MAGIC + _HEADER.pack(self.chunk_bytes, generation, snapshot_end)
+
+    def _open_current(self) -> str:
+        """Open the journal now at its name for reading: "ok" (reading from after its
+        header), "missing" or "incompatible" (another format or chunk size; then the
+        descriptor read so far is kept)."""
+        try:
+            fd = os.open(JOURNAL_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except FileNotFoundError:
+            return "missing"
+        header = os.pread(fd, HEADER_BYTES, 0)
+        if len(header) < HEADER_BYTES or not header.startswith(MAGIC):
+            os.close(fd)
+            return "incompatible"
+        chunk_bytes, generation, snapshot_end = _HEADER.unpack_from(header, len(MAGIC))
+        if chunk_bytes != self.chunk_bytes:
+            os.close(fd)
+            return "incompatible"
+        if self._read_fd is not None:
+            os.close(self._read_fd)
+        self._read_fd, self._read_ino = fd, os.fstat(fd).st_ino
+        self.generation, self._snapshot_end, self.position = generation, snapshot_end, HEADER_BYTES
+        return "ok"
+
+    def _load(self) -> None:
+        """Read the whole journal into `entries`, in blocks (a journal of a million
+        objects is hundreds of MB: never all of it in memory at once)."""
+        at, pending, fd = self.position, b"", self._read_fd
+        assert fd is not None
+        while True:
+            block = os.pread(fd, LOAD_BLOCK_BYTES, at)
+            at += len(block)
+            data = pending + block
+            ops, used, skipped = parse(data)
+            apply_loaded(ops, self.entries, self.chunk_bytes)
+            self.position += used
+            self.skipped_bytes += skipped
+            pending = data[used:]
+            if not block:
+                break
+        self.size_bytes = at
+
+    def _truncate_tail(self) -> None:
+        fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        try:
+            os.ftruncate(fd, self.position)
+        finally:
+            os.close(fd)
+        self.size_bytes = self.position
+
+    def read_tail(self) -> list:
+        """What other mounts appended since the last call (or the load), in order, as
+        parse's tuples. After another mount's rewrite: the old file to its end, then
+        the new one from the end of its snapshot (from its start if a rewrite was missed)."""
+        if self.incompatible:
+            return []
+        with self._read_lock:
+            try:
+                ino = os.stat(JOURNAL_NAME, dir_fd=self.dir_fd).st_ino
+            except FileNotFoundError:
+                return []
+            if self._read_fd is not None and ino == self._read_ino:
+                return self._read_new()
+            followed, generation = self._read_fd is not None, self.generation
+            ops = self._read_new() if followed else []
+            if self._open_current() != "ok":
+                return ops  # (gone again, or a journal no mount of this chunk size can use)
+            if followed and self.generation == generation + 1:
+                self.position = self._snapshot_end
+            return ops + self._read_new()
+
+    def _read_new(self) -> list:
+        fd = self._read_fd
+        assert fd is not None
+        size = os.fstat(fd).st_size
+        self.size_bytes = size
+        if size <= self.position:
+            return []
+        ops, used, skipped = parse(os.pread(fd, size - self.position, self.position), self.writer)
+        self.position += used
+        self.skipped_bytes += skipped
+        return ops
 
     def needs_compacting(self, live_record_bytes: int, min_bytes: int) -> bool:
         return self.size_bytes > COMPACT_RATIO * live_record_bytes + min_bytes
 
-    def compact(self, entries) -> None:
-        """Rewrite the journal as the records of `entries` (an iterable evaluated with
-        appends held: a callable's result, for a snapshot taken then). On failure the
-        journal is as it was (and no journal.new is left)."""
-        with self._lock:
-            if callable(entries):
-                entries = entries()
+    def compact(self, snapshot) -> bool:
+        """Rewrite the journal as the records of the entries `snapshot()` returns
+        (called with every appender held off: the caller reads the tail in it, so what
+        it returns knows every record so far), or leave it if that returns None (another
+        mount rewrote it meanwhile); whether it was rewritten. On failure the journal
+        is as it was (and no journal.new is left)."""
+        if self._lock_fd is None:
+            raise OSError(errno.ENOSPC, "no room for the disk cache journal's lock file")
+        with self._lock, self._flock(fcntl.LOCK_EX):
+            entries = snapshot()
+            if entries is None:
+                return False
+            generation = self.generation + 1
             try:
-                fd = os.open(_NEW_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
-                with open(fd, "wb") as f:
-                    f.write(self._header)
-                    for entry in entries:
-                        f.write(entry.records())
-                    f.flush()
-                    os.fsync(f.fileno())  # the rename must not publish an empty file after a crash
-                    size_bytes = f.tell()
-                os.replace(_NEW_NAME, JOURNAL_NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+                fd = os.open(_NEW_NAME, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600, dir_fd=self.dir_fd)
+                try:
+                    with open(os.dup(fd), "wb") as f:
+                        f.write(self._header(generation, 0))
+                        for entry in entries:
+                            f.write(entry.records())
+                        size_bytes = f.tell()
+                    os.pwrite(fd, self._header(generation, size_bytes), 0)
+                    os.fsync(fd)  # the rename must not publish an empty file after a crash
+                    os.replace(_NEW_NAME, JOURNAL_NAME, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
             except BaseException:
                 _unlink_quietly(_NEW_NAME, self.dir_fd)
                 raise
-            self.size_bytes = size_bytes
-            self.fresh = False
+            with self._read_lock:
+                if self._read_fd is not None:
+                    os.close(self._read_fd)
+                self._read_fd, self._read_ino = fd, os.fstat(fd).st_ino
+                self.generation = generation
+                self._snapshot_end = self.position = self.size_bytes = size_bytes
+            self.fresh = self.broken = self.incompatible = False
+            return True
 
-    def append(self, data: bytes) -> None:
-        """Append record bytes (from any thread); OSError if the journal takes no more."""
+    def append(self, payloads) -> None:
+        """Append records of `payloads` (from any thread) in one write; OSError if the
+        journal takes no more."""
+        data = b"".join(frame(payload, self.writer) for payload in payloads)
         with self._lock:
             if self.broken or self.fresh:
                 raise OSError(errno.EIO, "the disk cache journal takes no more appends")
             try:
-                # Opened per append (microseconds, beside the data write it follows): no
-                # descriptor of a replaced journal is ever written.
-                fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=self.dir_fd)
-                try:
-                    written = os.write(fd, data)
-                finally:
-                    os.close(fd)
+                with self._flock(fcntl.LOCK_SH):  # (a rewrite waits for it, and it for a rewrite)
+                    # Opened per append (microseconds, beside the data write it follows):
+                    # no descriptor of a replaced journal is ever written.
+                    fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=self.dir_fd)
+                    try:
+                        written = os.write(fd, data)
+                    finally:
+                        os.close(fd)
             except OSError:
                 self.broken = True
                 raise
@@ -334,6 +522,21 @@ class Journal:
             if written != len(data):
                 self.broken = True
                 raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")
+
+
+class _Flock:
+    """flock(2) of `fd` held in a with block."""
+
+    def __init__(self, fd: Optional[int], mode: int):
+        self.fd, self.mode = fd, mode
+
+    def __enter__(self):
+        if self.fd is not None:
+            fcntl.flock(self.fd, self.mode)
+
+    def __exit__(self, *exc_info):
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
@@ -346,22 +549,30 @@ def _unlink_quietly(name: str, dir_fd: int) -> None:
 DATA_DIR_NAME = "data"
 
 
-def data_name(entry_no: int) -> str:
-    """The name of an entry's data file in the data directory."""
-    return f"{entry_no:012d}"
+def data_name(eid: bytes) -> str:
+    """The name of an object version's data file in the data directory."""
+    return eid.hex()
 
 
-def find_orphans(data_fd: int, live_entry_nos) -> tuple:
-    """The data files no live entry names (left by a crash between a write and its
-    record, an eviction whose record was lost, or objects evicted at load) and the
-    highest entry number any file is named by: (names, highest number)."""
-    live = set(live_entry_nos)
-    orphans, highest_no = [], 0
+def find_orphans(data_fd: int, index, min_age_s: float = 0) -> list:
+    """The names of the data files no entry of `index` (ids) names, left by a crash
+    between a write and its record, an eviction whose record was lost, objects evicted
+    at load, or an earlier format; only those older than `min_age_s`."""
+    oldest_s = time.time() - min_age_s
+    orphans = []
     with os.scandir(data_fd) as it:
         for item in it:
-            number: Optional[int] = int(item.name) if item.name.isdigit() else None
-            if number is not None:
-                highest_no = max(highest_no, number)
-            if number not in live:
-                orphans.append(item.name)
-    return orphans, highest_no
+            try:
+                eid: Optional[bytes] = bytes.fromhex(item.name) if len(item.name) == 2 * ID_BYTES else None
+            except ValueError:
+                eid = None
+            if eid in index:
+                continue
+            if min_age_s:
+                try:
+                    if item.stat(follow_symlinks=False).st_mtime > oldest_s:
+                        continue
+                except OSError:
+                    continue
+            orphans.append(item.name)
+    return orphans

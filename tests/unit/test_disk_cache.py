@@ -11,11 +11,11 @@ import subprocess
 import threading
 import time
 import types
-import zlib
 
 import pytest
 import trio
 
+from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.base import Backend
 from bucketfs.backends.memory import MemoryBackend
@@ -24,7 +24,7 @@ from bucketfs.core.stats import Stats
 from bucketfs.diskcache import cache as disk_cache
 from bucketfs.diskcache import journal, pagecache
 from bucketfs.diskcache.cache import WRITE_FAILURES_MAX, DiskCache
-from bucketfs.diskcache.directory import claim_dir
+from bucketfs.diskcache.directory import claim_dir, claim_shared_dir
 from tests.unit.helpers import make_config, read_all, resolve
 
 MiB = 1024 * 1024
@@ -274,12 +274,27 @@ def test_ranges_across_chunk_boundaries_read_back_exactly(tmp_path, start, end):
     assert gets == 0
 
 
+def hold_exclusively(path) -> int:
+    """A descriptor of the directory `path`, locked as an earlier bucketfs's mount locked
+    its cache directory (one mount's)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def kept_dir_path(tmp_path, identity: str = "s3://b/ at x") -> str:
+    claimed = claim_dir(str(tmp_path), identity, "s3-b")
+    claimed.close()
+    return claimed.path
+
+
 def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_path):
     """Liveness is the directory's lock, not a PID: a PID is meaningless in another
     PID namespace (containers sharing a cache disk) or once reused, and a mount killed
     with -9 leaves a directory whose lock is free."""
     identity = "s3://b/ at x"
-    shared = claim_dir(str(tmp_path), identity, "s3-b")  # a live mount of the bucket: the next gets a private one
+    kept = kept_dir_path(tmp_path, identity)
+    old_mount = hold_exclusively(kept)  # an earlier bucketfs's live mount: the next gets a private one
     pid_max = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text())
     held = tmp_path / f"bucketfs-{pid_max + 1}-abc"  # a live mount in another PID namespace: no such PID here
     left = tmp_path / f"bucketfs-{os.getpid()}-def"  # a mount killed with -9 (its PID reused, here by us)
@@ -287,13 +302,12 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
     for d in (held, left, other):
         d.mkdir()
         (d / "0000000001").write_bytes(b"x")
-    held_fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
+    held_fd = hold_exclusively(held)  # as its mount holds it
     try:
-        fcntl.flock(held_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as its mount holds it
         mine = claim_dir(str(tmp_path), identity, "s3-b")
         try:
             assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-                [held.name, other.name, pathlib.Path(shared.path).name, pathlib.Path(mine.path).name]
+                [held.name, other.name, pathlib.Path(kept).name, pathlib.Path(mine.path).name]
             )
             assert mine.private and not os.listdir(mine.path)
             os.close(
@@ -307,7 +321,7 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
             mine.close()
     finally:
         os.close(held_fd)
-        shared.close()
+        os.close(old_mount)
     left.mkdir()  # the next ordinary mount cleans up too (not only one that needs a private directory)
     claimed = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
     try:
@@ -316,37 +330,54 @@ def test_a_new_mount_removes_the_private_directories_no_mount_holds_only(tmp_pat
         claimed.close()
 
 
-def test_one_cache_directory_per_bucket_and_one_mount_at_a_time(tmp_path):
-    claimed = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")
+def test_one_cache_directory_per_bucket_shared_by_its_mounts(tmp_path):
+    first = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")
     try:
-        assert not claimed.private
-        busy = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # a second mount of the same
+        assert not first.private and first.alone
+        second = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # a second mount of the same
         other = claim_dir(str(tmp_path), "s3://b/val/ at x", "s3-b")  # another prefix
-        assert busy.private and busy.path != claimed.path
-        assert pathlib.Path(busy.path).name.startswith(f"bucketfs-{os.getpid()}-")  # private, removed at its exit
-        assert not other.private and other.path != claimed.path
+        assert second.path == first.path and not second.private and not second.alone
+        assert not other.private and other.alone and other.path != first.path
         other.close()
+        second.close()
+        assert os.path.isdir(first.path)  # (a shared one is kept)
+    finally:
+        first.close()
+    again = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after them
+    again.close()
+    assert again.path == first.path and again.alone and not again.private
+
+
+def test_a_directory_an_earlier_version_holds_leaves_a_private_one_and_refuses_warm(tmp_path):
+    """An earlier bucketfs locked its directory exclusively (one mount's cache): a new
+    mount beside it caches in a private directory, and warm refuses (exit 9) rather
+    than fill one that goes at its exit."""
+    old_mount = hold_exclusively(kept_dir_path(tmp_path))
+    try:
+        busy = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
+        assert busy.private and pathlib.Path(busy.path).name.startswith(f"bucketfs-{os.getpid()}-")
         busy.close()
         assert not os.path.exists(busy.path)
+        with pytest.raises(errors.UserError) as refused:
+            claim_shared_dir(str(tmp_path), "s3://b/ at x", "s3-b")
+        assert refused.value.exit_code == errors.EXIT_BAD_CACHE_DIR
     finally:
-        claimed.close()
-    again = claim_dir(str(tmp_path), "s3://b/train/ at x", "s3-b")  # the next mount after it
-    again.close()
-    assert again.path == claimed.path and not again.private
+        os.close(old_mount)
 
 
 def test_deleting_a_file_in_a_cache_directory_never_frees_its_lock(tmp_path):
-    """The lock is the directory's own: a tmp cleaner deleting a `lock` file (the
-    former lock) or anything else does not let a second mount in."""
+    """The lock is the directory's own: a tmp cleaner deleting a `lock` file or
+    anything else does not make the next mount think it is alone (and cut or rewrite
+    what the first is using)."""
     claimed = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
     try:
-        for name in ("lock", "journal"):  # what a cleaner finds in a used cache directory
+        for name in ("lock", "journal", "journal.lock"):  # what a cleaner finds in a used cache directory
             (pathlib.Path(claimed.path) / name).write_bytes(b"x")
         for name in os.listdir(claimed.path):
             os.unlink(os.path.join(claimed.path, name))
         second = claim_dir(str(tmp_path), "s3://b/ at x", "s3-b")
         try:
-            assert second.private
+            assert second.path == claimed.path and not second.alone
         finally:
             second.close()
     finally:
@@ -470,9 +501,9 @@ def test_a_chunk_changed_between_mounts_costs_a_get_never_a_wrong_byte(tmp_path)
 @pytest.mark.parametrize(
     "tear",
     [
-        journal.chunks_record(1, [(0, 123), (1, 456)])[:-3],  # a record cut short
-        b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
-        journal.chunks_record(1, [(0, 123)])[:-1] + b"!",  # a record whose CRC does not match
+        journal.frame(journal.chunks_payload(bytes(16), [(0, 123), (1, 456)]), 1)[:-3],  # a record cut short
+        journal.SYNC + b"\xff\xff\xff\x7f" + bytes(20),  # a torn length field
+        journal.frame(journal.chunks_payload(bytes(16), [(0, 123)]), 1)[:-1] + b"!",  # a CRC that does not match
     ],
 )
 def test_a_torn_journal_keeps_every_record_before_the_tear(tmp_path, monkeypatch, tear):
@@ -545,7 +576,7 @@ def test_the_index_is_charged_to_the_memory_budget_and_leaves_buffers_the_rest(t
 
     index_bytes, capacity_bytes, budget_bytes = run_cached(backend, tmp_path, body)
     definitions_bytes = sum(
-        len(journal.entry_record(1, key, backend._info[key].version, len(data))) for key, data in FILES.items()
+        len(journal.entry_payload(key, backend._info[key].version, len(data))) for key, data in FILES.items()
     )
     # (a byte of bitmap a chunk for objects past INT_BITMAP_CHUNKS_MAX chunks)
     bitmap_bytes = sum(
@@ -594,8 +625,8 @@ async def read_key(cache, backend, key):
 def test_a_mount_whose_directory_was_deleted_never_writes_into_the_next_ones(tmp_path):
     """Mount A's directory is deleted ("clear the cache") and mount B makes a new one
     at the same path: A's later writes fail (they are relative to the directory A
-    holds), so A and B never share a journal or entry numbers, and a third mount
-    serves every object's own bytes."""
+    holds), so A never writes into B's journal, and a third mount serves every
+    object's own bytes."""
     backend = MemoryBackend(SAME_SIZE)
     directory = tmp_path / "c"
     directory.mkdir()
@@ -608,9 +639,9 @@ def test_a_mount_whose_directory_was_deleted_never_writes_into_the_next_ones(tmp
             shutil.rmtree(directory)
             directory.mkdir()
             b = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
-            assert await read_key(a, backend, "s/f1") == SAME_SIZE["s/f1"]  # A: its entry 2, to nowhere
+            assert await read_key(a, backend, "s/f1") == SAME_SIZE["s/f1"]  # A: to nowhere
             await a.wait_idle()
-            for key in ("s/f2", "s/f3"):  # B: entries 1 and 2
+            for key in ("s/f2", "s/f3"):  # B
                 assert await read_key(b, backend, key) == SAME_SIZE[key]
                 await b.wait_idle()
             c = DiskCache(backend, str(directory), 1 << 30, 64 * 1024, Stats(), nursery)
@@ -625,35 +656,6 @@ def test_a_mount_whose_directory_was_deleted_never_writes_into_the_next_ones(tmp
     got, a_write_errors, c_hits = trio.run(main)
     assert got == SAME_SIZE
     assert a_write_errors >= 1 and c_hits == 2  # (f2 and f3, B's)
-
-
-def test_an_entry_number_defined_as_two_objects_is_dropped_at_load(tmp_path):
-    """Defence in depth: a journal two writers shared names one entry number for two
-    objects, with the second's bytes in the file and both CRCs. It is dropped, and
-    read from the store."""
-    backend = MemoryBackend(SAME_SIZE)
-    info = {key: backend._info[key] for key in SAME_SIZE}
-    (tmp_path / "data").mkdir()
-    with open(tmp_path / "journal", "wb") as f:
-        f.write(journal.MAGIC + journal._HEADER.pack(64 * 1024))
-        for key in ("s/f1", "s/f3"):  # entry 1 = f1, then entry 1 = f3 (the other writer)
-            f.write(journal.entry_record(1, key, info[key].version, 4096))
-            f.write(journal.chunks_record(1, [(0, zlib.crc32(SAME_SIZE["s/f3"]))]))
-    (tmp_path / "data" / f"{1:012d}").write_bytes(SAME_SIZE["s/f3"])
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, Stats(), nursery)
-            entries_count = len(cache._entries)
-            got = {key: await read_key(cache, backend, key) for key in ("s/f1", "s/f3")}
-            await cache.wait_idle()
-            nursery.cancel_scope.cancel()
-            return entries_count, got
-
-    entries_count, got = trio.run(main)
-    assert entries_count == 0
-    assert got == {key: SAME_SIZE[key] for key in ("s/f1", "s/f3")}
-    assert backend.requests["get"] == 2
 
 
 @pytest.fixture
@@ -710,7 +712,7 @@ def test_a_full_disk_never_refuses_the_mount(tiny_disk):
     journal_path = kept / "journal"
     good_bytes = journal_path.stat().st_size
     with open(journal_path, "ab") as f:
-        f.write(journal.chunks_record(1, [(0, 1)])[:-3])  # a crash mid-append
+        f.write(journal.frame(journal.chunks_payload(bytes(16), [(0, 1)]), 1)[:-3])  # a crash mid-append
     fill(tiny_disk)
     gets = backend.requests["get"]
     stats = trio.run(epoch_on, kept)
@@ -718,7 +720,7 @@ def test_a_full_disk_never_refuses_the_mount(tiny_disk):
     assert stats["disk_cache.hits"] == len(files) and backend.requests["get"] == gets
     stats = trio.run(epoch_on, new, lambda cache: cache._journal.broken or pytest.fail("expected a broken journal"))
     assert stats.get("disk_cache.hits", 0) == 0 and stats.get("disk_cache.write_errors", 0) == 0
-    assert sorted(os.listdir(new)) == ["data"]  # (no journal, no journal.new left behind)
+    assert sorted(os.listdir(new)) == ["data", "journal.lock"]  # (no journal, no journal.new left behind)
 
 
 def test_a_journal_rewrite_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
@@ -734,20 +736,23 @@ def test_a_journal_rewrite_that_fails_leaves_no_new_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", failing_fsync)
     opened = journal.Journal(os.open(tmp_path / "cache", os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
     with pytest.raises(OSError):
-        opened.compact(())
+        opened.compact(lambda: ())
+    opened.close()
     os.close(opened.dir_fd)
-    assert sorted(os.listdir(tmp_path / "cache")) == ["data", "journal"]
+    assert sorted(os.listdir(tmp_path / "cache")) == ["data", "journal", "journal.lock"]
 
 
 def write_journal(directory, entries_count: int, chunk_bytes: int = 64 * 1024) -> None:
     """What an earlier mount left: `entries_count` objects of two chunks each (110 KB)."""
     (directory / "data").mkdir(parents=True, exist_ok=True)
     with open(directory / "journal", "wb") as f:
-        f.write(journal.MAGIC + journal._HEADER.pack(chunk_bytes))
+        f.write(journal.MAGIC + journal._HEADER.pack(chunk_bytes, 1, 0))
         for no in range(1, entries_count + 1):
-            f.write(journal.entry_record(no, f"train/{no:06d}.JPEG", "0123456789abcdef", 110_000))
-            f.write(journal.chunks_record(no, [(0, 1), (1, 2)]))
-            (directory / "data" / f"{no:012d}").write_bytes(b"")
+            key, version = f"train/{no:06d}.JPEG", "0123456789abcdef"
+            eid = journal.entry_id(key, version)
+            f.write(journal.frame(journal.entry_payload(key, version, 110_000), 1))
+            f.write(journal.frame(journal.chunks_payload(eid, [(0, 1), (1, 2)]), 1))
+            (directory / "data" / journal.data_name(eid)).write_bytes(b"")
 
 
 def test_a_smaller_cache_size_evicts_at_load_in_one_pass_and_deletes_with_one_worker(tmp_path):
@@ -775,6 +780,7 @@ def test_a_smaller_cache_size_evicts_at_load_in_one_pass_and_deletes_with_one_wo
     assert 0 < kept < 3000 and cache.stats.snapshot()["disk_cache.evictions"] == 3000
     assert not os.listdir(tmp_path / "data")
     loaded = journal.Journal(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY), 64 * 1024)
+    loaded.close()
     os.close(loaded.dir_fd)
     assert not loaded.entries  # (the deletes are journaled)
 
@@ -834,7 +840,7 @@ def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small
     quadratic (loading a 64 GiB object's records took 8.5 s, 128 GiB four times
     that). Now each chunk costs the same: 256 GiB (4 M chunks) in a few seconds."""
     chunk_bytes = 64 * 1024
-    entry = journal.Entry(1, 256 << 30, chunk_bytes, b"")
+    entry = journal.Entry(bytes(16), 256 << 30, chunk_bytes, b"")
     chunks_count = len(entry.crcs)
     deadline_s = time.monotonic() + 30
     for i in range(chunks_count):
@@ -846,11 +852,13 @@ def test_storing_and_checking_a_chunk_of_a_huge_object_costs_the_same_as_a_small
         assert entry.has(i, i + 128)
     assert time.monotonic() < deadline_s
     for chunks in (3, 1000):  # (an int bitmap, a bytearray one)
-        part = journal.Entry(2, chunks * chunk_bytes - 7, chunk_bytes, b"")
+        part = journal.Entry(b"2" * 16, chunks * chunk_bytes - 7, chunk_bytes, b"E")
         for i in (1, chunks - 1):
             part.add(i, i + 10, chunk_bytes)
         assert (part.has(0, 2), part.has(1, 2), part.has(chunks - 1, chunks)) == (False, True, True)
-        assert part.records() == journal.chunks_record(2, [(1, 11), (chunks - 1, chunks + 9)])
+        assert part.records() == journal.frame(b"E", 0) + journal.frame(
+            journal.chunks_payload(b"2" * 16, [(1, 11), (chunks - 1, chunks + 9)]), 0
+        )
 
 
 def contract_names(backend_class=Backend) -> set:
