@@ -520,8 +520,8 @@ class Config:
         group=CACHING,
         default_text="off",
         help="keep fetched bytes on this local disk too, for epochs the page cache cannot hold and for later mounts",
-        details="created if missing; one subdirectory per bucket URL and endpoint, kept at exit; a full disk "
-        "at start: the mount runs without writing to it",
+        details="created if missing; one subdirectory per bucket URL and endpoint, kept at exit and shared by "
+        "every mount and warm of them on the host; a full disk at start: the mount runs without writing to it",
     )
     cache_size_bytes: int = option(
         10 * GiB,
@@ -531,7 +531,8 @@ class Config:
         group=CACHING,
         help="most disk space --cache-dir may take, as du counts it; at least {min}",
         details="each file rounded up to the file system's block (4 KiB), the journal and the directories "
-        "count; slack: a second journal copy while it is rewritten. Least recently used objects go first",
+        "count; slack: a second journal copy while it is rewritten; mounts sharing the directory are bounded "
+        "together. A scan-resistant policy picks what goes (docs/design.md)",
     )
     list_ahead_count: int = option(  # concurrent subdirectory listings ahead of a walk: 50 classes in ~3 round trips
         16,

@@ -109,11 +109,11 @@ def test_a_cache_dir_held_by_another_process_is_one_line(rclone_server, s3_bucke
     os.makedirs(held)
     fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running mount holds it
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running mount of an earlier bucketfs holds it
         proc = _warm(rclone_server, rclone_server.endpoint_url, url, cache_dir)
     finally:
         os.close(fd)
-    assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "in use")
+    assert_one_line_error(proc, errors.EXIT_BAD_CACHE_DIR, "held exclusively")
 
 
 @pytest.mark.parametrize("url, fragment", [("not-a-url", "not a bucket URL"), ("ftp://b/x", "unknown scheme")])
