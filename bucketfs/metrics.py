@@ -212,6 +212,12 @@ _SIMPLE = [
         "counter",
     ),
     ("disk_cache.evictions", "bucketfs_disk_cache_evictions", "Objects deleted from the local disk cache", "counter"),
+    (
+        "disk_cache.records_from_other_mounts",
+        "bucketfs_disk_cache_records_from_other_mounts",
+        "Journal records of the other mounts sharing the disk cache directory taken in (what they stored and evicted)",
+        "counter",
+    ),
     ("namespace.entries", "bucketfs_listing_cache_entries", "Inodes known from listings", "gauge"),
     (
         "namespace.nodes_dropped",
@@ -362,7 +368,8 @@ def format_stats(snapshot: dict) -> str:
                 f"{get('disk_cache.loop_reads', 0)} from the page cache), misses {get('disk_cache.misses', 0)}, "
                 f"bad reads {get('disk_cache.bad_reads', 0)}, write errors {get('disk_cache.write_errors', 0)}, "
                 f"not stored (disk or memory busy) {get('disk_cache.skipped_bytes', 0) / mib:.1f} MiB "
-                f"in {get('disk_cache.skipped_stores', 0)} fetches"
+                f"in {get('disk_cache.skipped_stores', 0)} fetches; "
+                f"{get('disk_cache.records_from_other_mounts', 0)} records from other mounts sharing it"
             ]
             if "disk_cache.capacity_bytes" in snapshot
             else []
