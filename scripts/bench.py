@@ -20,7 +20,8 @@ The data set is generated once into --data-dir (default .bench-data/, reused):
 Workloads (MB = 10^6 bytes): W1 shard streaming (1 and 4 readers; webdataset +
 DataLoader), W2 ImageFolder (listing, cold epochs with 8 and 32 threads, warm epoch, an
 epoch after the page cache is dropped, and with --mount-args "--cache-dir DIR" an epoch
-on a new mount that finds the disk cache the last one left),
+on a new mount that finds the disk cache the last one left, and one on a second mount
+beside the first, the same cache directory shared: 0 GETs),
 W3 metadata (listdir of 20k, walk+stat of 20k; cold and cached; ls -l of 20k, cached), W4 random preads in
 shards, W5 small files and shards at once (with the daemon's peak RSS).
 

@@ -41,6 +41,8 @@ class Report:
             "W2.cold32": lambda: ge(val("W2.cold32"), val("W2.cold32", "direct")),
             "W2.warm8": lambda: ge(val("W2.warm8"), 6000),
             "W2.warm32": lambda: ge(val("W2.warm32"), 6000),
+            "W2.shared32": lambda: le(val("W2.shared32.gets"), 0) if val("W2.shared32") is not None else None,
+            "W2.shared32.gets": lambda: le(val("W2.shared32.gets"), 0),
             "W3.flat.cold": lambda: (
                 None
                 if val("W3.flat.cold") is None
@@ -74,6 +76,8 @@ class Report:
         def fmt(x):
             if x is None:
                 return "-"
+            if isinstance(x, int):  # a count (W2.shared32.gets): no decimals
+                return f"{x:,}"
             if isinstance(x, float) and abs(x) < 10:
                 return f"{x:.3f}"
             return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}"

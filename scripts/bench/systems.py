@@ -18,6 +18,10 @@ from typing import Optional
 from .common import MOUNT_DEADLINE_S, REPO
 from .procs import drop_caches, is_mounted
 
+# The first mount's disk-cache writes landing before a second mount reads what they stored
+# (Mount.wait_disk_cache_writes): ~64 MiB queued at most, written in well under this.
+DISK_WRITES_DEADLINE_S = 60.0
+
 
 class _MountProcess:
     """A FUSE mount served by a foreground subprocess: start, wait for the mount with a
@@ -182,6 +186,25 @@ class Mount(_MountProcess):
             drop_caches()
         self.start()
 
+    def wait_disk_cache_writes(self, deadline_s: float = DISK_WRITES_DEADLINE_S) -> bool:
+        """Until every byte this daemon fetched is in its disk cache (--cache-dir) or was
+        let go unstored (its counters): its background writes landed, the mount still up
+        (stop() would wait for them, but another mount is to read them beside this one).
+        Exact where each GET covers whole chunks of its object, as W2's whole small files
+        do (a part cut mid-chunk stores less, and the deadline ends the wait). False if
+        the deadline passed first."""
+        from bucketfs.testing.mounting import daemon_stats
+
+        deadline = time.monotonic() + deadline_s
+        while True:
+            stats = daemon_stats(self.mountpoint)
+            done_bytes = stats.get("disk_cache.written_bytes", 0) + stats.get("disk_cache.skipped_bytes", 0)
+            if done_bytes >= stats.get("backend.bytes_fetched", 0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)  # polling interval, with a deadline
+
 
 class ModuleSetMount(Mount):
     """A bucketfs daemon started with some of its module constants set first (e.g.
@@ -221,6 +244,29 @@ def serving(bench, mount: Mount):
         mount.stop()
         bench.mount = saved
         saved.notes.extend(mount.notes)
+
+
+@contextlib.contextmanager
+def beside(bench, name: str):
+    """A second bucketfs daemon with bench.mount's options (its --cache-dir too) at a
+    mountpoint of its own, while bench.mount stays up. Within the block, bench's runs of
+    system "bucketfs" measure the second (bench.mount and bench.mountpoint are its: the
+    daemon's CPU and counters, the watchdog's abort, root()); it is stopped after, as
+    every mount is, failure or not, and its log notes join the first's."""
+    first = bench.mount
+    mountpoint = os.path.join(bench.work_dir, f"{name}-mnt")
+    os.makedirs(mountpoint, exist_ok=True)
+    second = Mount(first.backend, first.bucket, mountpoint, first.max_memory, first.work_dir, first.extra_args)
+    second.name = name  # (its log's and notes' name)
+    saved = bench.mount, bench.mountpoint
+    bench.mount, bench.mountpoint = second, mountpoint
+    try:
+        second.start()
+        yield second
+    finally:
+        second.stop()
+        bench.mount, bench.mountpoint = saved
+        first.notes.extend(second.notes)
 
 
 class RcloneMount(_MountProcess):

@@ -1,7 +1,8 @@
 """The workloads, as methods of `Bench` (runner.py): W1 shard streaming (threads and a
 webdataset DataLoader), W2 ImageFolder (listing, cold, warm, evicted and remounted
-epochs; then copy-then-read, copythenread.py), W3 metadata (listdir, walk+stat, ls -l), W4 random preads, W5 small files and
-shards at once. Each registers its rows and records every system's value. W1 (threads),
+epochs, one through a second mount sharing the first's disk cache; then copy-then-read,
+copythenread.py), W3 metadata (listdir, walk+stat, ls -l), W4 random preads, W5 small
+files and shards at once. Each registers its rows and records every system's value. W1 (threads),
 W2 and W5 also run s3torchconnector where it is installed (s3torch.py)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .procs import RssSampler, drop_caches, proc_status_kib
 from .readers import file_reader, median_run, pull_loop, read_file_streaming, read_object_direct, run_threads
 from .s3torch import SYSTEM as S3TORCH
 from .stores import S3Direct
+from .systems import beside
 
 W5_SMALL_READERS = 32  # W5's threads reading the ImageFolder files...
 W5_SHARD_READERS = 4  # ... while these stream the shards
@@ -159,6 +161,16 @@ class Workloads:
             # after a reboot (its files on disk only), and in a new job (its files still in the page cache)
             self.row("W2.remount32", "W2 epoch, new mount, disk cache kept, 32t", "files/s", True, "-")
             self.row("W2.rejob32", "W2 epoch, new mount, disk cache in page cache, 32t", "files/s", True, "-")
+            # Shared by every mount of the bucket on the host: a second one, the first still up, reads
+            # what the first stored (issue 38).
+            self.row(
+                "W2.shared32",
+                "W2 epoch, a second mount beside the first, shared disk cache, 32t",
+                "files/s",
+                True,
+                "0 GETs",
+            )
+            self.row("W2.shared32.gets", "W2 object GETs of that epoch (second mount)", "GETs", False, "0")
         for system in (*self.systems, *self.s3torch_systems()):
             for threads in (8, 32):
                 self.cold(system)
@@ -177,7 +189,7 @@ class Workloads:
                 if system not in ("direct", S3TORCH) and threads == 32:
                     passes += ("evicted",)
                     if system == "bucketfs" and self.cache_dir:
-                        passes += ("remount", "rejob")
+                        passes += ("shared", "remount", "rejob")
                 for temp in passes:
                     if temp == "evicted":
                         drop_caches()  # the same mount: its block cache and --cache-dir stay
@@ -185,6 +197,9 @@ class Workloads:
                         self.mount.remount()  # a new daemon; --cache-dir is kept, the page cache dropped
                     elif temp == "rejob":
                         self.mount.remount(drop=False)  # the last epoch left the cache's files in the page cache
+                    elif temp == "shared":  # through a second mount, this one (its cold epoch's writer) staying up
+                        self.w2_shared(order, threads)
+                        continue
                     if system == S3TORCH:
                         run = self.measure(
                             f"W2 epoch {temp} {threads}t",
@@ -211,6 +226,22 @@ class Workloads:
                     client.close()
                 dataset = None
         self.w2_copy_then_read()  # copy-then-read (s5cmd), after the other systems (copythenread.py)
+
+    def w2_shared(self, order: list, threads: int) -> None:
+        """W2's epoch on a second mount of the bucket with the same --cache-dir, beside
+        self.mount once its writes of the cold epoch landed: every file a hit in what the
+        first stored, so 0 GETs (issue 38). The page cache is dropped first, as for the
+        remount pass: the cache's files on disk only, the two rows compare."""
+        if not self.mount.wait_disk_cache_writes():
+            log("  W2 shared: the first mount's disk-cache writes had not all landed by the deadline")
+        drop_caches()
+        with beside(self, "bucketfs-shared"):
+            read = file_reader(self.root("bucketfs"))  # the second mount's
+            run = self.measure(
+                f"W2 epoch shared {threads}t", "bucketfs", lambda v: self._epoch(v, order, threads, read)
+            )
+        self.record(f"W2.shared{threads}", "bucketfs", run.get("files/s"))
+        self.record(f"W2.shared{threads}.gets", "bucketfs", run.get("requests", {}).get("GET", 0))
 
     def w2_order(self, threads: int) -> list:
         """The ImageFolder files in the order W2's epochs with `threads` threads read them
