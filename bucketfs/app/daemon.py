@@ -104,6 +104,11 @@ def daemonise(config: Config) -> int:
         os.close(read_fd)
         _run_daemon(config, write_fd)  # (never returns)
     os.close(write_fd)
+    # A Ctrl-C stops this wait and the daemon (wait_for_daemon) even if SIGINT was
+    # ignored at start, as a script's background job has it: Python then installs no
+    # handler, and the signal was lost while the probe hung. (mount.py takes SIGINT
+    # whatever it inherits, as this does.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     return wait_for_daemon(config, pid, read_fd)
 
 

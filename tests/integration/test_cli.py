@@ -532,10 +532,18 @@ def silent_store():
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", listener
 
 
-def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_probing=lambda proc: None):
-    """`bucketfs mount` against a store that never answers, sent SIGINT once its probe
-    has connected: (process, stdout, stderr, what `while_probing(process)` returned
-    just before the signal)."""
+def ctrl_c_while_the_store_hangs(
+    mountpoint, *args, timeout_s: float, while_probing=lambda proc: None, sigint_at_start=signal.SIG_DFL
+):
+    """`bucketfs mount` against a store that never answers, started with SIGINT's
+    disposition `sigint_at_start` (not whatever this process has) and sent SIGINT once
+    its probe has connected: (process, stdout, stderr, what `while_probing(process)`
+    returned just before the signal)."""
+
+    def preexec() -> None:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, sigint_at_start)  # (SIG_DFL and SIG_IGN outlive the exec)
+
     with silent_store() as (url, listener):
         proc = subprocess.Popen(
             mount_cmd("s3://some-bucket/", mountpoint, *args, endpoint_url=url),
@@ -543,7 +551,7 @@ def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_prob
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=preexec,
         )
         try:
             conn, _ = listener.accept()  # the probe waits on the store
@@ -558,14 +566,18 @@ def ctrl_c_while_the_store_hangs(mountpoint, *args, timeout_s: float, while_prob
     return proc, out, err, seen
 
 
-def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path):
-    """The parent exited 130 silently and left the daemon running; it mounted later."""
+@pytest.mark.parametrize("sigint_at_start", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_while_a_daemonised_mount_waits_stops_the_daemon(empty_dir, tmp_path, sigint_at_start):
+    """The parent exited 130 silently and left the daemon running; it mounted later.
+    With SIGINT ignored at start (a script's background job has it so) the parent lost
+    the signal and waited on the hung probe, past this test's timeout."""
     proc, out, err, daemon_pids = ctrl_c_while_the_store_hangs(
         empty_dir,
         "--log-file",
         str(tmp_path / "bucketfs.log"),
         timeout_s=30,
         while_probing=lambda proc: _child_pids(proc.pid),
+        sigint_at_start=sigint_at_start,
     )  # (the daemon probes, the parent waits for it)
     (daemon_pid,) = daemon_pids
     assert proc.returncode == errors.EXIT_INTERRUPTED, err
