@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import time
@@ -177,7 +178,7 @@ def list_front(upstream_url: str, bucket_dir: pathlib.Path):
         if not line.startswith("LISTENING "):
             raise RuntimeError(f"the LIST front did not start: {line!r}")
         _, url, keys_count = line.split()
-        yield url, int(keys_count)
+        yield url, int(keys_count), proc.pid
     finally:
         proc.stdin.close()
         try:
@@ -235,18 +236,60 @@ def store(data_dir: pathlib.Path):
 
     with rclone_s3_server(data_dir) as server:
         started_s = time.monotonic()
-        with list_front(server.endpoint_url, data_dir / BUCKET) as (front_url, keys_count):
+        with list_front(server.endpoint_url, data_dir / BUCKET) as (front_url, keys_count, front_pid):
             print(
                 f"store: rclone serve s3 (pid {server.pid}), LIST front over {keys_count:,} keys "
                 f"(snapshot {time.monotonic() - started_s:.1f} s), latency proxy {LATENCY_MS:g} ms",
                 flush=True,
             )
             with ProxyProcess(front_url, LATENCY_MS, CONN_MBPS) as proxy:
+                proxy.front_pid = front_pid  # (for the CPU accounting of bench_build)
                 yield server, proxy
 
 
 def _lists(proxy) -> int:
     return proxy.stats()["requests"].get("LIST", 0)
+
+
+class StoreCpu:
+    """CPU seconds the store side (the LIST front and the latency proxy) and the lister
+    (this process, or the command's) spent over a run: with two cores shared by all of
+    them, the run cannot be shorter than the lister's CPU (one Python thread does the
+    parsing) nor than everyone's CPU over the cores. That floor, against the
+    sequential pages' time, is the most any lister could gain here."""
+
+    def __init__(self, proxy):
+        from bench.procs import proc_cpu_s
+
+        self._cpu_of = proc_cpu_s
+        self._pids = (proxy.front_pid, proxy.pid)
+        self._store_s = sum(map(proc_cpu_s, self._pids))
+        self._self_s = time.process_time()
+        self._children = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    def split(self) -> tuple:
+        """(lister CPU s, store-side CPU s) since construction."""
+        store_s = sum(map(self._cpu_of, self._pids)) - self._store_s
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        lister_s = (
+            time.process_time()
+            - self._self_s
+            + (children.ru_utime - self._children.ru_utime)
+            + (children.ru_stime - self._children.ru_stime)
+        )
+        return lister_s, store_s
+
+    def report(self, sequential_s: float, run_s: float) -> dict:
+        lister_s, store_s = self.split()
+        cores = os.cpu_count() or 1
+        floor_s = max(lister_s, (lister_s + store_s) / cores)
+        print(
+            f"    CPU: lister {lister_s:.2f} s, LIST front + proxy {store_s:.2f} s; on {cores} cores the run "
+            f"takes >= {floor_s:.2f} s (wall {run_s:.2f} s): at most {sequential_s / floor_s:.1f}x the "
+            "sequential pages on this machine",
+            flush=True,
+        )
+        return {"lister_cpu_s": lister_s, "store_cpu_s": store_s, "floor_s": floor_s}
 
 
 # -- part 1: build -------------------------------------------------------------------
@@ -295,6 +338,7 @@ def bench_build(server, proxy, objects: int, concurrency: int, work_dir: pathlib
     print(f"  sequential pages: {len(seq):,} objects in {sequential_s:.2f} s, {sequential_lists} LISTs", flush=True)
 
     lists_before = _lists(proxy)
+    cpu = StoreCpu(proxy)
     started_s = time.monotonic()
     par, most_in_flight = trio.run(ranges)
     ranges_s = time.monotonic() - started_s
@@ -304,11 +348,13 @@ def bench_build(server, proxy, objects: int, concurrency: int, work_dir: pathlib
         f"{ranges_lists} LISTs, at most {most_in_flight} in flight: {sequential_s / ranges_s:.1f}x",
         flush=True,
     )
+    ranges_cpu = cpu.report(sequential_s, ranges_s)
 
     out = work_dir / "flat.idx"
     env = dict(os.environ, **server.env())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     lists_before = _lists(proxy)
+    cpu = StoreCpu(proxy)
     started_s = time.monotonic()
     proc = subprocess.run(
         [
@@ -342,6 +388,7 @@ def bench_build(server, proxy, objects: int, concurrency: int, work_dir: pathlib
         f"{command_lists} LISTs, {out.stat().st_size:,} bytes: {sequential_s / command_s:.1f}x",
         flush=True,
     )
+    command_cpu = cpu.report(sequential_s, command_s)
     print(f"  entries equal (key, size, mtime, version) in all three: {same}", flush=True)
     return {
         "objects": len(seq),
@@ -353,6 +400,8 @@ def bench_build(server, proxy, objects: int, concurrency: int, work_dir: pathlib
         "command_s": command_s,
         "command_lists": command_lists,
         "command_ratio": sequential_s / command_s,
+        "ranges_cpu": ranges_cpu,
+        "command_cpu": command_cpu,
         "index_bytes": out.stat().st_size,
         "entries_equal": same,
         "load_average": load_average(),

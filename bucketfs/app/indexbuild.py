@@ -211,7 +211,14 @@ class ParallelLister:
                     # first page (a key under a subdirectory would have shown as one).
                     self._take(first.objects)
                     if first.next_token is not None:
-                        self._start(first.objects[-1].key if first.objects else "", None)
+                        cursor, hi = first.objects[-1].key if first.objects else "", None
+                        if first.objects:
+                            # Split what is left at once, as this page's keys are spaced: a
+                            # round trip less than listing the range's own first page first.
+                            self._ranges += 1  # (the range from `cursor`, started below)
+                            hi = self._split(first.objects[0].key, cursor, len(first.objects), None)
+                            self._ranges -= 1
+                        self._start(cursor, hi)
         except BaseExceptionGroup as group:  # (a range's error: the first one is the answer)
             found = _first_error(group, errors.BucketfsError)
             if found is None:

@@ -32,7 +32,9 @@ GetObject. Invariants:
 from __future__ import annotations
 
 import bisect
+import functools
 import http.client
+import itertools
 import logging
 import re
 import threading
@@ -154,6 +156,23 @@ def check_region(region: str) -> None:
         botocore.utils.validate_region_name(region)
     except botocore.exceptions.InvalidRegionError as exc:
         raise errors.InvalidOption(f"--region {region!r}: {exc}") from None
+
+
+# ObjectInfo(*fields) without the named tuple's Python-level __new__: a C call.
+_AS_OBJECT_INFO = functools.partial(tuple.__new__, ObjectInfo)
+
+
+def object_infos(raw_objects: list) -> list:
+    """ObjectInfo of each (key, size, mtime_ns, ETag) of a LIST page, its version as
+    versions.of_s3 makes it, in C loops where every ETag is stated (index build makes
+    one per key: 200,000 took 0.19 s of its 0.58 s of CPU one at a time)."""
+    if not raw_objects:
+        return []
+    keys, sizes, mtimes, etags = zip(*raw_objects)
+    stated = list(map(str.strip, etags, itertools.repeat('"')))
+    if "" in stated:  # (a store that states no ETag: versions by time)
+        stated = list(map(versions.of_s3, etags, mtimes))
+    return list(map(_AS_OBJECT_INFO, zip(keys, sizes, mtimes, stated)))
 
 
 class S3Backend(Backend):
@@ -349,11 +368,7 @@ class S3Backend(Backend):
             # (The SDK's answer is whole; the lean path's is cut already.)
             raw_objects = raw_objects[: bisect.bisect_right([raw[0] for raw in raw_objects], end)]
             truncated = False
-        # (of_s3 inlined for what it mostly is, an ETag: index build makes one per key.)
-        objects = [
-            ObjectInfo(key, size, mtime_ns, etag.strip('"') or versions.of_s3(etag, mtime_ns))
-            for key, size, mtime_ns, etag in raw_objects
-        ]
+        objects = object_infos(raw_objects)
         if objects:
             self.answer_checks.note_listed(objects[-1].version)
         if truncated and not objects:
