@@ -48,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -88,6 +89,13 @@ READ_AHEAD_MEMORY_FRACTION = 0.5
 # The replacement policy: policy.Residency's scan-resistant one; True: plain LRU (for
 # comparisons: tests and benchmarks may set it).
 LRU_POLICY = False
+
+
+def _take_one(counter: collections.Counter, key) -> None:
+    if counter[key] > 1:
+        counter[key] -= 1
+    else:
+        counter.pop(key, None)
 
 
 class DiskCache:
@@ -141,6 +149,16 @@ class DiskCache:
         self.index_bytes = 0  # memory the index takes (Entry objects and their CRCs)
         self._charged_index_bytes = 0
         self._deletes_send, self._deletes_receive = trio.open_memory_channel(float("inf"))  # ids
+        # Ids this mount deletes (how many times): queued or in progress, and journaled but
+        # not yet read back in the journal. Meanwhile they are not stored again (the
+        # delete removes the file by id), nor taken from the other mounts' records:
+        # those read before this mount's own delete record come before it in the
+        # journal, so its delete undoes them for every mount.
+        self._deletes_queued: collections.Counter = collections.Counter()
+        self._deletes_unread: collections.Counter = collections.Counter()
+        # Deletes have a thread of their own: behind queued writes they fell minutes
+        # behind, and the files of evicted objects stayed on disk past --cache-size.
+        self._delete_limiter = trio.CapacityLimiter(1)
         try:
             if dir_fd is None:
                 dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -303,9 +321,23 @@ class DiskCache:
         if not ops:
             return False
         cb = self.chunk_bytes
+        queued, unread = self._deletes_queued, self._deletes_unread
         for op in ops:
             kind, eid = op[0], op[1]
-            if kind == "C":
+            if kind == "R":  # a rewrite was missed: what the journal does not hold was deleted
+                self._drop_unheld(eid)
+                unread.clear()  # (this mount's deletes not read back were in a file it skipped)
+            elif kind == "OD":  # this mount's own delete, read back: what came before it is undone
+                for gone in eid:
+                    entry = self._entries.pop(gone, None)
+                    if entry is not None:
+                        self._forget(entry)
+                    _take_one(unread, gone)
+            elif kind != "D" and (eid in queued or eid in unread):
+                # Being deleted here: this mount's delete removes the file the other mount
+                # stored and journals it, which every mount but this one then reads.
+                continue
+            elif kind == "C":
                 entry = self._entries.get(eid)
                 if entry is None:
                     continue  # (of an object evicted here meanwhile)
@@ -322,7 +354,7 @@ class DiskCache:
                     self._entries.admit(eid, entry, self._disk_bytes_for(op[2]))
                     self.index_bytes += entry.index_bytes()
                     self._live_record_bytes += entry.record_bytes()
-            else:  # deleted by another mount, files and all
+            elif kind == "D":  # deleted by another mount, files and all
                 for gone in eid:
                     entry = self._entries.pop(gone, None)
                     if entry is not None:
@@ -330,6 +362,14 @@ class DiskCache:
         self._charge_index()
         self.stats["disk_cache.records_from_other_mounts"] += len(ops)
         return True
+
+    def _drop_unheld(self, held: set) -> None:
+        """Forget the journaled entries `held` lacks (a write not journaled yet stays)."""
+        for eid in list(self._entries):
+            entry = self._entries.get(eid)
+            if entry is not None and entry.recorded and eid not in held:
+                self._entries.pop(eid)
+                self._forget(entry)
 
     def _open_data_dir(self) -> int:
         try:
@@ -362,7 +402,7 @@ class DiskCache:
 
     async def _remove_orphans(self, names: list) -> None:
         removed_count, _ = await trio.to_thread.run_sync(
-            files.remove_files, self._data_fd, names, limiter=self._write_limiter
+            files.remove_orphans, self._data_fd, self._journal, names, limiter=self._delete_limiter
         )
         log.info("disk cache: removed %d files no entry names", removed_count)
 
@@ -643,6 +683,10 @@ class DiskCache:
             return
         entry = self._entries.get(eid)
         if entry is None:
+            if eid in self._deletes_queued or eid in self._deletes_unread:  # (its delete would remove this file)
+                self.stats["disk_cache.skipped_bytes"] += len(view)
+                self.stats["disk_cache.skipped_stores"] += 1
+                return
             entry = journal.Entry(eid, object_bytes, cb, journal.entry_payload(key, version, object_bytes))
             # (as it will take once stored whole: the policy admits it where that fits)
             self._entries.admit(eid, entry, self._disk_bytes_for(object_bytes))
@@ -674,6 +718,15 @@ class DiskCache:
                 "; no more writes to the disk cache" if self._write_failures >= WRITE_FAILURES_MAX else "",
             )
             self._evict(eid, entry)
+            return
+        if crcs is None:  # (another mount's delete removed the file meanwhile: journaled as deleted)
+            self._deletes_unread[eid] += 1
+            if self._entries.get(eid) is entry:
+                self._entries.pop(eid)
+                self._forget(entry)
+                self._charge_index()
+            self.stats["disk_cache.skipped_bytes"] += hi - lo
+            self.stats["disk_cache.skipped_stores"] += 1
             return
         entry.recorded = True
         if entry.gone:  # evicted while we wrote: what we wrote must go too
@@ -747,6 +800,7 @@ class DiskCache:
         # A queue, not a task per file: evicting 200,000 objects at once must not
         # start 200,000 tasks (~5 KB each).
         self._begin()
+        self._deletes_queued[eid] += 1
         self._deletes_send.send_nowait(eid)
 
     async def _delete_worker(self) -> None:
@@ -758,12 +812,17 @@ class DiskCache:
                     batch.append(self._deletes_receive.receive_nowait())
                 except trio.WouldBlock:
                     break
+            journaled = False
             try:
-                error = await trio.to_thread.run_sync(
-                    _delete_files, self._data_fd, self._journal, batch, limiter=self._write_limiter
+                error, journaled = await trio.to_thread.run_sync(
+                    _delete_files, self._data_fd, self._journal, batch, limiter=self._delete_limiter
                 )
                 if error is not None:
                     log.warning("disk cache: could not delete every file of %d evicted objects (%s)", len(batch), error)
             finally:
+                for eid in batch:
+                    _take_one(self._deletes_queued, eid)
+                    if journaled:
+                        self._deletes_unread[eid] += 1
                 self._end(len(batch))
             self._evict_to_capacity()  # (the journal grew by their records: it counts)

@@ -19,30 +19,47 @@ from typing import Optional
 import trio
 
 from bucketfs.diskcache import pagecache
-from bucketfs.diskcache.journal import chunks_payload, data_name, delete_payload
+from bucketfs.diskcache.journal import ID_BYTES, chunks_payload, data_name, delete_payload
 
 log = logging.getLogger(__name__)
 
 
 def write_chunks(
     data_fd: int, name: str, offset: int, view, chunk_bytes: int, journal, eid: bytes, definition: bytes
-) -> dict:
+) -> Optional[dict]:
     """Write `view` at `offset` (a chunk boundary) of the data file `name`, then journal
     the CRC-32 of each chunk in it (after `definition`, the entry's payload, if not
-    journaled yet); the CRCs."""
+    journaled yet); the CRCs. None if another mount's delete of the same id removed the
+    file meanwhile: then the records are followed by a delete record."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600, dir_fd=data_fd)
     try:
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
+        first = offset // chunk_bytes
+        crcs = {
+            first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))
+        }
+        chunks = chunks_payload(eid, crcs.items())
+        journal.append([definition, chunks] if definition else [chunks])
+        # A mount deleting this id journals its delete after the unlink. If the name still
+        # holds this file now, after these records, any later unlink is journaled after
+        # them too; if not, these records name bytes no file holds: journal the delete.
+        if not _still_named(fd, name, data_fd):
+            journal.append([delete_payload([eid])])
+            return None
     finally:
         os.close(fd)
-    first = offset // chunk_bytes
-    crcs = {first + n: zlib.crc32(view[at : at + chunk_bytes]) for n, at in enumerate(range(0, len(view), chunk_bytes))}
-    journal.append(
-        [definition, chunks_payload(eid, crcs.items())] if definition else [chunks_payload(eid, crcs.items())]
-    )
     return crcs
+
+
+def _still_named(fd: int, name: str, dir_fd: int) -> bool:
+    try:
+        named = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (own.st_dev, own.st_ino)
 
 
 def remove_files(data_fd: int, names) -> tuple:
@@ -60,17 +77,43 @@ def remove_files(data_fd: int, names) -> tuple:
     return removed_count, first_error
 
 
-def delete_files(data_fd: int, journal, eids: list) -> Optional[OSError]:
-    """Delete the entries' files and journal it in one append (a lost record only
-    costs a bad read of the missing file at a later mount); the first error other
-    than a missing file, if any."""
+def remove_orphans(data_fd: int, journal, names: list) -> tuple:
+    """remove_files of data files no entry names, their ids journaled as deleted after
+    (another mount may have stored one of them again meanwhile, and journals it after
+    its write: the delete record must come after that)."""
+    removed = remove_files(data_fd, names)
+    eids = []
+    for name in names:
+        try:
+            eids.append(bytes.fromhex(name) if len(name) == 2 * ID_BYTES else None)
+        except ValueError:
+            pass
+    eids = [eid for eid in eids if eid is not None]
+    if eids and not journal.broken:
+        try:
+            for at in range(0, len(eids), DELETES_PER_RECORD_MAX):
+                journal.append([delete_payload(eids[at : at + DELETES_PER_RECORD_MAX])])
+        except OSError:
+            pass  # (a journal that takes no more: nothing is stored either)
+    return removed
+
+
+# Ids in one delete record (16 bytes each: well within journal.RECORD_MAX_BYTES).
+DELETES_PER_RECORD_MAX = 4096
+
+
+def delete_files(data_fd: int, journal, eids: list) -> tuple:
+    """Delete the entries' files and journal it in one append, after them (a lost
+    record only costs a bad read of the missing file at a later mount): (the first
+    error other than a missing file, or None; whether the record was appended)."""
     _, first_error = remove_files(data_fd, map(data_name, eids))
     if not journal.broken:
         try:
             journal.append([delete_payload(eids)])
+            return first_error, True
         except OSError as exc:
             first_error = first_error or exc
-    return first_error
+    return first_error, False
 
 
 WOULD_BLOCK = object()  # (a no-wait read that needs the disk)

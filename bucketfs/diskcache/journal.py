@@ -24,6 +24,11 @@ Invariants:
   written or torn: it is waited for until a whole record follows it.
 - A torn tail is cut at load only by a mount alone on the directory (holding the
   lock exclusively); with other mounts live nothing is ever truncated.
+- No record names a file that is gone (files.py keeps it): every delete of a data
+  file is journaled after the unlink, and every write checks, after its records,
+  that the name still holds the file it wrote (else it journals a delete). A
+  reader's own deletes come back from read_tail ("OD"), so that records it reads
+  late but which came before its delete are undone, as for every other mount.
 - Bounded: once it holds COMPACT_RATIO times what its live entries need (evictions
   leave dead records), one mount rewrites it (`compact`) holding `journal.lock`
   exclusively: it first reads every record appended so far, writes its index as a
@@ -215,7 +220,7 @@ def delete_payload(eids) -> bytes:
 
 
 # What a record says (parse's results): ("E", id, object bytes, payload),
-# ("C", id, pairs bytes), ("D", [ids]).
+# ("C", id, pairs bytes), ("D", [ids]); a reader's own deletes ("OD", [ids]).
 def _decode(payload: bytes) -> Optional[tuple]:
     kind = payload[:1]
     if kind == b"E" and len(payload) >= _ENTRY.size:
@@ -229,8 +234,13 @@ def _decode(payload: bytes) -> Optional[tuple]:
     if kind == b"C" and len(payload) >= _CHUNKS.size:
         return ("C", payload[1 : _CHUNKS.size], payload[_CHUNKS.size :])
     if kind == b"D":
-        return ("D", [payload[at : at + ID_BYTES] for at in range(1, len(payload) - ID_BYTES + 1, ID_BYTES)])
+        return ("D", _ids_of(payload))
     return None  # (a kind a later version writes: its records are skipped whole)
+
+
+def _ids_of(delete: bytes) -> list:
+    """The ids of a D payload."""
+    return [delete[at : at + ID_BYTES] for at in range(1, len(delete) - ID_BYTES + 1, ID_BYTES)]
 
 
 def _whole_record_at(data: bytes, at: int) -> Optional[int]:
@@ -256,8 +266,8 @@ def _next_whole_record(data: bytes, at: int) -> Optional[int]:
 
 def parse(data: bytes, skip_writer: int = -1) -> tuple:
     """The records at the start of `data`: (what they say, as _decode's tuples, except
-    the records of `skip_writer`; how many bytes were used; how many of those were
-    skipped as torn or damaged). A record cut by the end of `data` is not used (more
+    the records of `skip_writer`, whose deletes are ("OD", ids); how many bytes were
+    used; how many of those were skipped as torn or damaged). A record cut by the end of `data` is not used (more
     may come), unless a whole record after it shows it torn."""
     ops: list = []
     at = skipped = 0
@@ -281,6 +291,8 @@ def parse(data: bytes, skip_writer: int = -1) -> tuple:
                     op = _decode(payload)
                     if op is not None:
                         ops.append(op)
+                elif payload[:1] == b"D":  # (the writer's own deletes: where they fall in the order matters)
+                    ops.append(("OD", _ids_of(payload)))
                 continue
         # torn or damaged: go on at the next sync word (or keep the bytes one may start in)
         resume = data.find(SYNC, at + 1)
@@ -427,7 +439,10 @@ class Journal:
     def read_tail(self) -> list:
         """What other mounts appended since the last call (or the load), in order, as
         parse's tuples. After another mount's rewrite: the old file to its end, then
-        the new one from the end of its snapshot (from its start if a rewrite was missed)."""
+        the new one from the end of its snapshot. If a rewrite was missed (two or more
+        since the last look), the new one whole, and last ("R", ids): the object
+        versions it holds, every writer's records counted; what it does not hold was
+        deleted in between (the caller drops what it still knows of them)."""
         if self.incompatible:
             return []
         with self._read_lock:
@@ -443,18 +458,30 @@ class Journal:
                 return ops  # (gone again, or a journal no mount of this chunk size can use)
             if followed and self.generation == generation + 1:
                 self.position = self._snapshot_end
-            return ops + self._read_new()
+                return ops + self._read_new()
+            return ops + self._read_new(whole=True)
 
-    def _read_new(self) -> list:
+    def _read_new(self, whole: bool = False) -> list:
+        """The records from `position` to the end, but this writer's; `whole` (read from
+        the header): and the ("R", ids) of what the journal holds."""
         fd = self._read_fd
         assert fd is not None
         size = os.fstat(fd).st_size
         self.size_bytes = size
         if size <= self.position:
-            return []
-        ops, used, skipped = parse(os.pread(fd, size - self.position, self.position), self.writer)
+            return [("R", set())] if whole else []
+        data = os.pread(fd, size - self.position, self.position)
+        ops, used, skipped = parse(data, self.writer)
         self.position += used
         self.skipped_bytes += skipped
+        if whole:
+            held: set = set()
+            for op in parse(data)[0]:  # (this writer's records too: they count)
+                if op[0] == "E":
+                    held.add(op[1])
+                elif op[0] == "D":
+                    held.difference_update(op[1])
+            ops.append(("R", held))
         return ops
 
     def needs_compacting(self, live_record_bytes: int, min_bytes: int) -> bool:

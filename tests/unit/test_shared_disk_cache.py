@@ -4,6 +4,7 @@ together, a rewrite by one is followed by the others, and a writer's tear or cra
 hides nothing the others wrote. On the in-memory backend, with request counts."""
 
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -192,6 +193,134 @@ def test_another_block_size_beside_running_mounts_runs_without_the_cache(tmp_pat
     assert c_gets == 0
 
 
+# -- deletes racing stores: no journal entry without its file ----------------------
+def data_file(directory, eid: bytes) -> pathlib.Path:
+    return pathlib.Path(directory) / "data" / journal.data_name(eid)
+
+
+async def rewrite(cache) -> bool:
+    return await trio.to_thread.run_sync(
+        cache._journal.compact, lambda: trio.from_thread.run_sync(cache._caught_up_entries, True)
+    )
+
+
+def no_entry_without_its_file(backend, directory, nursery) -> None:
+    """A mount loading the directory finds a file behind every chunk its journal names."""
+    later = open_cache(backend, directory, nursery, alone=False)
+    for entry in later._entries.values():
+        if entry.present_chunks():
+            assert data_file(directory, entry.eid).exists(), entry.definition
+
+
+def test_a_mount_that_missed_rewrites_drops_what_was_deleted_meanwhile(tmp_path):
+    """B does not look at the journal while A rewrites it twice and deletes X in
+    between: B reads the newest journal whole and drops X, instead of keeping (and
+    writing into its own rewrites) an object whose file is gone."""
+    backend = MemoryBackend(FILES)
+    key = "img/00.jpg"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = open_cache(backend, tmp_path, nursery, alone=True)
+            b = open_cache(backend, tmp_path, nursery, alone=False)
+            info = backend._info[key]
+            eid = journal.entry_id(key, info.version)
+            await read_key(a, backend, key)
+            await a.wait_idle()
+            assert b.holds(key, info.version, 0, info.size_bytes)  # (B learned X)
+            await rewrite(a)
+            a._evict(eid)
+            await a.wait_idle()
+            await rewrite(a)  # (X's delete is in the journal B never read)
+            b._apply_tail()
+            held_by_b = eid in b._entries
+            gets = backend.requests["get"]
+            assert await read_key(b, backend, key) == FILES[key]
+            await rewrite(b)
+            no_entry_without_its_file(backend, tmp_path, nursery)
+            nursery.cancel_scope.cancel()
+            return held_by_b, backend.requests["get"] - gets, stat(b, "disk_cache.bad_reads")
+
+    held_by_b, b_gets, b_bad_reads = trio.run(main)
+    assert not held_by_b
+    assert (b_gets, b_bad_reads) == (1, 0)  # (a miss, not a read of a missing file)
+
+
+def test_another_mounts_records_never_undo_this_mounts_delete(tmp_path):
+    """B evicts X; before B's delete runs, another mount stores X again. B's delete then
+    removes that file and is journaled after those records: B must not take them in
+    (nor, once its delete is done, the older records it reads before its own delete
+    record), or B and its rewrites would name X with no file."""
+    backend = MemoryBackend(FILES)
+    key = "img/01.jpg"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = open_cache(backend, tmp_path, nursery, alone=True)
+            b = open_cache(backend, tmp_path, nursery, alone=False)
+            info = backend._info[key]
+            eid = journal.entry_id(key, info.version)
+            await read_key(b, backend, key)
+            await b.wait_idle()
+            assert a.holds(key, info.version, 0, info.size_bytes)
+            entry = a._entries.get(eid)
+            again = [
+                entry.definition,
+                journal.chunks_payload(eid, [(i, entry.crcs[i]) for i in entry.present_chunks()]),
+            ]
+            b._evict(eid)  # (its delete queued, not run yet)
+            a._journal.append(again)  # another mount stores X again meanwhile
+            b._apply_tail()
+            held_while_queued = eid in b._entries
+            a._journal.append(again)  # and again, read by B only once its delete is done
+            await b.wait_idle()  # B's delete: the file goes, then its record, after both
+            b._apply_tail()
+            a._apply_tail()
+            held = (eid in b._entries, eid in a._entries, data_file(tmp_path, eid).exists())
+            await rewrite(b)
+            no_entry_without_its_file(backend, tmp_path, nursery)
+            nursery.cancel_scope.cancel()
+            return held_while_queued, held
+
+    held_while_queued, held = trio.run(main)
+    assert not held_while_queued
+    assert held == (False, False, False)  # (B's delete record comes after both stores: X is gone everywhere)
+
+
+def test_a_store_whose_file_another_mount_deletes_meanwhile_is_journaled_as_deleted(tmp_path, monkeypatch):
+    """Another mount's delete of the same id removes the file between this mount's write
+    and its records (the other's delete record lands before them): the write sees
+    the file gone and journals a delete after its records."""
+    backend = MemoryBackend(FILES)
+    key = "img/02.jpg"
+    real_append = journal.Journal.append
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            a = open_cache(backend, tmp_path, nursery, alone=True)
+            other = open_cache(backend, tmp_path, nursery, alone=False)
+            info = backend._info[key]
+            eid = journal.entry_id(key, info.version)
+
+            def append_after_the_other_deleted(self, payloads):
+                if self is a._journal and payloads[0][:1] == b"E":
+                    data_file(tmp_path, eid).unlink()  # the other mount's delete: unlink, then its record
+                    real_append(other._journal, [journal.delete_payload([eid])])
+                return real_append(self, payloads)
+
+            monkeypatch.setattr(journal.Journal, "append", append_after_the_other_deleted)
+            assert await read_key(a, backend, key) == FILES[key]
+            await a.wait_idle()
+            monkeypatch.setattr(journal.Journal, "append", real_append)
+            held = eid in a._entries
+            no_entry_without_its_file(backend, tmp_path, nursery)
+            nursery.cancel_scope.cancel()
+            return held, stat(a, "disk_cache.skipped_stores")
+
+    held, skipped = trio.run(main)
+    assert not held and skipped == 1
+
+
 # -- the journal's records across writers -----------------------------------------
 def record(kind_payload: bytes, writer: int = 7) -> bytes:
     return journal.frame(kind_payload, writer)
@@ -335,3 +464,212 @@ def test_a_mount_killed_while_storing_damages_nothing_for_the_others(tmp_path):
     child_read, child_wrong, later_gets = trio.run(main)
     assert child_read >= 50 and child_wrong == 0  # (what the child stored before it was killed is kept too)
     assert later_gets == 0
+
+
+# -- several processes at once, under pressure ------------------------------------
+STRESS_OBJECTS = 200
+STRESS_CAPACITY_BYTES = 2 * MiB  # ~1/8 of the 17 MB data set: every process evicts all the time
+STRESS_COMPACT_MIN_BYTES = 4096  # (the cache takes min(this, capacity // 16)): rewritten every few KB
+STRESS_SEED = 20261201
+STRESS_CHILD = textwrap.dedent(
+    """
+    import collections, faulthandler, logging, random, sys, trio
+    from bucketfs.backends.memory import MemoryBackend
+    from bucketfs.core.stats import Stats
+    from bucketfs.diskcache import journal
+    from bucketfs.diskcache.cache import DiskCache
+
+    directory, index, alone = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "alone"
+    seed, capacity_bytes, reads_count = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+    journal.COMPACT_MIN_BYTES = int(sys.argv[7])
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang reports where every thread was
+
+    logged = collections.Counter()
+
+    class Count(logging.Handler):
+        def emit(self, record):
+            logged[record.levelname] += 1
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.getLogger().addHandler(Count())
+
+    sizes = [random.Random(-1 - i).randrange(20_000, 150_000) for i in range({objects})]
+    expected = {{f"s/{{i:03d}}": random.Random(i).randbytes(sizes[i]) for i in range({objects})}}
+    gets = collections.Counter()  # GETs of the store, by the trio task that made them
+
+    class Store(MemoryBackend):
+        async def read_range(self, key, start, end, version, object_bytes=None):
+            gets[trio.lowlevel.current_task()] += 1
+            return await super().read_range(key, start, end, version, object_bytes=object_bytes)
+
+    # Every process puts the keys in one order: the same versions (v1, v2... a per-process counter).
+    backend = Store(expected)
+    keys = list(expected)
+    hot = keys[:20]
+    counts = collections.Counter()
+    seen = set()
+
+    async def reader(cache, rng, n):
+        task = trio.lowlevel.current_task()
+        for _ in range(n):
+            key = rng.choice(hot) if rng.random() < 0.4 else rng.choice(keys)
+            info, data = backend._info[key], expected[key]
+            start, end = 0, info.size_bytes
+            if rng.random() < 0.25:  # a part of it (only the whole chunks in it are stored)
+                start = rng.randrange(info.size_bytes)
+                end = rng.randrange(start, info.size_bytes) + 1
+            new, gets_before = key not in seen, gets[task]
+            seen.add(key)
+            got = await cache.read_range(key, start, end, info.version, object_bytes=info.size_bytes)
+            counts["reads"] += 1
+            if bytes(got) != data[start:end]:
+                counts["wrong"] += 1
+                print(f"WRONG {{key}} [{{start}}, {{end}}) version {{info.version}}", file=sys.stderr, flush=True)
+            if gets[task] == gets_before:
+                counts["hits"] += 1
+                counts["foreign_hits"] += new  # (never read here before: another process stored it)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            cache = DiskCache(backend, directory, capacity_bytes, 65536, Stats(), nursery, alone=alone)
+            print("ready", flush=True)
+            assert await trio.to_thread.run_sync(sys.stdin.readline) == "go\\n"
+            async with trio.open_nursery() as readers:
+                for t in range(3):
+                    rng = random.Random(seed * 1000 + index * 10 + t)
+                    readers.start_soon(reader, cache, rng, reads_count // 3)
+            await cache.wait_idle()
+            stats = cache.stats.snapshot()
+            for name in ("evictions", "journal_rewrites", "bad_reads", "records_from_other_mounts"):
+                counts[name] = stats.get("disk_cache." + name, 0)
+            counts["warnings"] = sum(logged.values())
+            nursery.cancel_scope.cancel()
+        print(" ".join(f"{{name}}={{counts[name]}}" for name in (
+            "reads", "wrong", "hits", "foreign_hits", "evictions", "journal_rewrites", "bad_reads",
+            "records_from_other_mounts", "warnings")), flush=True)
+        sys.exit(1 if counts["wrong"] else 0)
+
+    trio.run(main)
+    """
+).format(objects=STRESS_OBJECTS)
+
+
+def stress_expected(key: str) -> bytes:
+    i = int(key[2:])
+    return blob(random.Random(-1 - i).randrange(20_000, 150_000), i)
+
+
+@pytest.mark.timeout(180)
+def test_processes_reading_storing_evicting_and_rewriting_at_once_never_read_a_wrong_byte(tmp_path):
+    """Three processes (the first alone at start, as the first mount is) share one small
+    cache directory and read random parts of 200 objects at once, three readers each:
+    every process evicts all the time and rewrites the journal every few KB, while the
+    others append to it, follow its rewrites and delete each other's files. No read
+    returns a wrong byte, each finds what the others stored, every object a later mount
+    loads reads back right, and the directory stays within the --cache-size."""
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    reads_count = 600
+    children, errs = [], []
+
+    def start(index: int, alone: bool):
+        err = open(tmp_path / f"child{index}.err", "wb")
+        errs.append(err)
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                STRESS_CHILD,
+                str(directory),
+                str(index),
+                "alone" if alone else "shared",
+                str(STRESS_SEED),
+                str(STRESS_CAPACITY_BYTES),
+                str(reads_count),
+                str(STRESS_COMPACT_MIN_BYTES),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        )
+        children.append(child)
+        return child
+
+    def evidence() -> str:
+        return "\n".join(
+            f"child {i} (exit {child.returncode}), seed {STRESS_SEED}, stderr:\n"
+            + (tmp_path / f"child{i}.err").read_text(errors="replace")[-6000:]
+            for i, child in enumerate(children)
+        )
+
+    outputs = []
+    try:
+        # The first is alone on the directory (as a mount that could lock it exclusively);
+        # the others start once it has loaded, and all begin reading together.
+        assert start(0, alone=True).stdout.readline() == b"ready\n", evidence()
+        for index in (1, 2):
+            assert start(index, alone=False).stdout.readline() == b"ready\n", evidence()
+        for child in children:
+            child.stdin.write(b"go\n")
+            child.stdin.flush()  # (communicate closes it)
+        for child in children:
+            outputs.append(child.communicate(timeout=120)[0].decode())
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(30)
+            child.stdout.close()
+        for err in errs:
+            err.close()
+    results = []
+    for output, child in zip(outputs, children):
+        last = output.strip().splitlines()[-1] if output.strip() else ""
+        assert child.returncode == 0 and "wrong=0" in last, evidence()
+        results.append({name: int(value) for name, value in (item.split("=") for item in last.split())})
+    print("stress counts:", results)
+    total = {name: sum(r[name] for r in results) for name in results[0]}
+    assert total["reads"] == len(children) * 3 * (reads_count // 3) and total["wrong"] == 0  # (3 readers each)
+    assert total["warnings"] == 0, evidence()  # (a background task's exception is logged, not raised)
+    assert total["journal_rewrites"] > 0  # while the others appended and followed
+    assert all(r["evictions"] > 0 and r["records_from_other_mounts"] > 0 for r in results)
+    assert total["foreign_hits"] > 0  # what one process stored, another read with no GET
+    # What the processes left: each bounds the files of all of them by its capacity once
+    # it has read their records, and the last eviction (after the last write) had read all
+    # of them. Past that, a write that raced another process's delete of the same object
+    # may leave a file no record names (an orphan, removed by the next mount alone) and a
+    # rewrite's journal.new is gone with its rename: two of the largest objects' worth of
+    # blocks (150 KB each, in 64 KiB chunks) per process covers it.
+    left_bytes = du_bytes(directory)
+    assert left_bytes <= STRESS_CAPACITY_BYTES + 3 * 2 * 160 * 1024, left_bytes
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            later = open_cache(MemoryBackend({}), directory, nursery, alone=True, capacity_bytes=STRESS_CAPACITY_BYTES)
+            await later.wait_idle()  # (orphans removed)
+            checked, wrong, unreadable = 0, [], []
+            for eid, entry in [(e.eid, e) for e in later._entries.values()]:
+                _, size, key_len = journal._ENTRY.unpack_from(entry.definition)
+                key = entry.definition[journal._ENTRY.size : journal._ENTRY.size + key_len].decode()
+                data = stress_expected(key)
+                assert size == len(data)
+                for chunk in entry.present_chunks():  # (a part read stores only some chunks)
+                    start, end = chunk * CHUNK_BYTES, min((chunk + 1) * CHUNK_BYTES, size)
+                    got = await later._read_disk(eid, start, end, size)  # None: a CRC that does not match
+                    checked += 1
+                    if got is None:  # (and the entry is evicted: its other chunks are not tried)
+                        data_file = directory / journal.DATA_DIR_NAME / journal.data_name(eid)
+                        unreadable.append((key, chunk, "file exists" if data_file.exists() else "no file"))
+                        break
+                    if bytes(got) != data[start:end]:
+                        wrong.append((key, chunk))
+            nursery.cancel_scope.cancel()
+            return checked, wrong, unreadable, du_bytes(directory)
+
+    checked, wrong, unreadable, later_bytes = trio.run(main)
+    print("later mount:", dict(checked=checked, wrong=wrong, unreadable=unreadable, du=later_bytes, left=left_bytes))
+    assert not wrong
+    assert not unreadable  # (the journal names chunks the directory does not hold)
+    assert checked > 0  # (the processes left the cache holding something)
+    assert later_bytes <= STRESS_CAPACITY_BYTES  # (alone, it evicts at load and removes the orphans)
