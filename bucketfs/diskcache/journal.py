@@ -347,6 +347,9 @@ class Journal:
         self.skipped_bytes = 0  # of torn or damaged records
         self._lock = threading.Lock()  # this process's appends and rewrites, one at a time
         self._read_lock = threading.Lock()  # the reading position, against a rewrite's switch
+        # (file inode, start, end, ids deleted) of this writer's appends, oldest first:
+        # read_tail steps over them (a deque: appended from writing threads).
+        self._own_spans: collections.deque = collections.deque()
         self._read_fd: Optional[int] = None
         self._read_ino = 0
         self.position = 0  # of the next record to read
@@ -446,6 +449,10 @@ class Journal:
         if self.incompatible:
             return []
         with self._read_lock:
+            if self._read_fd is not None:
+                st = os.fstat(self._read_fd)
+                if st.st_nlink:  # (a rewrite renames another file over it: its last link goes)
+                    return self._read_new(st.st_size)
             try:
                 ino = os.stat(JOURNAL_NAME, dir_fd=self.dir_fd).st_ino
             except FileNotFoundError:
@@ -461,17 +468,34 @@ class Journal:
                 return ops + self._read_new()
             return ops + self._read_new(whole=True)
 
-    def _read_new(self, whole: bool = False) -> list:
-        """The records from `position` to the end, but this writer's; `whole` (read from
-        the header): and the ("R", ids) of what the journal holds."""
+    def _read_new(self, size: Optional[int] = None, whole: bool = False) -> list:
+        """The records from `position` to the end (`size`, or as fstat says), but this
+        writer's; `whole` (read from the header): and the ("R", ids) of what the journal
+        holds. This writer's own appends at `position` are stepped over unread (a mount
+        alone reads nothing back), their deletes said all the same."""
         fd = self._read_fd
         assert fd is not None
-        size = os.fstat(fd).st_size
+        if size is None:
+            size = os.fstat(fd).st_size
         self.size_bytes = size
+        ops: list = []
+        spans = self._own_spans
+        while spans and not whole:
+            ino, start, end, deleted = spans[0]
+            if ino != self._read_ino or end <= self.position:  # (another file's, or read already)
+                spans.popleft()
+            elif start != self.position:
+                break  # (another mount's records come first)
+            else:
+                spans.popleft()
+                self.position = end
+                if deleted:
+                    ops.append(("OD", deleted))
         if size <= self.position:
-            return [("R", set())] if whole else []
+            return ops + [("R", set())] if whole else ops
         data = os.pread(fd, size - self.position, self.position)
-        ops, used, skipped = parse(data, self.writer)
+        parsed, used, skipped = parse(data, self.writer)
+        ops += parsed
         self.position += used
         self.skipped_bytes += skipped
         if whole:
@@ -540,6 +564,11 @@ class Journal:
                     fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=self.dir_fd)
                     try:
                         written = os.write(fd, data)
+                        if written == len(data):
+                            # (O_APPEND: the offset is now the end of this write, whoever wrote after it)
+                            end = os.lseek(fd, 0, os.SEEK_CUR)
+                            deleted = [eid for p in payloads if p[:1] == b"D" for eid in _ids_of(p)]
+                            self._own_spans.append((os.fstat(fd).st_ino, end - written, end, deleted))
                     finally:
                         os.close(fd)
             except OSError:
