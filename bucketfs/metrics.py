@@ -239,7 +239,18 @@ _SIMPLE = [
         "1 if the kernel opens directories itself (no OPENDIR or RELEASEDIR round trips; the immutable default)",
         "gauge",
     ),
-    ("handles.open", "bucketfs_open_files", "Open file handles", "gauge"),
+    (
+        "namespace.kernel_opens_files",
+        "bucketfs_kernel_opens_files",
+        "1 if the kernel opens files itself (no OPEN or RELEASE round trips, READs by inode; the immutable default)",
+        "gauge",
+    ),
+    (
+        "handles.open",
+        "bucketfs_open_files",
+        "Open file handles (with the kernel opening files: those read in part)",
+        "gauge",
+    ),
 ]
 
 
@@ -376,7 +387,8 @@ def format_stats(snapshot: dict) -> str:
         ),
         f"namespace     {get('namespace.entries', 0)} entries, {get('namespace.list_pages', 0)} LIST pages; open files {get('handles.open', 0)}"
         + ("; the kernel does not keep listings (see the log)" if get("namespace.kernel_dir_cache_off") else "")
-        + ("; the kernel opens directories itself (no OPENDIR)" if get("namespace.kernel_opens_dirs") else ""),
+        + ("; the kernel opens directories itself (no OPENDIR)" if get("namespace.kernel_opens_dirs") else "")
+        + ("; the kernel opens files itself (no OPEN)" if get("namespace.kernel_opens_files") else ""),
     ]
     ops = {k.split(".", 1)[1]: v for k, v in snapshot.items() if k.startswith("fuse.")}
     lines.append(f"kernel asked  {', '.join(f'{k} {v}' for k, v in sorted(ops.items())) or 'nothing'}")

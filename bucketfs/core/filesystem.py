@@ -20,10 +20,16 @@ Invariants:
 - Shard-like files are read through a `HandleReader` whose read-ahead window warms
   the heads of the shards after them; the policy is `ShardWarming` (shards.py),
   told of every open and release.
+- Reads by inode (`read_inode`: the kernel opens files itself and sends READs with
+  no handle) go through a handle of the inode's own, opened at its first READ as an
+  open would be but pinning nothing, released once a READ reaches the file's end or
+  fails, and at most INODE_HANDLES_MAX of them at once (the least recently read
+  released first).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -59,6 +65,9 @@ KERNEL_RETRY_WINDOW_S = 0.25
 # together, each a moment before the page retry of another; remembering only the last
 # one made the reader wait out a second round of retries (seen in the outage test).
 FAILED_READS_KEPT = 8
+# Handles of reads by inode kept open at once (files read in part, or by many readers):
+# each may pin a small file's bytes, as an open file does.
+INODE_HANDLES_MAX = 256
 
 
 class FileHandle:
@@ -134,6 +143,8 @@ class Filesystem:
         self.shards = parts.shards
         self.fetch_ahead = parts.fetch_ahead
         self._handles: dict = {}
+        self._inode_handles: collections.OrderedDict = collections.OrderedDict()  # ino -> fh, least recent first
+        self._opened_before: dict = {}  # fh -> ino of handles the kernel will not RELEASE (release_all_open_handles)
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
         # Directory inode -> (its listing, its children in order), for readdir_inode.
@@ -224,6 +235,8 @@ class Filesystem:
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles.get(fh)
         if handle is None:
+            if fh in self._opened_before:
+                return await self.read_inode(self._opened_before[fh], off, size)
             raise errors.NotFound(f"file handle {fh}")
         end = min(off + size, handle.size_bytes)
         if off >= end:
@@ -264,6 +277,54 @@ class Filesystem:
                 handle.pinned = False  # (the page cache has it now)
                 self.cache.unpin(handle.key, handle.version)
         return data
+
+    async def read_inode(self, ino: int, off: int, size: int) -> bytes:
+        """A READ of `ino` with no handle (the kernel opened the file itself): through
+        the inode's own handle (see the module's invariants)."""
+        fh = self._inode_handles.get(ino)
+        if fh is None:
+            fh = await self.open(ino, os.O_RDONLY)
+            if ino in self._inode_handles:  # (another READ opened one meanwhile: a --metadata-ttl refresh)
+                self.release(fh)
+                fh = self._inode_handles[ino]
+            else:
+                self._inode_handles[ino] = fh
+                handle = self._handles[fh]
+                if handle.pinned:
+                    # Not pinned: nothing releases a file a reader read in part and left
+                    # (killed, or done with its header), and pinned bytes are never evicted.
+                    handle.pinned = False
+                    self.cache.unpin(handle.key, handle.version)
+                if len(self._inode_handles) > INODE_HANDLES_MAX:
+                    self.release(self._inode_handles.popitem(last=False)[1])
+        else:
+            self._inode_handles.move_to_end(ino)
+        try:
+            data = await self.read(fh, off, size)
+        except BaseException:
+            self._release_inode(ino, fh)  # (the next READ opens afresh: a replaced object gives ESTALE there)
+            raise
+        if off + len(data) >= self._handle_bytes(fh):
+            self._release_inode(ino, fh)  # (read to its end: the kernel keeps its pages)
+        return data
+
+    def release_all_open_handles(self) -> None:
+        """The kernel has stopped sending RELEASE (it opens files itself from now on,
+        and lets go of those it opened before without telling): every open handle is
+        released now, and a later READ of one reads by its inode instead."""
+        implicit = set(self._inode_handles.values())
+        for fh in [fh for fh in self._handles if fh not in implicit]:
+            self._opened_before[fh] = self._handles[fh].node.ino
+            self.release(fh)  # (a READ in progress keeps the handle it started with)
+
+    def _handle_bytes(self, fh: int) -> int:
+        handle = self._handles.get(fh)
+        return 0 if handle is None else handle.size_bytes
+
+    def _release_inode(self, ino: int, fh: int) -> None:
+        if self._inode_handles.get(ino) == fh:
+            del self._inode_handles[ino]
+            self.release(fh)
 
     @staticmethod
     def _failed_a_moment_ago(handle: FileHandle, off: int) -> bool:

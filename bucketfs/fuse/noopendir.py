@@ -197,6 +197,7 @@ class KernelOpensDirs:
         self.refused = False  # tried once and not possible: never again for this mount
         self._noted: dict = {}  # request pointer -> inode, from the READDIRPLUS handler
         self._handler: Optional[tuple] = None  # the C callable in the table: kept alive as long as the mount
+        self.table: Optional[int] = None  # pyfuse3's table of operations, once found
 
     def skips_opendir(self, request_of: Callable[[], Optional[int]], code: Optional[list] = None) -> bool:
         """Whether to answer this OPENDIR with ENOSYS (and so every later one). The
@@ -241,6 +242,7 @@ class KernelOpensDirs:
         handler = _READDIRPLUS_C(readdirplus)
         self._handler = (handler, original)
         slot.value = ctypes.cast(handler, ctypes.c_void_p).value
+        self.table = table  # (noopen.py puts its READ handler in it too)
         self.active = True
         self.stats["namespace.kernel_opens_dirs"] = 1
         log.debug("OPENDIR answered ENOSYS: the kernel opens directories and keeps their listings")

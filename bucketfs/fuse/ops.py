@@ -22,6 +22,7 @@ import trio
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
 from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
+from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
@@ -39,6 +40,8 @@ INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
 # hands out (it numbers both densely from 1).
 STATS_INODE = 1 << 62
 STATS_FH_FIRST = 1 << 62
+# The stats file's size where the kernel opens files itself: more than the counters take.
+STATS_FILE_BYTES_MAX = 16 * 1024 * 1024
 
 
 def errno_for(exc: BaseException) -> int:
@@ -132,6 +135,9 @@ class FuseOperations(pyfuse3.Operations):
         self._dir_cache = DirCacheFlags(fs.stats) if private else None
         # ... and may open directories itself: no OPENDIR or RELEASEDIR round trips.
         self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if private else None
+        # ... and files: no OPEN or RELEASE round trips, READs by inode (noopen.py).
+        self._kernel_opens_files = KernelOpensFiles(fs.stats) if private else None
+        self._stats_by_inode = b""  # the counters as a read by inode at offset 0 found them
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: tell the kernel about names that vanished or changed (with a
@@ -229,9 +235,14 @@ class FuseOperations(pyfuse3.Operations):
 
     def _stats_attrs(self) -> pyfuse3.EntryAttributes:
         # Size 0, as /proc's files: read until EOF (direct I/O, so the kernel does not
-        # stop at the size). Timeouts 0: an object of that name may appear in a listing.
+        # stop at the size). Where the kernel opens files itself (no direct I/O) its
+        # reads stop at the size: a bound, cut to the counters' length by the short
+        # READ. Modified now: each stat() makes the kernel drop the pages it kept of
+        # the last reading. Timeouts 0: an object of that name may appear in a listing.
         attrs = pyfuse3.EntryAttributes()
         attrs.st_ino = STATS_INODE
+        if self._kernel_opens_files is not None and self._kernel_opens_files.active:
+            attrs.st_size = STATS_FILE_BYTES_MAX
         attrs.st_mode = stat_mod.S_IFREG | 0o444
         attrs.st_nlink = 1
         attrs.st_blksize = BLKSIZE_BYTES
@@ -246,6 +257,9 @@ class FuseOperations(pyfuse3.Operations):
         if opens is not None and opens.skips_opendir(lambda: self._dir_cache.request_pointer(inode)):
             # ENOSYS: the kernel stops sending OPENDIR and RELEASEDIR for this mount and
             # keeps every directory's listing; READDIRPLUS comes with handle 0.
+            files = self._kernel_opens_files
+            if files is not None and not files.installed and opens.table is not None:
+                files.install(opens.table)  # (observing READs until it may skip OPEN too)
             raise pyfuse3.FUSEError(errno.ENOSYS)
         dh = await self.fs.opendir(inode)
         if self._dir_cache is not None:
@@ -315,6 +329,16 @@ class FuseOperations(pyfuse3.Operations):
     # -- data ----------------------------------------------------------------
     @fuse_errors
     async def open(self, inode, flags, ctx):
+        files = self._kernel_opens_files
+        if files is not None and (files.active or files.skips_open()):
+            if not files.handles_released:
+                # (nor RELEASE for the files it opened before: their later READs go by inode)
+                files.handles_released = True
+                self.fs.release_all_open_handles()
+            # ENOSYS: the kernel stops sending OPEN and RELEASE for this mount and keeps
+            # every file's pages; READs come by inode (read_inode).
+            self._uncount("open")
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         if inode == STATS_INODE:
             self._uncount("open")
             fh = next(self._stats_fhs)
@@ -328,9 +352,19 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def read(self, fh, off, size):
+        if fh & INODE_FH:  # (the kernel opened the file itself: noopen.py)
+            ino = fh ^ INODE_FH
+            if ino == STATS_INODE:
+                self._uncount("read")
+                if not off:  # a new reader: the counters as they are now
+                    self._stats_by_inode = encode_stats(self.fs.snapshot())
+                return self._stats_by_inode[off : off + size]
+            return await self.fs.read_inode(ino, off, size)
         if fh >= STATS_FH_FIRST:
             self._uncount("read")
             return self._stats_reads[fh][off : off + size]
+        if self._kernel_opens_files is not None:
+            self._kernel_opens_files.saw_handle(fh)
         return await self.fs.read(fh, off, size)
 
     async def flush(self, fh):

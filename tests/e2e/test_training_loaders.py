@@ -212,9 +212,12 @@ def test_second_epoch_makes_no_new_gets(fresh_mount, sample_data):
         epoch2 = proxy.requests[len(epoch1) :]
         daemon_after = daemon_stats(fresh_mount.root)
     assert daemon_after.get("fuse.read", 0) == daemon_before.get("fuse.read", 0), "epoch 2's bytes reached the daemon"
-    assert (
-        daemon_after["fuse.open"] > daemon_before["fuse.open"]
-    )  # (the counters do count: every open still reaches it)
+    # (The counters do count: every open still reaches the daemon, or, where the kernel
+    # opens files itself, nothing of epoch 2 does.)
+    assert daemon_after["fuse.open"] > daemon_before["fuse.open"] or (
+        daemon_after.get("namespace.kernel_opens_files") == 1
+        and daemon_after.get("fuse.open") == daemon_before.get("fuse.open")
+    )
 
     new_gets = [r for r in epoch2 if r.is_object_get]
     assert not new_gets, f"epoch 2 made {len(new_gets)} object GETs, e.g. {new_gets[:5]}"

@@ -1,0 +1,163 @@
+"""OPEN is skipped only once the READ handler put in front of pyfuse3's has seen, at
+FH_OFFSET, the handles bucketfs gave out; then READs that come with handle 0 get the
+inode there, pyfuse3's own handler always runs, and the core reads by inode through
+handles of the inode's own (Filesystem.read_inode)."""
+
+import collections
+import ctypes
+import errno
+import random
+
+import pytest
+
+from bucketfs import errors
+from bucketfs.backends.memory import MemoryBackend
+from bucketfs.fuse.noopen import _READ_C, FH_OFFSET, INODE_FH, VERIFY_COUNT, KernelOpensFiles
+from tests.unit.helpers import resolve, run_fs
+from tests.unit.test_fuse_noopendir import FakeSession
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FileInfo(ctypes.Structure):
+    """libfuse 3's struct fuse_file_info, as far as `fh`."""
+
+    _fields_ = [
+        ("flags", ctypes.c_int32),
+        ("bits", ctypes.c_uint32),
+        ("padding", ctypes.c_uint32),
+        ("padding2", ctypes.c_uint32),
+        ("fh", ctypes.c_uint64),
+        ("lock_owner", ctypes.c_uint64),
+    ]
+
+
+class OriginalRead:
+    """Stands in for pyfuse3's C READ handler: records the handle it would pass on."""
+
+    def __init__(self):
+        self.handles = []
+
+        def read(req, ino, size, off, fi):
+            self.handles.append(ctypes.c_uint64.from_address(fi + FH_OFFSET).value)
+
+        self.callable = _READ_C(read)
+        self.address = ctypes.cast(self.callable, ctypes.c_void_p).value
+
+
+def kernel_read(session: FakeSession, ino: int, fh: int) -> None:
+    """What libfuse's do_read does: a fuse_file_info with the request's handle, then
+    whatever the table's READ slot holds."""
+    fi = FileInfo(fh=fh)
+    _READ_C(session.slot("read").value)(None, ino, 4096, 0, ctypes.addressof(fi))
+
+
+def test_open_is_skipped_only_after_the_handles_were_seen_where_pyfuse3_reads_them():
+    original = OriginalRead()
+    session = FakeSession(original.address)
+    files = KernelOpensFiles(collections.Counter())
+    assert not files.skips_open()  # (no handler in place)
+    files.install(session.table)
+    for fh in range(1, VERIFY_COUNT + 1):
+        assert not files.skips_open()
+        kernel_read(session, ino=100 + fh, fh=fh)
+        files.saw_handle(fh)
+    assert original.handles == [1, 2, 3]  # (observing: handles passed on untouched)
+    assert files.skips_open() and files.stats["namespace.kernel_opens_files"] == 1
+    kernel_read(session, ino=42, fh=0)  # a READ of a file the kernel opened itself
+    kernel_read(session, ino=43, fh=7)  # (one opened before: its handle stays)
+    assert original.handles[-2:] == [INODE_FH | 42, 7]
+
+
+def test_handles_never_seen_at_that_offset_keep_open_answered():
+    original = OriginalRead()
+    session = FakeSession(original.address)
+    files = KernelOpensFiles(collections.Counter())
+    files.install(session.table)
+    for fh in range(1, 10):
+        kernel_read(session, ino=fh, fh=fh + 1000)  # (another layout: not the handle read() gets)
+        files.saw_handle(fh)
+    assert not files.skips_open()
+    assert original.handles == [fh + 1000 for fh in range(1, 10)]
+
+
+FILES = {f"img/{i:03d}.jpg": random.Random(i).randbytes(50_000 + i) for i in range(300)}
+FILES["shards/a.tar"] = random.Random(9).randbytes(20 * 1024 * 1024 + 3)
+
+
+def test_reads_by_inode_return_every_byte_and_leave_no_handle_once_read_to_the_end():
+    backend = MemoryBackend(FILES)
+
+    async def body(fs):
+        for path, data in FILES.items():
+            ino = (await resolve(fs, path)).ino
+            got, off = b"", 0
+            while off < len(data):
+                got += await fs.read_inode(ino, off, 128 * 1024)
+                off = len(got)
+            assert got == data, path
+        return len(fs._inode_handles), len(fs._handles), fs.stats.snapshot()
+
+    inode_handles, handles, stats = run_fs(backend, body)
+    assert inode_handles == handles == 0
+    assert stats["open.small"] == len(FILES) - 1 and stats["open.large"] == 1
+
+
+def test_files_read_in_part_keep_at_most_inode_handles_max_open(monkeypatch):
+    from bucketfs.core import filesystem
+
+    monkeypatch.setattr(filesystem, "INODE_HANDLES_MAX", 8)
+    backend = MemoryBackend(FILES)
+
+    async def body(fs):
+        for path in list(FILES)[:50]:
+            ino = (await resolve(fs, path)).ino
+            assert await fs.read_inode(ino, 0, 100) == FILES[path][:100]  # (a header only)
+        return len(fs._inode_handles), len(fs._handles)
+
+    assert run_fs(backend, body) == (8, 8)
+
+
+def test_a_read_by_inode_of_a_replaced_object_fails_and_the_next_gets_estale():
+    backend = MemoryBackend(FILES)
+    path = "img/001.jpg"
+
+    async def body(fs):
+        ino = (await resolve(fs, path)).ino
+        assert await fs.read_inode(ino, 0, 1 << 20) == FILES[path]  # (read whole: its handle released)
+        backend.put(path, b"new bytes")  # replaced while mounted
+        fs.cache.evict(1 << 62)  # (and the kernel let go of its pages)
+        outcomes = []
+        for _ in range(2):
+            try:
+                await fs.read_inode(ino, 100, 100)
+                outcomes.append("read")
+            except errors.BucketfsError as exc:
+                outcomes.append(exc.errno_value)
+        return outcomes, len(fs._inode_handles)
+
+    outcomes, inode_handles = run_fs(backend, body)
+    assert outcomes == [errno.ESTALE, errno.ESTALE] and inode_handles == 0
+
+
+def test_handles_opened_before_the_kernel_opens_files_go_at_once_and_read_on_by_inode():
+    """No RELEASE comes for files the daemon opened before the switch: their handles
+    are released then, and a later READ of one reads by its inode."""
+    backend = MemoryBackend(FILES)
+    path = "shards/a.tar"
+
+    async def body(fs):
+        fh = await fs.open((await resolve(fs, path)).ino, 0)
+        first = bytes(await fs.read(fh, 0, 1 << 20))
+        fs.release_all_open_handles()
+        open_after_switch = len(fs._handles)
+        rest, off = b"", len(first)
+        while off < len(FILES[path]):
+            chunk = await fs.read(fh, off, 1 << 20)  # (the kernel still sends the old handle)
+            rest += chunk
+            off += len(chunk)
+        return first + rest, open_after_switch, len(fs._handles)
+
+    data, open_after_switch, open_at_end = run_fs(backend, body)
+    assert data == FILES[path]
+    assert open_after_switch == 0 and open_at_end == 0
