@@ -68,6 +68,10 @@ FAILED_READS_KEPT = 8
 # Handles of reads by inode kept open at once (files read in part, or by many readers):
 # each may pin a small file's bytes, as an open file does.
 INODE_HANDLES_MAX = 256
+# READs of a file that arrive this soon after the one that read it to its end were
+# sent before it (the kernel's read-ahead): they are answered through a handle that
+# goes at once, instead of opening one no later READ would end.
+LATE_READ_WINDOW_S = 1.0
 
 
 class FileHandle:
@@ -144,6 +148,7 @@ class Filesystem:
         self.fetch_ahead = parts.fetch_ahead
         self._handles: dict = {}
         self._inode_handles: collections.OrderedDict = collections.OrderedDict()  # ino -> fh, least recent first
+        self._inode_ended: collections.OrderedDict = collections.OrderedDict()  # ino -> until when (LATE_READ_WINDOW_S)
         self._opened_before: dict = {}  # fh -> ino of handles the kernel will not RELEASE (release_all_open_handles)
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
@@ -282,6 +287,15 @@ class Filesystem:
         """A READ of `ino` with no handle (the kernel opened the file itself): through
         the inode's own handle (see the module's invariants)."""
         fh = self._inode_handles.get(ino)
+        if fh is None and trio.current_time() < self._inode_ended.get(ino, -1.0):
+            # A READ sent before the one that reached the end, answered after it (the
+            # kernel's read-ahead): through a handle of its own, let go of at once, so
+            # that it leaves none behind that no later READ would end.
+            fh = await self.open(ino, os.O_RDONLY)
+            try:
+                return await self.read(fh, off, size)
+            finally:
+                self.release(fh)
         if fh is None:
             fh = await self.open(ino, os.O_RDONLY)
             if ino in self._inode_handles:  # (another READ opened one meanwhile: a --metadata-ttl refresh)
@@ -306,6 +320,9 @@ class Filesystem:
             raise
         if off + len(data) >= self._handle_bytes(fh):
             self._release_inode(ino, fh)  # (read to its end: the kernel keeps its pages)
+            self._inode_ended[ino] = trio.current_time() + LATE_READ_WINDOW_S
+            if len(self._inode_ended) > INODE_HANDLES_MAX:
+                self._inode_ended.popitem(last=False)
         return data
 
     def release_all_open_handles(self) -> None:

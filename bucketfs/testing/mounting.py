@@ -10,9 +10,11 @@ daemon logs to a file, so a chatty mount never blocks on a full pipe.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
+import mmap
 import os
 import random
 import shutil
@@ -374,3 +376,34 @@ def assert_overwrite_mid_read_is_stale(mount_at, put_many) -> None:
 
     wait_for(reads_new_small, 30, "an open after the overwrite reads the new version")
     assert os.listdir(m.path("v")) == ["big.bin", "small.jpg"]  # the mount keeps serving
+
+
+@contextlib.contextmanager
+def pinned_in_page_cache(paths):
+    """Every byte of `paths` in the page cache, and kept there (mmap + mlock) for the
+    block: pages read once sit on the kernel's inactive list, and under page-cache
+    pressure (a fresh CI machine that just installed torch) reclaim may drop one
+    between two epochs; that is the kernel's memory policy, not bucketfs's. Pages
+    not cached are read in here, through the mount, before the caller counts."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    mapped = []
+    try:
+        for path in paths:
+            size = os.path.getsize(path)
+            if not size:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)  # (the mapping holds the file)
+            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+            mapped.append((addr, size))
+            assert libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())
+        yield
+    finally:
+        for addr, size in mapped:
+            libc.munmap(addr, size)  # (munmap unlocks)

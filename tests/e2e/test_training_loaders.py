@@ -9,19 +9,16 @@ seeded bytes.
 from __future__ import annotations
 
 import collections
-import contextlib
-import ctypes
 import hashlib
 import io
 import json
-import mmap
 import os
 import subprocess
 import sys
 
 import pytest
 
-from bucketfs.testing.mounting import daemon_stats, fuse_requests_waiting, wait_for
+from bucketfs.testing.mounting import daemon_stats, fuse_requests_waiting, pinned_in_page_cache, wait_for
 from tests.e2e.conftest import REPO_ROOT
 
 try:  # a missing dependency fails every test via conftest's autouse fixture, with the install line
@@ -36,37 +33,6 @@ except ImportError:
 pytestmark = pytest.mark.e2e
 
 IMAGE_PX = 64
-
-
-@contextlib.contextmanager
-def pinned_in_page_cache(paths):
-    """Every byte of `paths` in the page cache, and kept there (mmap + mlock) for the
-    block: pages read once sit on the kernel's inactive list, and under page-cache
-    pressure (a fresh CI machine that just installed torch) reclaim may drop one
-    between two epochs; that is the kernel's memory policy, not bucketfs's. Pages
-    not cached are read in here, through the mount, before the caller counts."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mlock.argtypes = libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    mapped = []
-    try:
-        for path in paths:
-            size = os.path.getsize(path)
-            if not size:
-                continue
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            finally:
-                os.close(fd)  # (the mapping holds the file)
-            assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-            mapped.append((addr, size))
-            assert libc.mlock(addr, size) == 0, os.strerror(ctypes.get_errno())
-        yield
-    finally:
-        for addr, size in mapped:
-            libc.munmap(addr, size)  # (munmap unlocks)
 
 
 def _transform():
