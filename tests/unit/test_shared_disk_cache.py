@@ -35,6 +35,20 @@ def open_cache(backend, directory, nursery, alone: bool, capacity_bytes: int = 1
     return DiskCache(backend, str(directory), capacity_bytes, chunk_bytes, Stats(), nursery, alone=alone)
 
 
+def side_by_side(backend, directory, nursery, **options) -> tuple:
+    """(A, B): a first mount alone on `directory`, and a second started beside it."""
+    return (
+        open_cache(backend, directory, nursery, alone=True, **options),
+        open_cache(backend, directory, nursery, alone=False, **options),
+    )
+
+
+def version_of(backend, key) -> tuple:
+    """(the object's ObjectInfo, the id of that version in the cache)."""
+    info = backend._info[key]
+    return info, journal.entry_id(key, info.version)
+
+
 async def read_key(cache, backend, key) -> bytes:
     info = backend._info[key]
     return bytes(await cache.read_range(key, 0, info.size_bytes, info.version, object_bytes=info.size_bytes))
@@ -50,8 +64,7 @@ def test_what_one_mount_stores_the_other_reads_with_no_get(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True)
-            b = open_cache(backend, tmp_path, nursery, alone=False)  # started while A runs
+            a, b = side_by_side(backend, tmp_path, nursery)
             for key, data in FILES.items():
                 assert await read_key(a, backend, key) == data
             await a.wait_idle()
@@ -86,8 +99,7 @@ def test_the_cache_size_bounds_every_mount_together(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True, capacity_bytes=capacity_bytes)
-            b = open_cache(backend, tmp_path, nursery, alone=False, capacity_bytes=capacity_bytes)
+            a, b = side_by_side(backend, tmp_path, nursery, capacity_bytes=capacity_bytes)
             for at in range(0, len(keys), 20):  # the two take turns, 20 files each
                 for key in keys[at : at + 10]:
                     assert await read_key(a, backend, key) == files[key]
@@ -122,8 +134,7 @@ def test_a_rewrite_by_one_mount_is_followed_by_the_others(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True)
-            b = open_cache(backend, tmp_path, nursery, alone=False)
+            a, b = side_by_side(backend, tmp_path, nursery)
             for key in keys[:6]:
                 await read_key(a, backend, key)
             await a.wait_idle()
@@ -221,10 +232,8 @@ def test_a_mount_that_missed_rewrites_drops_what_was_deleted_meanwhile(tmp_path)
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True)
-            b = open_cache(backend, tmp_path, nursery, alone=False)
-            info = backend._info[key]
-            eid = journal.entry_id(key, info.version)
+            a, b = side_by_side(backend, tmp_path, nursery)
+            info, eid = version_of(backend, key)
             await read_key(a, backend, key)
             await a.wait_idle()
             assert b.holds(key, info.version, 0, info.size_bytes)  # (B learned X)
@@ -256,10 +265,8 @@ def test_another_mounts_records_never_undo_this_mounts_delete(tmp_path):
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True)
-            b = open_cache(backend, tmp_path, nursery, alone=False)
-            info = backend._info[key]
-            eid = journal.entry_id(key, info.version)
+            a, b = side_by_side(backend, tmp_path, nursery)
+            info, eid = version_of(backend, key)
             await read_key(b, backend, key)
             await b.wait_idle()
             assert a.holds(key, info.version, 0, info.size_bytes)
@@ -297,10 +304,8 @@ def test_a_store_whose_file_another_mount_deletes_meanwhile_is_journaled_as_dele
 
     async def main():
         async with trio.open_nursery() as nursery:
-            a = open_cache(backend, tmp_path, nursery, alone=True)
-            other = open_cache(backend, tmp_path, nursery, alone=False)
-            info = backend._info[key]
-            eid = journal.entry_id(key, info.version)
+            a, other = side_by_side(backend, tmp_path, nursery)
+            info, eid = version_of(backend, key)
 
             def append_after_the_other_deleted(self, payloads):
                 if self is a._journal and payloads[0][:1] == b"E":
