@@ -40,7 +40,7 @@ from bucketfs.backends.http.fetchworker import HELD_MAX_BYTES
 from bucketfs.backends.http.workerengine import WorkerEngine
 from bucketfs.backends.s3 import S3Backend
 from tests.contract.test_http_curl import socket_backend
-from tests.contract.test_slow_body import socket_store
+from tests.contract.test_slow_body import socket_store, trickle_until_hung_up
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -386,12 +386,7 @@ def test_a_cancelled_read_returns_at_once_and_its_worker_serves_the_next(spawned
             return
         conn.sendall(_headers(body_bytes) + body[:1000])
         part_sent.set()
-        while not stop.wait(0.05):  # a byte now and then, until the client hangs up
-            try:
-                conn.send(b"x")
-            except OSError:
-                client_went_away.set()
-                return
+        trickle_until_hung_up(conn, stop, client_went_away)  # (the rest never comes)
 
     with socket_store(respond) as (endpoint, answered):
         backend = _socket_backend(endpoint, workers_count=1, read_timeout_s=40)

@@ -16,7 +16,7 @@ from bucketfs.backends.http.curl import CurlLoop
 from bucketfs.backends.s3 import S3Backend
 from bucketfs.config import BucketURL, Config
 from bucketfs.testing.servers import without_curl
-from tests.contract.test_slow_body import socket_store
+from tests.contract.test_slow_body import socket_store, trickle_until_hung_up
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,12 +74,7 @@ def test_a_cancelled_read_takes_its_transfer_back_before_it_returns():
             return
         conn.sendall(_headers(BODY_BYTES, f"bytes 0-{BODY_BYTES - 1}/{BODY_BYTES}") + b"x" * 10)
         first_bytes_sent.set()
-        while not stop.wait(0.05):  # the rest never comes, until the client hangs up
-            try:
-                conn.send(b"x")
-            except OSError:
-                client_went_away.set()
-                return
+        trickle_until_hung_up(conn, stop, client_went_away)  # (the rest never comes)
 
     with socket_store(respond) as (endpoint, answered):
         backend = _backend(endpoint, read_timeout_s=40)  # (no attempt ends on its own during the test)

@@ -33,6 +33,17 @@ ATTEMPTS_COUNT = 2
 KINDS = ["s3-curl", "s3-lean", "s3-lean-into", "s3-sdk", "gcs-curl", "gcs-threads"]
 
 
+def trickle_until_hung_up(conn, stop: threading.Event, hung_up: threading.Event) -> None:
+    """Send a byte now and then (a body that never ends) until the client hangs up
+    (then set `hung_up`) or the server stops."""
+    while not stop.wait(0.05):
+        try:
+            conn.send(b"x")
+        except OSError:
+            hung_up.set()
+            return
+
+
 @contextlib.contextmanager
 def socket_store(respond):
     """(endpoint URL, request lines answered) of a server on 127.0.0.1 that reads each
