@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from bucketfs.testing.fault_proxy import FAULT_KINDS, fault_proxy
+from bucketfs.testing.mounting import drop_page_cache
 
 pytestmark = pytest.mark.integration
 
@@ -153,15 +154,6 @@ def all_readers(mount, files: dict, readers: Readers) -> list:
         + [(stream_shard, mount, files, key, readers) for key in shards]
         + [(random_preads, mount, files, shards, SEED + i, readers) for i in range(2)]
     )
-
-
-def drop_page_cache() -> bool:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False  # not root: the second pass may be served by the page cache
 
 
 @pytest.fixture(params=["s3", pytest.param("gcs", marks=pytest.mark.gcs)])

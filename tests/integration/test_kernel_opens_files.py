@@ -14,19 +14,10 @@ import pytest
 
 from bucketfs.fuse.noopen import VERIFY_COUNT
 from bucketfs.metrics import STATS_FILE_NAME
-from bucketfs.testing.mounting import fuse_requests_waiting, pinned_in_page_cache, wait_for
+from bucketfs.testing.mounting import drop_page_cache, fuse_requests_waiting, pinned_in_page_cache, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 MiB = 1024 * 1024
-
-
-def drop_page_cache() -> bool:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False  # (not root)
 
 
 def dataset() -> dict:
