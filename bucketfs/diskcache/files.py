@@ -19,7 +19,7 @@ from typing import Optional
 import trio
 
 from bucketfs.diskcache import pagecache
-from bucketfs.diskcache.journal import ID_BYTES, chunks_payload, data_name, delete_payload
+from bucketfs.diskcache.journal import chunks_payload, data_name, delete_payload, eid_of
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +82,7 @@ def remove_orphans(data_fd: int, journal, names: list) -> tuple:
     (another mount may have stored one of them again meanwhile, and journals it after
     its write: the delete record must come after that)."""
     removed = remove_files(data_fd, names)
-    eids = []
-    for name in names:
-        try:
-            eids.append(bytes.fromhex(name) if len(name) == 2 * ID_BYTES else None)
-        except ValueError:
-            pass
-    eids = [eid for eid in eids if eid is not None]
+    eids = [eid for eid in map(eid_of, names) if eid is not None]
     if eids and not journal.broken:
         try:
             for at in range(0, len(eids), DELETES_PER_RECORD_MAX):

@@ -610,6 +610,17 @@ def data_name(eid: bytes) -> str:
     return eid.hex()
 
 
+def eid_of(name: str) -> Optional[bytes]:
+    """The id a data file `name` is named by (data_name's inverse), or None (a file
+    of an earlier format, or no cache file)."""
+    if len(name) != 2 * ID_BYTES:
+        return None
+    try:
+        return bytes.fromhex(name)
+    except ValueError:
+        return None
+
+
 def find_orphans(data_fd: int, index, min_age_s: float = 0) -> list:
     """The names of the data files no entry of `index` (ids) names, left by a crash
     between a write and its record, an eviction whose record was lost, objects evicted
@@ -618,10 +629,7 @@ def find_orphans(data_fd: int, index, min_age_s: float = 0) -> list:
     orphans = []
     with os.scandir(data_fd) as it:
         for item in it:
-            try:
-                eid: Optional[bytes] = bytes.fromhex(item.name) if len(item.name) == 2 * ID_BYTES else None
-            except ValueError:
-                eid = None
+            eid = eid_of(item.name)
             if eid in index:
                 continue
             if min_age_s:
