@@ -200,7 +200,9 @@ class Filesystem:
         self._dir_handles.pop(dh, None)
 
     # -- data --------------------------------------------------------------------
-    async def open(self, ino: int, flags: int) -> int:
+    async def open(self, ino: int, flags: int, pin: bool = True) -> int:
+        """A handle of `ino`; `pin`: a small file's bytes are kept until it was read
+        through (not for reads by inode: no RELEASE would undo a pin)."""
         if flags & WRITE_FLAGS:
             raise errors.ReadOnly("read-only mount")
         node = self.ns.node(ino)
@@ -231,8 +233,9 @@ class Filesystem:
             self.stats["open.large"] += 1
         handle = self._handles[fh] = FileHandle(node, key, reader)
         if reader is None and node.size_bytes:
-            self.cache.pin(key, node.version)
-            handle.pinned = True
+            if pin:
+                self.cache.pin(key, node.version)
+                handle.pinned = True
             self.fetch_ahead.note_open(node, key)  # (after the pin: a held file is never evictable between)
         self.shards.handle_opened(key)
         return fh
@@ -291,24 +294,20 @@ class Filesystem:
             # A READ sent before the one that reached the end, answered after it (the
             # kernel's read-ahead): through a handle of its own, let go of at once, so
             # that it leaves none behind that no later READ would end.
-            fh = await self.open(ino, os.O_RDONLY)
+            fh = await self.open(ino, os.O_RDONLY, pin=False)
             try:
                 return await self.read(fh, off, size)
             finally:
                 self.release(fh)
         if fh is None:
-            fh = await self.open(ino, os.O_RDONLY)
+            # Not pinned: nothing releases a file a reader read in part and left (killed,
+            # or done with its header), and pinned bytes are never evicted.
+            fh = await self.open(ino, os.O_RDONLY, pin=False)
             if ino in self._inode_handles:  # (another READ opened one meanwhile: a --metadata-ttl refresh)
                 self.release(fh)
                 fh = self._inode_handles[ino]
             else:
                 self._inode_handles[ino] = fh
-                handle = self._handles[fh]
-                if handle.pinned:
-                    # Not pinned: nothing releases a file a reader read in part and left
-                    # (killed, or done with its header), and pinned bytes are never evicted.
-                    handle.pinned = False
-                    self.cache.unpin(handle.key, handle.version)
                 if len(self._inode_handles) > INODE_HANDLES_MAX:
                     self.release(self._inode_handles.popitem(last=False)[1])
         else:

@@ -330,7 +330,7 @@ class FuseOperations(pyfuse3.Operations):
     @fuse_errors
     async def open(self, inode, flags, ctx):
         files = self._kernel_opens_files
-        if files is not None and (files.active or files.skips_open()):
+        if files is not None and files.skips_open():
             if not files.handles_released:
                 # (nor RELEASE for the files it opened before: their later READs go by inode)
                 files.handles_released = True
