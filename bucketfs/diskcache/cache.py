@@ -310,7 +310,7 @@ class DiskCache:
 
     def _apply_tail(self) -> bool:
         """Take in what the other mounts of this directory stored and evicted since the
-        last look (their journal records); whether there was any. A look costs a stat."""
+        last look (their journal records); whether there was any. A look costs an fstat."""
         if self._data_fd is None:
             return False
         try:
@@ -321,19 +321,17 @@ class DiskCache:
         if not ops:
             return False
         cb = self.chunk_bytes
-        queued, unread = self._deletes_queued, self._deletes_unread
         for op in ops:
             kind, eid = op[0], op[1]
             if kind == "R":  # a rewrite was missed: what the journal does not hold was deleted
                 self._drop_unheld(eid)
-                unread.clear()  # (this mount's deletes not read back were in a file it skipped)
-            elif kind == "OD":  # this mount's own delete, read back: what came before it is undone
+                self._deletes_unread.clear()  # (this mount's deletes not read back were in a file it skipped)
+            elif kind in ("D", "OD"):  # deleted, files and all (by this mount: what came before is undone)
                 for gone in eid:
-                    entry = self._entries.pop(gone, None)
-                    if entry is not None:
-                        self._forget(entry)
-                    _take_one(unread, gone)
-            elif kind != "D" and (eid in queued or eid in unread):
+                    self._drop(gone)
+                    if kind == "OD":
+                        _take_one(self._deletes_unread, gone)
+            elif self._deleting(eid):
                 # Being deleted here: this mount's delete removes the file the other mount
                 # stored and journals it, which every mount but this one then reads.
                 continue
@@ -347,18 +345,12 @@ class DiskCache:
                 self._data_disk_bytes += grown_bytes
                 # (another mount's new bytes take room here too: they age the resident set)
                 self._entries.grew(eid, grown_bytes, entry.stored_bytes - stored_before)
-            elif kind == "E":
-                if eid not in self._entries:
-                    entry = journal.Entry(eid, op[2], cb, op[3])
-                    entry.recorded = True
-                    self._entries.admit(eid, entry, self._disk_bytes_for(op[2]))
-                    self.index_bytes += entry.index_bytes()
-                    self._live_record_bytes += entry.record_bytes()
-            elif kind == "D":  # deleted by another mount, files and all
-                for gone in eid:
-                    entry = self._entries.pop(gone, None)
-                    if entry is not None:
-                        self._forget(entry)
+            elif eid not in self._entries:  # (kind "E")
+                entry = journal.Entry(eid, op[2], cb, op[3])
+                entry.recorded = True
+                self._entries.admit(eid, entry, self._disk_bytes_for(op[2]))
+                self.index_bytes += entry.index_bytes()
+                self._live_record_bytes += entry.record_bytes()
         self._charge_index()
         self.stats["disk_cache.records_from_other_mounts"] += len(ops)
         return True
@@ -368,8 +360,17 @@ class DiskCache:
         for eid in list(self._entries):
             entry = self._entries.get(eid)
             if entry is not None and entry.recorded and eid not in held:
-                self._entries.pop(eid)
-                self._forget(entry)
+                self._drop(eid)
+
+    def _drop(self, eid: bytes) -> None:
+        """Forget the entry `eid`, if any, with no delete (its file is gone or not ours)."""
+        entry = self._entries.pop(eid, None)
+        if entry is not None:
+            self._forget(entry)
+
+    def _deleting(self, eid: bytes) -> bool:
+        """This mount deletes `eid` (queued, or journaled and not read back yet)."""
+        return eid in self._deletes_queued or eid in self._deletes_unread
 
     def _open_data_dir(self) -> int:
         try:
@@ -683,7 +684,7 @@ class DiskCache:
             return
         entry = self._entries.get(eid)
         if entry is None:
-            if eid in self._deletes_queued or eid in self._deletes_unread:  # (its delete would remove this file)
+            if self._deleting(eid):  # (its delete would remove this file)
                 self.stats["disk_cache.skipped_bytes"] += len(view)
                 self.stats["disk_cache.skipped_stores"] += 1
                 return
@@ -722,8 +723,7 @@ class DiskCache:
         if crcs is None:  # (another mount's delete removed the file meanwhile: journaled as deleted)
             self._deletes_unread[eid] += 1
             if self._entries.get(eid) is entry:
-                self._entries.pop(eid)
-                self._forget(entry)
+                self._drop(eid)
                 self._charge_index()
             self.stats["disk_cache.skipped_bytes"] += hi - lo
             self.stats["disk_cache.skipped_stores"] += 1
