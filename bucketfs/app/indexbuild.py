@@ -10,11 +10,17 @@ GCS startOffset: Backend.list_flat_page), at most `concurrency` LISTs in flight.
   no subdirectory: that page is the flat listing's first page already).
 - A range that proves large (a full page that did not reach its end) is split where
   it stands: what is left of it, from its last key to its end, is cut into as many
-  ranges as there are idle request slots, at keys evenly spaced in the space of the
-  characters its keys were seen to use (split_points). Cuts that land where there are
-  no keys cost one empty LIST each; the ones in the keys go on splitting, so a flat
+  ranges as there are idle request slots, at keys spaced as its last page says the
+  keys lie, in a space where each position of a key holds the characters seen there
+  (KeySpace, position_alphabets), so that cuts land among the keys. Cuts past the
+  keys' end cost one empty LIST each; the ones in the keys go on splitting, so a flat
   prefix of N keys takes about log(N) + N / 1000 / concurrency round trips instead of
   N / 1000.
+- S3 has no end key: a LIST answers a whole page, past its range's end too, which the
+  store lists and sends for nothing (another range lists those keys). So a range's
+  page asks for about the keys the same density puts between its start and the
+  range's end (S3 max-keys, Density.keys_max), with a margin: too few costs one more
+  small LIST.
 Invariants:
 - Exactly the keys of a sequential listing, each once: the ranges are disjoint and
   cover the key space (a range is the keys k with lo < k <= hi, hi None for no
@@ -39,7 +45,9 @@ import bisect
 import collections
 import dataclasses
 import gc
+import itertools
 import logging
+import operator
 import os
 import statistics
 import sys
@@ -66,6 +74,11 @@ PAGE_KEYS = 1000  # what a LIST page holds (S3's and GCS's most)
 # (a LIST answers a whole page, past its range's end too).
 PAGES_PER_RANGE = 6
 SCALES_KEPT = 32  # ranges whose counts correct the next cuts
+# A range's last page asks for the keys its end is estimated to be away (S3 max-keys),
+# widened by this much and a few keys: a page past the end would make the store list
+# and send keys another range lists too. Too short a page costs one more small LIST.
+LAST_PAGE_MARGIN = 1.15
+LAST_PAGE_SLACK_KEYS = 8
 
 CONCURRENCY = Option(
     flag="--concurrency",
@@ -96,36 +109,55 @@ class Progress:
 
 
 class KeySpace:
-    """Keys read as numbers, to place split points between them: the digits of a key
-    are 0 for "no more characters" and a character's rank + 1 in `alphabet` (sorted,
-    distinct characters), `length` digits in all. A character outside the alphabet
-    reads as the one below it: only the spacing of points suffers, never their order
-    (points() drops any outside its bounds)."""
+    """Keys read as numbers, to place split points between them. Each position of a
+    key has its own alphabet (the sorted, distinct characters seen there; `alphabets`
+    is one string for every position, or one per position with the union of them past
+    its end), so that keys of a fixed shape ("obj-000123.bin") map onto evenly filled
+    numbers and a point lands among keys, not in the spans no key can have (a letter
+    where every key has a digit). A position's digit is 0 for "no more characters" and
+    a character's rank + 1 in its alphabet; `length` digits in all. A character outside
+    its position's alphabet reads as the one below it: only the spacing of points
+    suffers, never their order (points() drops any outside its bounds)."""
 
-    def __init__(self, alphabet: str, *keys: Optional[str]):
-        self.chars = sorted(set(alphabet).union(*(key for key in keys if key)))
-        self.base = len(self.chars) + 1
+    def __init__(self, alphabets, *keys: Optional[str]):
+        known = [key for key in keys if key]
         self.length = max(len(key) for key in keys if key is not None) + _EXTRA_DIGITS
-        self.end = self.base**self.length  # above every key: "no upper end"
+        if isinstance(alphabets, str):
+            alphabets = [alphabets]
+            rest = set(alphabets[0])
+        else:
+            rest = set().union(*alphabets)
+        self.chars_at = [
+            sorted(
+                (set(alphabets[i]) if i < len(alphabets) else rest).union(key[i] for key in known if i < len(key))
+                or rest.union(*known)
+                or {"a"}
+            )
+            for i in range(self.length)
+        ]
+        self.bases = [len(chars) + 1 for chars in self.chars_at]
+        self.end = 1
+        for base in self.bases:
+            self.end *= base  # above every key: "no upper end"
 
     def number(self, key: Optional[str]) -> int:
         if key is None:
             return self.end
         value = 0
-        for i in range(self.length):
-            value = value * self.base + (bisect.bisect_right(self.chars, key[i]) if i < len(key) else 0)
+        for i, (chars, base) in enumerate(zip(self.chars_at, self.bases)):
+            value = value * base + (bisect.bisect_right(chars, key[i]) if i < len(key) else 0)
         return value
 
     def key(self, value: int) -> str:
         digits = []
-        for _ in range(self.length):
-            value, digit = divmod(value, self.base)
+        for base in reversed(self.bases):
+            value, digit = divmod(value, base)
             digits.append(digit)
         out = []
-        for digit in reversed(digits):
+        for chars, digit in zip(self.chars_at, reversed(digits)):
             if digit == 0:
                 break
-            out.append(self.chars[digit - 1])
+            out.append(chars[digit - 1])
         return "".join(out)
 
     def points(self, lo: str, hi: Optional[str], numbers) -> list:
@@ -138,23 +170,46 @@ class KeySpace:
         return points
 
 
-def split_points(lo: str, hi: Optional[str], parts: int, alphabet: str) -> list:
+_DIGIT_SET = frozenset("0123456789")
+
+
+def position_alphabets(seen_at: list) -> list:
+    """The characters each position of keys is taken to hold, from the sets seen there
+    (`seen_at`, one per position). A field's leading characters change slowest: one
+    page of hashed keys shows only "0"-"2" first where the later positions show
+    0-9a-f. So a position is taken to hold what the positions after it showed, for as
+    long as each of them showed at least its own characters (the field goes on), and
+    any digit stands for all ten (a counter's high digits: "obj-000123")."""
+    alphabets = []
+    for i, seen in enumerate(seen_at):
+        chars = set(seen)
+        for later in itertools.islice(seen_at, i + 1, None):
+            if not seen <= later:
+                break
+            chars |= later
+        if chars & _DIGIT_SET:
+            chars |= _DIGIT_SET
+        alphabets.append("".join(sorted(chars)))
+    return alphabets
+
+
+def split_points(lo: str, hi: Optional[str], parts: int, alphabets) -> list:
     """Up to `parts - 1` keys strictly between `lo` and `hi` (None: no upper end), in
-    order, evenly spaced in the KeySpace of `alphabet`."""
-    space = KeySpace(alphabet, lo, hi)
+    order, evenly spaced in the KeySpace of `alphabets`."""
+    space = KeySpace(alphabets, lo, hi)
     low, high = space.number(lo), space.number(hi)
     return space.points(lo, hi, (low + (high - low) * i // parts for i in range(1, parts)))
 
 
 def extrapolated_points(
-    first: str, last: str, keys_count: int, hi: Optional[str], parts: int, alphabet: str, scale: float = 1.0
+    first: str, last: str, keys_count: int, hi: Optional[str], parts: int, alphabets, scale: float = 1.0
 ) -> tuple:
     """(points, extrapolated): up to `parts - 1` keys after `last` (and before `hi`)
     that cut what follows it into ranges of about PAGES_PER_RANGE pages each, if the
     keys go on as densely as from `first` to `last` (`keys_count` keys), widened by
     `scale` (what earlier ranges showed of the estimate); where they would reach past
     `hi`, the rest of (last, hi) is cut evenly instead (extrapolated False)."""
-    space = KeySpace(alphabet, first, last, hi)
+    space = KeySpace(alphabets, first, last, hi)
     low, high = space.number(last), space.number(hi)
     per_key = max((low - space.number(first)) * scale / max(keys_count - 1, 1), 1.0)
     if hi is not None:
@@ -169,6 +224,27 @@ def extrapolated_points(
     return space.points(last, hi, (low + width * i for i in range(1, parts))), True
 
 
+class Density:
+    """How densely keys lie, as a page just listed shows: `keys_count` keys from
+    `first` to `last` (whole keys; `cut`: the prefix's length, left out of the
+    KeySpace), in the KeySpace of `alphabets`."""
+
+    def __init__(self, alphabets, cut: int, first: str, last: str, keys_count: int, hi: Optional[str]):
+        self.cut = cut
+        self.space = KeySpace(alphabets, first[cut:], last[cut:], None if hi is None else hi[cut:])
+        span = self.space.number(last[cut:]) - self.space.number(first[cut:])
+        self.per_key = span / (keys_count - 1) if keys_count > 1 and span > 0 else None
+
+    def keys_max(self, lo: str, hi: Optional[str]) -> int:
+        """What a page after `lo` of the range (lo, hi] should ask for: the keys up to
+        `hi` if they lie this densely, with a margin; a whole page if more, or unknown."""
+        if hi is None or self.per_key is None:
+            return PAGE_KEYS
+        span = self.space.number(hi[self.cut :]) - self.space.number(lo[self.cut :])
+        estimate = span / self.per_key
+        return max(min(int(estimate * LAST_PAGE_MARGIN) + LAST_PAGE_SLACK_KEYS, PAGE_KEYS), 1)
+
+
 class ParallelLister:
     """Every object under `prefix`, listed in key ranges by concurrent tasks (see the
     module docstring). `run()` returns them in key order."""
@@ -178,8 +254,9 @@ class ParallelLister:
         self.prefix = prefix
         self.concurrency = concurrency
         self.progress = progress or Progress()
-        self.alphabet = ""  # characters seen in keys (relative to the prefix), sorted
-        self._chars: set = set()
+        # Characters seen at each position of keys (relative to the prefix), sorted.
+        self.alphabets: list = []
+        self._chars_at: list = []
         self._chunks: list = []  # lists of ObjectInfo, each in key order, disjoint
         self._ranges = 0  # ranges listed or waiting to be
         # How much wider a range must be cut than the last page's density says, as the
@@ -191,10 +268,16 @@ class ParallelLister:
         self._nursery: Optional[trio.Nursery] = None
 
     async def run(self) -> list:
+        # No cyclic collection while listing: nothing listed is in a cycle, and its
+        # passes over each page's young tuples were ~0.3 ms of a page's ~1.5 ms of CPU
+        # (its full passes over all objects listed, more). Memory is the listing's.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             return await self._run()
         finally:
-            gc.unfreeze()
+            if collecting:
+                gc.enable()
 
     async def _run(self) -> list:
         try:
@@ -224,12 +307,12 @@ class ParallelLister:
             if found is None:
                 raise
             raise found from None
-        objects = [info for chunk in sorted(self._chunks, key=lambda chunk: chunk[0].key) for info in chunk]
-        for before, after in zip(objects, objects[1:]):
-            if not before.key < after.key:
-                raise errors.BackendError(
-                    f"the store listed {after.key!r} after {before.key!r}: not in key order, or twice"
-                )
+        chunks: list = sorted(self._chunks, key=lambda chunk: chunk[0].key)
+        objects = list(itertools.chain.from_iterable(chunks))
+        keys = list(map(operator.itemgetter(0), objects))  # (ObjectInfo is a tuple: key first)
+        if not all(map(operator.lt, keys, itertools.islice(keys, 1, None))):  # (C loops)
+            before, after = next(pair for pair in zip(keys, keys[1:]) if not pair[0] < pair[1])
+            raise errors.BackendError(f"the store listed {after!r} after {before!r}: not in key order, or twice")
         return objects
 
     async def _list(self, list_fn, *args):
@@ -245,29 +328,33 @@ class ParallelLister:
     def _take(self, objects: list) -> None:
         if objects:
             self._chunks.append(objects)
-            # Out of the cyclic collector's sight: with hundreds of thousands of objects
-            # listed, its full passes over them were a third of the build's CPU (none
-            # is in a cycle). run() gives them back.
-            gc.freeze()
             self.progress.objects += len(objects)
             cut = len(self.prefix)
-            for info in (objects[0], objects[-1]) if self._chars else objects:
-                self._chars.update(info.key[cut:])
-            self.alphabet = "".join(sorted(self._chars))
+            chars_at = self._chars_at
+            seen_count = sum(map(len, chars_at))
+            for info in (objects[0], objects[-1]) if chars_at else objects:
+                name = info.key[cut:]
+                if len(name) > len(chars_at):
+                    chars_at.extend(set() for _ in range(len(name) - len(chars_at)))
+                for chars, char in zip(chars_at, name):
+                    chars.add(char)
+            if sum(map(len, chars_at)) != seen_count:
+                self.alphabets = position_alphabets(chars_at)
 
-    def _start(self, lo: str, hi: Optional[str], scale: Optional[float] = None) -> None:
+    def _start(self, lo: str, hi: Optional[str], scale: Optional[float] = None, keys_max: int = PAGE_KEYS) -> None:
         """A task for the range (lo, hi]; `scale`: it was cut to hold PAGES_PER_RANGE
-        pages with that scale (its count then corrects the next cuts)."""
+        pages with that scale (its count then corrects the next cuts); `keys_max`: what
+        its first page asks for."""
         assert self._nursery is not None
         self._ranges += 1
-        self._nursery.start_soon(self._range, lo, hi, scale)
+        self._nursery.start_soon(self._range, lo, hi, scale, keys_max)
 
-    async def _range(self, lo: str, hi: Optional[str], scale: Optional[float]) -> None:
+    async def _range(self, lo: str, hi: Optional[str], scale: Optional[float], keys_max: int) -> None:
         """List the keys k with lo < k <= hi, splitting what is left while slots are idle."""
         try:
             cursor, listed = lo, 0
             while True:
-                page = await self._list(self.backend.list_flat_page, self.prefix, cursor, hi)
+                page = await self._list(self.backend.list_flat_page, self.prefix, cursor, hi, keys_max)
                 objects = page.objects
                 if objects and objects[0].key <= cursor:
                     raise errors.BackendError(
@@ -289,8 +376,13 @@ class ParallelLister:
                 new_hi = self._split(objects[0].key, cursor, len(objects), hi)
                 if new_hi != hi:
                     hi, scale = new_hi, None  # (cut again: its count no longer answers its estimate)
+                keys_max = self._density(objects[0].key, cursor, len(objects), hi).keys_max(cursor, hi)
         finally:
             self._ranges -= 1
+
+    def _density(self, first: str, last: str, keys_count: int, hi: Optional[str]) -> "Density":
+        cut = len(self.prefix)
+        return Density(self.alphabets, cut, first, last, keys_count, hi)
 
     def _split(self, first: str, cursor: str, keys_count: int, hi: Optional[str]) -> Optional[str]:
         """Cut (cursor, hi] into this range and new ones for the idle slots, spaced as
@@ -306,14 +398,17 @@ class ParallelLister:
             keys_count,
             None if hi is None else hi[cut:],
             idle + 1,
-            self.alphabet,
+            self.alphabets,
             self._scale,
         )
         points = [self.prefix + point for point in points]
         ends = [*points[1:], hi]
+        density = self._density(first, cursor, keys_count, hi)
         for i, (lo, end) in enumerate(zip(points, ends)):
             # The last new range runs to the old end: no estimate holds for it.
-            self._start(lo, end, self._scale if extrapolated and i < len(points) - 1 else None)
+            self._start(
+                lo, end, self._scale if extrapolated and i < len(points) - 1 else None, density.keys_max(lo, end)
+            )
         return points[0] if points else hi
 
 
@@ -358,7 +453,7 @@ def run_index_build(config: Config, out: str, concurrency: int) -> int:
     _setup_logging()
     # A command that ends once it has written one file: the cyclic collector's passes
     # over the objects listed (none in a cycle) are all it would do (ParallelLister
-    # keeps them out of its sight, the index's encoding would not).
+    # runs without it; the index's encoding would not).
     gc.disable()
     check_out(out, config)
     tty = sys.stderr.isatty()

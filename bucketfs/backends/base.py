@@ -43,6 +43,9 @@ class ObjectInfo(typing.NamedTuple):
     version: str
 
 
+PAGE_KEYS_MAX = 1000  # the most a LIST page holds, on S3 and GCS
+
+
 @dataclasses.dataclass(frozen=True)
 class ListPage:
     """One page of a delimited listing: objects and common prefixes directly under `prefix`."""
@@ -82,8 +85,10 @@ class Backend(abc.ABC):
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""
 
-    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
-        """One page (<= 1000 objects) of every key under `prefix`, subdirectories' too
+    async def list_flat_page(
+        self, prefix: str, start_after: str = "", end: Optional[str] = None, keys_max: int = PAGE_KEYS_MAX
+    ) -> ListPage:
+        """One page (<= `keys_max`, at most 1000 objects) of every key under `prefix`, subdirectories' too
         (no delimiter), strictly after `start_after`, in key order (UTF-8 byte order,
         which is code point order); `prefixes` is empty. `next_token` is the key to
         give as `start_after` for the next page (the page's last), or None at the end.
@@ -91,7 +96,9 @@ class Backend(abc.ABC):
         one prefix in parallel (S3 StartAfter, GCS startOffset).
         `end`: the caller wants no key past it. A page may still hold some (a store
         answers whole pages), but a backend need not decode them, nor ask for them
-        where the store takes an end (GCS endOffset)."""
+        where the store takes an end (GCS endOffset). `keys_max` below 1000 asks the
+        store for a shorter page (S3 max-keys): a caller that expects `end` within a
+        few keys spares the store the rest of a page it would throw away."""
         raise NotImplementedError(f"{type(self).__name__} has no flat listing")
 
     async def upload(self, key: str, data: bytes) -> None:

@@ -45,7 +45,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from bucketfs import errors
-from bucketfs.backends.base import Backend, ListPage, ObjectInfo, gone_message, lists_entries
+from bucketfs.backends.base import PAGE_KEYS_MAX, Backend, ListPage, ObjectInfo, gone_message, lists_entries
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.gcs_curl import CurlDownloads, ca_bundle_path
 from bucketfs.backends.gcs_transport import CurlGets, GCSTransport, LibraryGets
@@ -300,13 +300,16 @@ class GCSBackend(Backend):
         objects, prefixes, next_token = await self.caller.call(f"list gs://{self._bucket_name}/{prefix}", fetch)
         return ListPage(objects, prefixes, next_token or None)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
+    async def list_flat_page(
+        self, prefix: str, start_after: str = "", end: Optional[str] = None, keys_max: int = PAGE_KEYS_MAX
+    ) -> ListPage:
         def fetch():
             bucket = self._get_bucket()
             iterator = bucket.client.list_blobs(
                 bucket,
                 prefix=prefix or None,
-                page_size=_PAGE_SIZE_COUNT,
+                # (startOffset includes the start key itself, dropped below: one more.)
+                page_size=min(_PAGE_SIZE_COUNT, keys_max + (1 if start_after else 0)),
                 start_offset=start_after or None,  # (inclusive: the key itself is dropped below)
                 end_offset=_past(end),
                 fields=_FLAT_LIST_FIELDS,
@@ -314,10 +317,11 @@ class GCSBackend(Backend):
                 timeout=self._timeout_s,
             )
             iterator.item_to_value = _item_as_is
-            page = list(next(iterator.pages))
-            more = bool(iterator.next_page_token)
+            page = [item for item in next(iterator.pages) if item["name"] > start_after]
+            more = bool(iterator.next_page_token) or len(page) > keys_max
+            del page[keys_max:]  # (a start key that is no object's: one more than asked)
             last = page[-1]["name"] if page else None
-            return [_info(item) for item in page if item["name"] > start_after], more, last
+            return [_info(item) for item in page], more, last
 
         self.requests["list"] += 1
         where = f"list gs://{self._bucket_name}/{prefix} after {start_after!r}"

@@ -21,7 +21,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends import versions as version_kinds
-from bucketfs.backends.base import Backend, ListPage, ObjectInfo, gone_message
+from bucketfs.backends.base import PAGE_KEYS_MAX, Backend, ListPage, ObjectInfo, gone_message
 
 _versions = itertools.count(1)
 VERSION_MODES = ("counter", "hash", "none", "unpinned")
@@ -116,13 +116,15 @@ class MemoryBackend(Backend):
         more = i < len(self._sorted_keys) and self._sorted_keys[i].startswith(prefix)
         return ListPage(objects, prefixes, last if more else None)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
+    async def list_flat_page(
+        self, prefix: str, start_after: str = "", end: Optional[str] = None, keys_max: int = PAGE_KEYS_MAX
+    ) -> ListPage:
         await self._request("list", prefix)
         keys = self._sorted_keys
         i = bisect.bisect_right(keys, start_after) if start_after else bisect.bisect_left(keys, prefix)
         i = max(i, bisect.bisect_left(keys, prefix))
         objects: list = []
-        while i < len(keys) and keys[i].startswith(prefix) and len(objects) < self.page_size_count:
+        while i < len(keys) and keys[i].startswith(prefix) and len(objects) < min(self.page_size_count, keys_max):
             if end is not None and keys[i] > end:
                 return ListPage(objects, [], None)
             objects.append(self._info[keys[i]])

@@ -50,7 +50,15 @@ from botocore import UNSIGNED
 
 from bucketfs import errors
 from bucketfs.backends import versions
-from bucketfs.backends.base import Backend, ListPage, ObjectInfo, check_answer, gone_message, lists_entries
+from bucketfs.backends.base import (
+    PAGE_KEYS_MAX,
+    Backend,
+    ListPage,
+    ObjectInfo,
+    check_answer,
+    gone_message,
+    lists_entries,
+)
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import EtagChecks, check_whole_object
 from bucketfs.backends.http.curl import CurlEngine
@@ -361,9 +369,13 @@ class S3Backend(Backend):
             raise errors.BackendError(f"LIST {prefix!r}: truncated page without a continuation token")
         return ListPage(objects, prefixes, next_token)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None) -> ListPage:
+    async def list_flat_page(
+        self, prefix: str, start_after: str = "", end: Optional[str] = None, keys_max: int = PAGE_KEYS_MAX
+    ) -> ListPage:
         self.requests["list"] += 1
-        raw_objects, _prefixes, _token, truncated = await self.transport.list_flat(prefix, start_after, end)
+        raw_objects, _prefixes, _token, truncated = await self.transport.list_flat(
+            prefix, start_after, end, min(keys_max, PAGE_KEYS_MAX)
+        )
         if end is not None and raw_objects and raw_objects[-1][0] > end:
             # (The SDK's answer is whole; the lean path's is cut already.)
             raw_objects = raw_objects[: bisect.bisect_right([raw[0] for raw in raw_objects], end)]

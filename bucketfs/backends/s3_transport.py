@@ -112,7 +112,7 @@ class S3Transport(abc.ABC):
         """One delimited LIST page on a worker thread: (objects [(key, size, mtime_ns,
         etag)], prefixes, next_token, truncated)."""
 
-    async def list_flat(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+    async def list_flat(self, prefix: str, start_after: str, end: Optional[str], keys_max: int) -> tuple:
         """list_flat_blocking, with its retries, on a worker thread."""
         return await self.backend.caller.call(
             f"LIST {prefix!r} after {start_after!r}",
@@ -120,14 +120,17 @@ class S3Transport(abc.ABC):
             prefix,
             start_after,
             end,
+            keys_max,
             abandon_on_cancel=True,
         )
 
     @abc.abstractmethod
-    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
-        """One LIST page of every key under `prefix` after `start_after` (no
-        delimiter), on a worker thread: as list_blocking's. Keys past `end` need not be
-        decoded (a page cut there says it is not truncated)."""
+    def list_flat_blocking(
+        self, prefix: str, start_after: str, end: Optional[str] = None, keys_max: int = LIST_PAGE_KEYS_COUNT
+    ) -> tuple:
+        """One LIST page (<= `keys_max` keys) of every key under `prefix` after
+        `start_after` (no delimiter), on a worker thread: as list_blocking's. Keys past
+        `end` need not be decoded (a page cut there says it is not truncated)."""
 
 
 class Sdk(S3Transport):
@@ -236,10 +239,12 @@ class Sdk(S3Transport):
     def list_blocking(self, prefix: str, token: Optional[str]) -> tuple:
         return self._page(self.backend.list_objects_blocking(self.backend.client, prefix, token, LIST_PAGE_KEYS_COUNT))
 
-    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
+    def list_flat_blocking(
+        self, prefix: str, start_after: str, end: Optional[str] = None, keys_max: int = LIST_PAGE_KEYS_COUNT
+    ) -> tuple:
         return self._page(
             self.backend.list_objects_blocking(
-                self.backend.client, prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after
+                self.backend.client, prefix, None, keys_max, delimited=False, start_after=start_after
             )
         )
 
@@ -280,10 +285,12 @@ class UrllibLean(S3Transport):
             return self.backend.swap_to_sdk().list_blocking(prefix, token)
         return answer
 
-    def list_flat_blocking(self, prefix: str, start_after: str, end: Optional[str] = None) -> tuple:
-        answer = self.lean.list(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after, end=end)
+    def list_flat_blocking(
+        self, prefix: str, start_after: str, end: Optional[str] = None, keys_max: int = LIST_PAGE_KEYS_COUNT
+    ) -> tuple:
+        answer = self.lean.list(prefix, None, keys_max, delimited=False, start_after=start_after, end=end)
         if answer is None:
-            return self.backend.swap_to_sdk().list_flat_blocking(prefix, start_after, end)
+            return self.backend.swap_to_sdk().list_flat_blocking(prefix, start_after, end, keys_max)
         return answer
 
 
@@ -306,18 +313,18 @@ class CurlLean(UrllibLean):
         self.backend.get_paths["curl"] += 1
         return await self.backend.caller.run(what, self._get_curl, key, start, end, version, buffer, object_bytes)
 
-    async def list_flat(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+    async def list_flat(self, prefix: str, start_after: str, end: Optional[str], keys_max: int) -> tuple:
         """Flat pages on the engine too (index build keeps tens in flight: on worker
         threads their Python cost and hand-offs were most of its CPU)."""
         return await self.backend.caller.run(
-            f"LIST {prefix!r} after {start_after!r}", self._list_flat_curl, prefix, start_after, end
+            f"LIST {prefix!r} after {start_after!r}", self._list_flat_curl, prefix, start_after, end, keys_max
         )
 
-    async def _list_flat_curl(self, prefix: str, start_after: str, end: Optional[str]) -> tuple:
+    async def _list_flat_curl(self, prefix: str, start_after: str, end: Optional[str], keys_max: int) -> tuple:
         """One attempt on the engine; anything but a 200 (an error to classify, a
         redirect, a refusal that swaps to the SDK) is asked again on the thread path,
         which answers each as it does for every LIST."""
-        url = self.lean.list_url(prefix, None, LIST_PAGE_KEYS_COUNT, delimited=False, start_after=start_after)
+        url = self.lean.list_url(prefix, None, keys_max, delimited=False, start_after=start_after)
         if url is not None:
             transfer = await self.engine.get(self.lean.list_transfer(url))
             if transfer.error is not None:
@@ -325,7 +332,7 @@ class CurlLean(UrllibLean):
             if transfer.status == 200:
                 return parse_page_until(bytes(transfer.buffer), end)
         return await trio.to_thread.run_sync(
-            self.list_flat_blocking, prefix, start_after, end, limiter=self.backend.caller.limiter
+            self.list_flat_blocking, prefix, start_after, end, keys_max, limiter=self.backend.caller.limiter
         )
 
     async def _get_curl(

@@ -58,6 +58,7 @@ from typing import Any, Optional
 import trio
 
 from bucketfs.backends import versions
+from bucketfs.backends.base import PAGE_KEYS_MAX
 from bucketfs.diskcache import files, journal, pagecache, policy
 from bucketfs.diskcache.directory import NO_SPACE_ERRNOS, dir_error
 
@@ -475,8 +476,10 @@ class DiskCache:
     async def list_page(self, prefix: str, token: Optional[str] = None):
         return await self.inner.list_page(prefix, token)  # (listings are the namespace's to cache)
 
-    async def list_flat_page(self, prefix: str, start_after: str = "", end: Optional[str] = None):
-        return await self.inner.list_flat_page(prefix, start_after, end)
+    async def list_flat_page(
+        self, prefix: str, start_after: str = "", end: Optional[str] = None, keys_max: int = PAGE_KEYS_MAX
+    ):
+        return await self.inner.list_flat_page(prefix, start_after, end, keys_max)
 
     async def upload(self, key: str, data: bytes) -> None:
         await self.inner.upload(key, data)  # (index build's; a mount never writes)

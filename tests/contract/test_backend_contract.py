@@ -646,6 +646,18 @@ def test_a_flat_listing_starts_after_any_key_and_holds_every_key_below_the_prefi
             within = [info for info in page.objects if info.key <= end]
             assert [info.key for info in within] == [key for key in keys if start_after < key <= end]
             assert all(info == flat[info.key] for info in within)
+        # A shorter page when asked for one (S3 max-keys): at most that many keys, and the
+        # listing goes on from its last.
+        for keys_max in (1, 4):
+            start_after, listed = "", []
+            while True:
+                page = await t.backend.list_flat_page(p, start_after, None, keys_max)
+                assert len(page.objects) <= keys_max and (page.objects or page.next_token is None)
+                listed += [info.key for info in page.objects]
+                if page.next_token is None:
+                    break
+                start_after = page.next_token
+            assert listed == keys, keys_max
         # A start key below the prefix lists the prefix from its first key.
         below = await _list_flat_all(t.backend, p, p[:-1])
         assert [info.key for page in below for info in page.objects] == keys
