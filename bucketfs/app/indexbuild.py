@@ -496,12 +496,8 @@ async def _build(config: Config, out: str, progress: Progress, tty: bool) -> tup
             except errors.BucketfsError as exc:
                 raise errors.user_error_for(exc, str(config.url), endpoint_given) from None
             nursery.cancel_scope.cancel()
-        cut = len(config.url.prefix)
         data = encode_index(
-            str(config.url),
-            ((info.key[cut:], info.size_bytes, info.mtime_ns, info.version) for info in objects),
-            started_ns,
-            created_by=f"bucketfs {__version__}",
+            str(config.url), objects, started_ns, created_by=f"bucketfs {__version__}", key_start=len(config.url.prefix)
         )
         objects_count = len(objects)
         del objects

@@ -38,6 +38,7 @@ import datetime
 import hashlib
 import itertools
 import json
+import operator
 import struct
 import sys
 import zlib
@@ -123,37 +124,63 @@ def _payload(names: list, sizes: list, mtimes: list, versions: list) -> bytes:
     )
 
 
-def encode_index(url: str, entries: Iterable[tuple], built_at_ns: int, created_by: str = "") -> bytes:
+def encode_index(
+    url: str, entries: Iterable[tuple], built_at_ns: int, created_by: str = "", key_start: int = 0
+) -> bytes:
     """The index file of `url` (a bucket URL as config.BucketURL prints it) holding
-    `entries`, (key relative to the prefix, size, mtime_ns, version) in any order.
-    A key listed twice is kept once (the first). ValueError for a negative size."""
+    `entries`, (key, size, mtime_ns, version) in any order (ObjectInfos are such
+    tuples), each key relative to the prefix once its first `key_start` characters are
+    dropped. A key listed twice is kept once (the first). ValueError for a negative size."""
+    # Column by column, in C loops where it can (a build's 200,000 entries: 0.17 s one
+    # entry at a time, a Python step each, ~0.06 s so).
+    rows = entries if isinstance(entries, list) else list(entries)
+    keys, sizes, mtimes, versions = (list(map(operator.itemgetter(i), rows)) for i in range(4))
+    if key_start:
+        keys = list(map(operator.getitem, keys, itertools.repeat(slice(key_start, None))))
+    if sizes and min(sizes) < 0:
+        at = next(i for i, size in enumerate(sizes) if size < 0)
+        raise ValueError(f"{keys[at]!r}: negative size {sizes[at]}")
+    slashes = list(map(str.rfind, keys, itertools.repeat("/")))
+    if max(slashes, default=-1) < 0:  # (a flat prefix: one directory, names are keys)
+        names, dirs = keys, None
+    else:
+        names = [key[at + 1 :] for key, at in zip(keys, slashes)]
+        dirs = [key[: at + 1] for key, at in zip(keys, slashes)]
+    # By directory, then by name: within a directory, key order is name order. Both
+    # sorts are stable, so of a key listed twice the first comes first. (A listing's
+    # keys come in order, each once: a flat one is then its own record, as it is.)
+    every: Optional[list] = None
+    if all(map(operator.lt, keys, itertools.islice(keys, 1, None))):
+        order = every = list(range(len(keys)))
+    else:
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        if len(set(keys)) != len(keys):
+            order = [i for i, before in zip(order, [None, *order]) if before is None or keys[before] != keys[i]]
     by_dir: dict = {}
-    for key, size, mtime_ns, version in entries:
-        if size < 0:
-            raise ValueError(f"{key!r}: negative size {size}")
-        cut = key.rfind("/") + 1
-        names, sizes, mtimes, versions = by_dir.setdefault(key[:cut], ([], [], [], []))
-        names.append(key[cut:])
-        sizes.append(size)
-        mtimes.append(mtime_ns)
-        versions.append(version)
+    if dirs is None:
+        if order:
+            by_dir[""] = order
+    else:
+        order.sort(key=dirs.__getitem__)
+        for path, group in itertools.groupby(order, key=dirs.__getitem__):
+            by_dir[path] = list(group)
     for path in list(by_dir):  # every ancestor gets a record, even one holding only directories
         while path:
             path = parent_of(path)
-            by_dir.setdefault(path, ([], [], [], []))
-    by_dir.setdefault("", ([], [], [], []))
+            by_dir.setdefault(path, [])
+    by_dir.setdefault("", [])
     records, objects_count, first_key = [], 0, None
     for path in sorted(by_dir):
-        names, sizes, mtimes, versions = by_dir[path]
-        order = sorted(range(len(names)), key=names.__getitem__)
-        kept, last = [], None
-        for i in order:
-            if names[i] != last:
-                kept.append(i)
-                last = names[i]
-        payload = _payload(
-            [names[i] for i in kept], [sizes[i] for i in kept], [mtimes[i] for i in kept], [versions[i] for i in kept]
-        )
+        kept = by_dir[path]
+        if kept is every:
+            payload = _payload(names, sizes, mtimes, versions)
+        else:
+            payload = _payload(
+                list(map(names.__getitem__, kept)),
+                list(map(sizes.__getitem__, kept)),
+                list(map(mtimes.__getitem__, kept)),
+                list(map(versions.__getitem__, kept)),
+            )
         if kept and first_key is None:
             first_key = path + names[kept[0]]
         path_bytes = path.encode("utf-8", _UNICODE)

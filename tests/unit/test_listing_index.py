@@ -63,6 +63,24 @@ def test_encoding_is_deterministic_and_keeps_a_repeated_key_once():
     assert list(index.entries()) == [("k", 1, 1, "first")] and index.objects_count == 1
 
 
+def test_listed_objects_encode_as_their_keys_relative_to_the_prefix():
+    """index build hands over the ObjectInfos it listed, whole keys and in key order
+    (a flat listing is then one record as it is): the same file as the relative
+    entries in any order, with a key listed twice kept once."""
+    from bucketfs.backends.base import ObjectInfo
+
+    rng = random.Random(4)
+    relative = sorted({*(f"x{i:05d}" for i in range(3000)), *(f"d{i % 7}/{i}" for i in range(500))})
+    for names in (relative, [name for name in relative if "/" not in name]):
+        entries = [(name, rng.randrange(10**9), rng.randrange(-5, 2**62), f"v{i}") for i, name in enumerate(names)]
+        listed = [ObjectInfo("data/" + name, *rest) for name, *rest in entries]
+        shuffled = entries + entries[:10]
+        rng.shuffle(shuffled)
+        expected = li.encode_index(URL, shuffled, BUILT_AT_NS)
+        assert li.encode_index(URL, listed, BUILT_AT_NS, key_start=len("data/")) == expected
+        assert _by_key(li.decode_index(expected).entries()) == _by_key(entries)
+
+
 def test_take_gives_a_directory_once_with_its_subdirectories():
     index = li.decode_index(li.encode_index(URL, _entries(), BUILT_AT_NS))
     held_before = index.held_bytes
