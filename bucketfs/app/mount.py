@@ -372,6 +372,7 @@ async def _serve(
         raise group.exceptions[0] from None
     finally:
         if mounted:
+            ops.stop()  # (the nursery's READ tasks have ended: their replies are written before the session goes)
             pyfuse3.close(unmount=not detached)
             log.info("unmounted %s", config.mountpoint)
         with trio.CancelScope(shield=True):

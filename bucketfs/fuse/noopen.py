@@ -49,8 +49,12 @@ _READ_PY = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_si
 class KernelOpensFiles:
     """Answers OPEN with ENOSYS once READs can be told which file they read."""
 
-    def __init__(self, stats) -> None:
+    def __init__(self, stats, serve_read=None) -> None:
+        """`serve_read(req, fh, off, size)`: once active, READs are offered to it
+        before pyfuse3's handler: it returns True if it took one (and replies to `req`
+        itself: replies.py); False or an exception, pyfuse3's handler serves it."""
         self.stats = stats
+        self.serve_read = serve_read
         self.active = False
         self._seen: collections.deque = collections.deque(maxlen=64)  # handles found at FH_OFFSET
         self._verified_count = 0
@@ -69,14 +73,23 @@ class KernelOpensFiles:
         seen = self._seen
 
         def read(req, ino, size, off, fi):
+            served = False
             try:
                 fh = ctypes.c_uint64.from_address(fi + FH_OFFSET)
                 if not self.active:
                     seen.append(fh.value)
                 elif fh.value == 0:
                     fh.value = INODE_FH | ino
+                # (Once FH_OFFSET is verified, before any OPEN is skipped: the files opened
+                # before, a reader streaming its first shard, are served so too.)
+                if self.serve_read is not None and self._verified_count >= VERIFY_COUNT:
+                    try:
+                        served = self.serve_read(req, fh.value, off, size)
+                    except Exception:  # noqa: BLE001 - (not taken: pyfuse3's handler answers it)
+                        log.exception("serving a READ by its own task failed")
             finally:
-                original(req, ino, size, off, fi)  # always: a request must get its reply
+                if not served:
+                    original(req, ino, size, off, fi)  # always: a request must get its reply
 
         handler = _READ_C(read)
         self._handler = (handler, original)

@@ -15,6 +15,7 @@ import logging
 import os
 import stat as stat_mod
 import time
+from typing import Optional
 
 import pyfuse3
 import trio
@@ -24,6 +25,7 @@ from bucketfs.core.filesystem import DOT_NAMES
 from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
+from bucketfs.fuse.replies import REPLY_THREAD_MIN_BYTES, ReplyThread
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)
@@ -136,12 +138,19 @@ class FuseOperations(pyfuse3.Operations):
         # ... and may open directories itself: no OPENDIR or RELEASEDIR round trips.
         self._kernel_opens_dirs = KernelOpensDirs(fs.stats) if private else None
         # ... and files: no OPEN or RELEASE round trips, READs by inode (noopen.py).
-        self._kernel_opens_files = KernelOpensFiles(fs.stats) if private else None
+        # ... and, once it does, READs are answered from a thread of their own (replies.py).
+        self._replies = ReplyThread(fs.stats) if private else None
+        self._kernel_opens_files = (
+            KernelOpensFiles(fs.stats, self._serve_read if self._replies.available else None) if private else None
+        )
+        self._nursery: Optional[trio.Nursery] = None
         self._stats_by_inode = b""  # the counters as a read by inode at offset 0 found them
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: tell the kernel about names that vanished or changed (with a
-        TTL, or in the immutable default after a replaced object was found)."""
+        TTL, or in the immutable default after a replaced object was found); READs the
+        kernel sends without an OPEN are served by tasks of `nursery`."""
+        self._nursery = nursery
         if self._dir_cache is not None:
             self._dir_cache.install()
         self.fs.watch_vanished(self._note_vanished)
@@ -366,6 +375,35 @@ class FuseOperations(pyfuse3.Operations):
         if self._kernel_opens_files is not None:
             self._kernel_opens_files.saw_handle(fh)
         return await self.fs.read(fh, off, size)
+
+    def _serve_read(self, req: int, fh: int, off: int, size: int) -> bool:
+        """Whether this READ is taken from pyfuse3's handler (noopen.py) and served by a
+        task whose reply the reply thread writes: a large one (streaming shards). A
+        small file's READ is left to pyfuse3: its reply costs less than the task and
+        the hand-off to the thread would (W2 lost ~15% of its files/s so)."""
+        if size < REPLY_THREAD_MIN_BYTES or self._nursery is None:
+            return False
+        self._nursery.start_soon(self._read_and_reply, req, fh, off, size)
+        return True
+
+    async def _read_and_reply(self, req: int, fh: int, off: int, size: int) -> None:
+        """read(), then its reply from the reply thread; exactly one reply, whatever happens."""
+        assert self._replies is not None
+        try:
+            data = await self.read(fh, off, size)
+        except pyfuse3.FUSEError as exc:
+            self._replies.error(req, exc.errno)
+            return
+        except BaseException:  # (cancelled: the mount is ending; read() turns the rest into FUSEError)
+            self._replies.error(req, errno.EINTR)
+            raise
+        self._replies.submit(req, data)
+
+    def stop(self) -> None:
+        """Once no task queues a reply any more, before the FUSE session is destroyed:
+        the queued replies are written and the reply thread ends."""
+        if self._replies is not None:
+            self._replies.stop()
 
     async def flush(self, fh):
         # ENOSYS makes the kernel stop sending FLUSH for this mount: one round trip

@@ -7,6 +7,7 @@ counters; and with --kernel-dir-cache off, or --metadata-ttl, files are opened a
 before."""
 
 import concurrent.futures
+import errno
 import os
 import random
 
@@ -97,3 +98,41 @@ def test_without_private_layouts_or_with_a_ttl_files_are_opened_as_before(
     counts = fuse_counts(m)
     assert "namespace.kernel_opens_files" not in m.stats()
     assert counts["fuse.open"] == counts["fuse.release"] == len(small)
+
+
+def test_large_reads_are_replied_from_the_reply_thread_every_byte_right(rclone_server, s3_bucket, mount_factory):
+    """READs of REPLY_THREAD_MIN_BYTES or more (a shard streamed: the kernel asks for
+    1 MiB at a time) are served by a task of the daemon and replied from its reply
+    thread (bucketfs/fuse/replies.py); their errors still reach the reader as errnos."""
+    files = dataset()
+    rclone_server.write_files(s3_bucket, files)
+    m = mount_factory(rclone_server, s3_bucket)
+    list(os.walk(m.path("train")))  # (the first OPENDIR finds the table of operations)
+    small = {key: data for key, data in files.items() if key.startswith("train/")}
+    assert read_all(m, small) == small  # (checks the handle's offset: large READs may then be taken)
+    shard_key = "shards/shard-000000.tar"
+    shard = files[shard_key]
+    rng = random.Random(3)
+    ranges = [(0, len(shard))] + [
+        (start, rng.randrange(1, 5 * MiB)) for start in (rng.randrange(len(shard)) for _ in range(24))
+    ]
+
+    def read_range(span):
+        start, length = span
+        with open(m.path(shard_key), "rb") as f:
+            return os.pread(f.fileno(), length, start) if length < 8 * MiB else f.read()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for (start, length), got in zip(ranges, pool.map(read_range, ranges)):
+            assert got == shard[start : start + length], (start, length)
+    stats = m.stats()
+    assert stats.get("fuse.replies_from_thread", 0) >= 8, stats.get("fuse.read")
+    assert "errors.EIO" not in stats and stats["handles.open"] == 0
+
+    if drop_page_cache():  # (root): the shard's READs reach the daemon again
+        rclone_server.put(s3_bucket, shard_key, b"another version" * 100_000)
+        with pytest.raises(OSError) as caught:
+            with open(m.path(shard_key), "rb") as f:
+                f.read()
+        assert caught.value.errno == errno.ESTALE  # (pinned to the version listed)
+        assert m.stats().get("errors.ESTALE", 0) >= 1
