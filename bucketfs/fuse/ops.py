@@ -380,8 +380,13 @@ class FuseOperations(pyfuse3.Operations):
         """Whether this READ is taken from pyfuse3's handler (noopen.py) and served by a
         task whose reply the reply thread writes: a large one (streaming shards). A
         small file's READ is left to pyfuse3: its reply costs less than the task and
-        the hand-off to the thread would (W2 lost ~15% of its files/s so)."""
+        the hand-off to the thread would (W2 lost ~15% of its files/s so). Nor the stats
+        file's: a READ at offset 0 takes a new snapshot, which the later READs of that
+        reading must slice, so its READs are served in the order they come."""
         if size < REPLY_THREAD_MIN_BYTES or self._nursery is None:
+            return False
+        stats_file = fh ^ INODE_FH == STATS_INODE if fh & INODE_FH else fh >= STATS_FH_FIRST
+        if stats_file:
             return False
         self._nursery.start_soon(self._read_and_reply, req, fh, off, size)
         return True

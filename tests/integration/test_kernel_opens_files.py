@@ -8,6 +8,7 @@ before."""
 
 import concurrent.futures
 import errno
+import json
 import os
 import random
 
@@ -128,6 +129,11 @@ def test_large_reads_are_replied_from_the_reply_thread_every_byte_right(rclone_s
     stats = m.stats()
     assert stats.get("fuse.replies_from_thread", 0) >= 8, stats.get("fuse.read")
     assert "errors.EIO" not in stats and stats["handles.open"] == 0
+    # The stats file's READs (its size is a bound of 16 MiB: the kernel asks for large
+    # ones) stay in order: each reading is one snapshot, whole.
+    for _ in range(5):
+        with open(m.path(STATS_FILE_NAME), "rb") as f:
+            assert json.loads(f.read())["fuse.read"] > 0
 
     if drop_page_cache():  # (root): the shard's READs reach the daemon again
         rclone_server.put(s3_bucket, shard_key, b"another version" * 100_000)
