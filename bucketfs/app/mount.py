@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import logging.handlers
@@ -486,6 +487,10 @@ async def _exit_now(mountpoint: str) -> None:
     os._exit(errors.EXIT_OK)  # the stop was asked for, and done
 
 
+def _open_directory(path: str) -> None:
+    os.close(os.open(path, os.O_RDONLY | os.O_DIRECTORY))
+
+
 async def _announce_ready(mountpoint: str, max_background: int, on_ready: Callable[[], None]) -> None:
     parent_dev = os.stat(os.path.dirname(os.path.abspath(mountpoint)) or "/").st_dev
     with trio.move_on_after(READY_TIMEOUT_S) as scope:
@@ -503,6 +508,12 @@ async def _announce_ready(mountpoint: str, max_background: int, on_ready: Callab
     # trio thread that serves it, could wait on itself.
     raise_kernel_readahead(st.st_dev)
     raise_fuse_background(st.st_dev, max_background)
+    # One OPENDIR of the root, sent by the daemon itself: the first OPENDIR is where the
+    # session's table of operations is found (noopendir.py), and with it the kernel
+    # opens files itself and large READs are replied from a thread (noopen.py,
+    # replies.py). A loader that opens shards by name lists nothing and sends none.
+    with contextlib.suppress(OSError):
+        await trio.to_thread.run_sync(_open_directory, mountpoint)
     try:
         on_ready()
     except BrokenPipeError:
