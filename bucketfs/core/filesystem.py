@@ -24,7 +24,8 @@ Invariants:
   no handle) go through a handle of the inode's own, opened at its first READ as an
   open would be but pinning nothing, released once a READ reaches the file's end or
   fails, and at most INODE_HANDLES_MAX of them at once (the least recently read
-  released first).
+  released first). The handles open when the kernel starts opening files itself
+  become their inodes' own (release_all_open_handles): it sends no RELEASE for them.
 """
 
 from __future__ import annotations
@@ -241,10 +242,14 @@ class Filesystem:
         return fh
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        ino = self._opened_before.get(fh)
+        if ino is not None:  # (opened before the kernel opened files itself: by its inode now)
+            return await self.read_inode(ino, off, size)
+        return await self._read(fh, off, size)
+
+    async def _read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles.get(fh)
         if handle is None:
-            if fh in self._opened_before:
-                return await self.read_inode(self._opened_before[fh], off, size)
             raise errors.NotFound(f"file handle {fh}")
         end = min(off + size, handle.size_bytes)
         if off >= end:
@@ -296,7 +301,7 @@ class Filesystem:
             # that it leaves none behind that no later READ would end.
             fh = await self.open(ino, os.O_RDONLY, pin=False)
             try:
-                return await self.read(fh, off, size)
+                return await self._read(fh, off, size)
             finally:
                 self.release(fh)
         if fh is None:
@@ -313,7 +318,7 @@ class Filesystem:
         else:
             self._inode_handles.move_to_end(ino)
         try:
-            data = await self.read(fh, off, size)
+            data = await self._read(fh, off, size)
         except BaseException:
             self._release_inode(ino, fh)  # (the next READ opens afresh: a replaced object gives ESTALE there)
             raise
@@ -326,12 +331,26 @@ class Filesystem:
 
     def release_all_open_handles(self) -> None:
         """The kernel has stopped sending RELEASE (it opens files itself from now on,
-        and lets go of those it opened before without telling): every open handle is
-        released now, and a later READ of one reads by its inode instead."""
+        and lets go of those it opened before without telling): every open handle
+        becomes its inode's own, as if the kernel had opened the file itself (later
+        READs of it go by inode, it pins nothing, it goes at the file's end or with the
+        least recently read), so that a file being streamed keeps its read-ahead (let
+        go of here, a second stream fetched its parts again: W1, 4 readers, 85-108
+        GETs for 64 ranges). A second handle of an inode that has one is released."""
         implicit = set(self._inode_handles.values())
         for fh in [fh for fh in self._handles if fh not in implicit]:
-            self._opened_before[fh] = self._handles[fh].node.ino
-            self.release(fh)  # (a READ in progress keeps the handle it started with)
+            handle = self._handles[fh]
+            ino = handle.node.ino
+            self._opened_before[fh] = ino
+            if ino in self._inode_handles:
+                self.release(fh)  # (a READ in progress keeps the handle it started with)
+                continue
+            if handle.pinned:
+                handle.pinned = False
+                self.cache.unpin(handle.key, handle.version)
+            self._inode_handles[ino] = fh
+        while len(self._inode_handles) > INODE_HANDLES_MAX:
+            self.release(self._inode_handles.popitem(last=False)[1])
 
     def _handle_bytes(self, fh: int) -> int:
         handle = self._handles.get(fh)

@@ -140,24 +140,33 @@ def test_a_read_by_inode_of_a_replaced_object_fails_and_the_next_gets_estale():
     assert outcomes == [errno.ESTALE, errno.ESTALE] and inode_handles == 0
 
 
-def test_handles_opened_before_the_kernel_opens_files_go_at_once_and_read_on_by_inode():
-    """No RELEASE comes for files the daemon opened before the switch: their handles
-    are released then, and a later READ of one reads by its inode."""
+def test_handles_opened_before_the_kernel_opens_files_become_their_inodes_and_go_at_the_end():
+    """No RELEASE comes for files the daemon opened before the switch: each handle
+    becomes its inode's own, so a file being streamed keeps its one read-ahead stream
+    (its READs, by the old handle or by inode, read through it), and it goes once a
+    READ reaches the file's end. A second handle of the same inode goes at once."""
     backend = MemoryBackend(FILES)
     path = "shards/a.tar"
 
     async def body(fs):
-        fh = await fs.open((await resolve(fs, path)).ino, 0)
+        ino = (await resolve(fs, path)).ino
+        fh = await fs.open(ino, 0)
+        second = await fs.open(ino, 0)
         first = bytes(await fs.read(fh, 0, 1 << 20))
+        streams_before = fs.stats["prefetch.streams"]
         fs.release_all_open_handles()
         open_after_switch = len(fs._handles)
         rest, off = b"", len(first)
         while off < len(FILES[path]):
-            chunk = await fs.read(fh, off, 1 << 20)  # (the kernel still sends the old handle)
+            # (the kernel still sends the old handle for some READs, none for others)
+            chunk = await (fs.read(fh, off, 1 << 20) if off % (2 << 20) else fs.read_inode(ino, off, 1 << 20))
             rest += chunk
             off += len(chunk)
-        return first + rest, open_after_switch, len(fs._handles)
+        streams_after = fs.stats["prefetch.streams"]
+        late = bytes(await fs.read(second, 0, 10))  # (a late READ of the released second handle: by inode)
+        return first + rest, late, open_after_switch, len(fs._handles), streams_before, streams_after
 
-    data, open_after_switch, open_at_end = run_fs(backend, body)
-    assert data == FILES[path]
-    assert open_after_switch == 0 and open_at_end == 0
+    data, late, open_after_switch, open_at_end, streams_before, streams_after = run_fs(backend, body)
+    assert data == FILES[path] and late == FILES[path][:10]
+    assert open_after_switch == 1 and open_at_end == 0
+    assert streams_before >= 1 and streams_after == streams_before  # (no second stream of the file)
