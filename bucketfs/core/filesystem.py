@@ -76,7 +76,7 @@ LATE_READ_WINDOW_S = 1.0
 
 
 class FileHandle:
-    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed_reads", "pinned", "read_bytes")
+    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed_reads", "pinned", "read_bytes", "at_end")
 
     def __init__(self, node: Node, key: str, reader):
         self.node, self.key = node, key
@@ -85,6 +85,7 @@ class FileHandle:
         self.failed_reads: list = []  # (start, end, trio time) of recent READs out of retries, oldest first
         self.pinned = False  # a small file: its blocks stay cached until it is read (BlockCache.pin)
         self.read_bytes = 0  # while pinned: read through once this reaches the size
+        self.at_end = False  # a READ reached the file's end
 
 
 # A directory's own entries, listed ahead of its children; no child has these names.
@@ -245,7 +246,11 @@ class Filesystem:
         ino = self._opened_before.get(fh)
         if ino is not None:  # (opened before the kernel opened files itself: by its inode now)
             return await self.read_inode(ino, off, size)
-        return await self._read(fh, off, size)
+        data = await self._read(fh, off, size)
+        ino = self._opened_before.get(fh)
+        if ino is not None and off + len(data) >= self._handle_bytes(fh):
+            self._release_inode(ino, fh)  # (its inode's since this READ began, and now read to its end)
+        return data
 
     async def _read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles.get(fh)
@@ -283,7 +288,7 @@ class Filesystem:
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s  # type: ignore[assignment]  # (a float counter)
         if end == handle.size_bytes:
-            handle.node.served = True
+            handle.node.served = handle.at_end = True
         if handle.pinned:
             handle.read_bytes += end - off
             if handle.read_bytes >= handle.size_bytes:
@@ -336,14 +341,17 @@ class Filesystem:
         READs of it go by inode, it pins nothing, it goes at the file's end or with the
         least recently read), so that a file being streamed keeps its read-ahead (let
         go of here, a second stream fetched its parts again: W1, 4 readers, 85-108
-        GETs for 64 ranges). A second handle of an inode that has one is released."""
+        GETs for 64 ranges). One already read to its end, or a second handle of an
+        inode that has one, is released."""
         implicit = set(self._inode_handles.values())
         for fh in [fh for fh in self._handles if fh not in implicit]:
             handle = self._handles[fh]
             ino = handle.node.ino
             self._opened_before[fh] = ino
-            if ino in self._inode_handles:
-                self.release(fh)  # (a READ in progress keeps the handle it started with)
+            if ino in self._inode_handles or handle.at_end:
+                # (read to its end: its RELEASE was on its way; a READ in progress keeps
+                # the handle it started with)
+                self.release(fh)
                 continue
             if handle.pinned:
                 handle.pinned = False
