@@ -362,6 +362,12 @@ async def _serve(
                 log.info("FUSE connection closed by the kernel")
             log.info("FUSE loop ended; unmounting %s", config.mountpoint)
             sd_notify("STOPPING=1")
+            # The READs the daemon's own tasks serve (fuse/replies.py) end too, or the
+            # process ends as it does for pyfuse3's own handlers still in flight.
+            with trio.move_on_after(STOP_DEADLINE_S) as waited:
+                await ops.reads_done()
+            if waited.cancelled_caught:
+                await _exit_now(config.mountpoint)
             watcher.cancel()
             with trio.move_on_after(FINISH_WRITES_DEADLINE_S):
                 await fs.finish_writes()

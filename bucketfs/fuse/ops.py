@@ -144,6 +144,9 @@ class FuseOperations(pyfuse3.Operations):
             KernelOpensFiles(fs.stats, self._serve_read if self._replies.available else None) if private else None
         )
         self._nursery: Optional[trio.Nursery] = None
+        self._reads_in_flight = 0  # READs served by this object's own tasks (_read_and_reply)
+        self._reads_idle = trio.Event()
+        self._reads_idle.set()
         self._stats_by_inode = b""  # the counters as a read by inode at offset 0 found them
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -394,6 +397,9 @@ class FuseOperations(pyfuse3.Operations):
     async def _read_and_reply(self, req: int, fh: int, off: int, size: int) -> None:
         """read(), then its reply from the reply thread; exactly one reply, whatever happens."""
         assert self._replies is not None
+        self._reads_in_flight += 1
+        if self._reads_in_flight == 1:
+            self._reads_idle = trio.Event()
         try:
             data = await self.read(fh, off, size)
         except pyfuse3.FUSEError as exc:
@@ -402,7 +408,17 @@ class FuseOperations(pyfuse3.Operations):
         except BaseException:  # (cancelled: the mount is ending; read() turns the rest into FUSEError)
             self._replies.error(req, errno.EINTR)
             raise
+        finally:
+            self._reads_in_flight -= 1
+            if not self._reads_in_flight:
+                self._reads_idle.set()
         self._replies.submit(req, data)
+
+    async def reads_done(self) -> None:
+        """Once no READ is being served by this object's own tasks. pyfuse3's loop ends
+        without waiting for them (they are not its handlers): the mount waits here
+        while the stop's deadline (mount.py) still runs, as pyfuse3 waits for its own."""
+        await self._reads_idle.wait()
 
     def stop(self) -> None:
         """Once no task queues a reply any more, before the FUSE session is destroyed:
