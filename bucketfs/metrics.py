@@ -321,6 +321,16 @@ def encode_stats(snapshot: dict) -> bytes:
     return (json.dumps(snapshot, sort_keys=True) + "\n").encode()
 
 
+def decode_stats(raw: bytes) -> dict:
+    """The counters a read of the stats file gave: its first JSON object. (Read through
+    the page cache, once the kernel opens files itself, a reading can end with bytes
+    of an earlier, longer snapshot after the new one; ValueError if there is none.)"""
+    snapshot, _end = json.JSONDecoder().raw_decode(raw.decode("utf-8", "replace").lstrip())
+    if not isinstance(snapshot, dict):
+        raise ValueError("not a stats snapshot")
+    return snapshot
+
+
 def format_stats(snapshot: dict) -> str:
     """A human summary for `bucketfs stats`."""
     mib = 1024 * 1024

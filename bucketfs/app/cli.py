@@ -407,7 +407,7 @@ def _stats_root(path: str) -> str:
 def print_stats(mountpoint: str, as_json: bool) -> int:
     import json
 
-    from bucketfs.metrics import STATS_FILE_NAME, format_stats
+    from bucketfs.metrics import STATS_FILE_NAME, decode_stats, format_stats
 
     mountpoint = os.path.realpath(mountpoint)
     root = _stats_root(mountpoint)
@@ -422,7 +422,7 @@ def print_stats(mountpoint: str, as_json: bool) -> int:
             f"{mountpoint} is not a running bucketfs mount ({exc.strerror})", errors.EXIT_BAD_MOUNTPOINT
         ) from None
     try:
-        snapshot = json.loads(raw)
+        snapshot = decode_stats(raw)
     except ValueError:
         raise errors.UserError(
             f"{root}/{STATS_FILE_NAME} is an object of the bucket, which hides the counters: "

@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import errno
 import hashlib
-import json
 import mmap
 import os
 import random
@@ -28,7 +27,7 @@ import time
 import pytest
 
 from bucketfs.app.mountpoints import fusectl_dir
-from bucketfs.metrics import STATS_FILE_NAME
+from bucketfs.metrics import STATS_FILE_NAME, decode_stats
 from bucketfs.testing.servers import _die_with_parent
 
 MOUNT_DEADLINE_S = 30.0  # a mount answers in well under a second; room for a loaded CI box
@@ -126,7 +125,7 @@ def daemon_stats(path_in_mount: str) -> dict:
     while not os.path.ismount(path_in_mount):
         path_in_mount = os.path.dirname(path_in_mount)
     with open(os.path.join(path_in_mount, STATS_FILE_NAME), "rb") as f:
-        return json.loads(f.read())
+        return decode_stats(f.read())
 
 
 def _is_dead_mount(mountpoint: str) -> bool:
