@@ -8,15 +8,12 @@ import contextlib
 import os
 import threading
 
+from bucketfs.testing.mounting import drop_page_cache
+
 
 def drop_caches() -> bool:
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return drop_page_cache()
 
 
 def proc_cpu_s(pid: int) -> float:
