@@ -322,10 +322,9 @@ def encode_stats(snapshot: dict) -> bytes:
 
 
 def decode_stats(raw: bytes) -> dict:
-    """The counters a read of the stats file gave: its first JSON object. (Read through
-    the page cache, once the kernel opens files itself, a reading can end with bytes
-    of an earlier, longer snapshot after the new one; ValueError if there is none.)"""
-    snapshot, _end = json.JSONDecoder().raw_decode(raw.decode("utf-8", "replace").lstrip())
+    """The counters a read of the stats file gave (one JSON object); ValueError if it
+    is not one."""
+    snapshot = json.loads(raw)
     if not isinstance(snapshot, dict):
         raise ValueError("not a stats snapshot")
     return snapshot

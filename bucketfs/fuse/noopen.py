@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 # fh` at 16 (libfuse 3.0 to 3.18: fuse_common.h). Checked on live READs before use.
 FH_OFFSET = 16
 # A handle that is an inode: the top bit, above any handle the core or the stats file
-# gives out (ops.py's STATS_FH_FIRST is 1 << 62).
+# gives out (ops.py's STATS_FH_FIRST is 1 << 62) and any inode (the stats file's are the highest).
 INODE_FH = 1 << 63
 # READs whose handle must be seen at FH_OFFSET before OPEN is answered with ENOSYS.
 VERIFY_COUNT = 3

@@ -17,6 +17,7 @@ import stat as stat_mod
 import time
 from typing import Optional
 
+import cachetools
 import pyfuse3
 import trio
 
@@ -38,12 +39,14 @@ ATTRS_CACHE_MAX_COUNT = 200_000
 # Vanished names waiting to be invalidated in the kernel (~100 B each). Past this,
 # one is skipped: the kernel still lets go of it at revalidation or memory pressure.
 INVALIDATIONS_QUEUED_MAX_COUNT = 100_000
-# The stats file (metrics.STATS_FILE_NAME): an inode and handles above any the core
-# hands out (it numbers both densely from 1).
-STATS_INODE = 1 << 62
+# The stats file (metrics.STATS_FILE_NAME): inodes and handles above any the core hands
+# out (it numbers both densely from 1). Each lookup of its name is a new inode that
+# holds the counters as they were then (see lookup).
+STATS_INODE_FIRST = 1 << 62
 STATS_FH_FIRST = 1 << 62
-# The stats file's size where the kernel opens files itself: more than the counters take.
-STATS_FILE_BYTES_MAX = 16 * 1024 * 1024
+# Readings of the stats file kept (~1-10 KB each): the kernel may keep an inode it no
+# longer uses, and send its FORGET only when it lets go of it under memory pressure.
+STATS_SNAPSHOTS_MAX = 256
 
 
 def errno_for(exc: BaseException) -> int:
@@ -129,7 +132,10 @@ class FuseOperations(pyfuse3.Operations):
         self._vanished_tx, self._vanished_rx = trio.open_memory_channel(INVALIDATIONS_QUEUED_MAX_COUNT)
         self._stats_name = os.fsencode(STATS_FILE_NAME)
         self._stats_fhs = itertools.count(STATS_FH_FIRST)
-        self._stats_reads: dict = {}  # fh -> the counters as they were at open
+        self._stats_reads: dict = {}  # fh -> the counters its inode holds
+        self._stats_inodes = itertools.count(STATS_INODE_FIRST)
+        # inode -> (the counters encoded, when they were taken in ns)
+        self._stats_snapshots: cachetools.LRUCache = cachetools.LRUCache(STATS_SNAPSHOTS_MAX)
         # Listings never change in immutable mode: the kernel may keep them, if this mount
         # may write into pyfuse3's and libfuse's private memory (--kernel-dir-cache, and
         # a tested pyfuse3). With neither object, nothing is ever written there.
@@ -147,7 +153,6 @@ class FuseOperations(pyfuse3.Operations):
         self._reads_in_flight = 0  # READs served by this object's own tasks (_read_and_reply)
         self._reads_idle = trio.Event()
         self._reads_idle.set()
-        self._stats_by_inode = b""  # the counters as a read by inode at offset 0 found them
 
     def start(self, nursery: trio.Nursery) -> None:
         """Once mounted: tell the kernel about names that vanished or changed (with a
@@ -222,8 +227,16 @@ class FuseOperations(pyfuse3.Operations):
             node = await self.fs.lookup(parent_inode, os.fsdecode(name))
         except errors.NotFound:
             if parent_inode == pyfuse3.ROOT_INODE and name == self._stats_name:
+                # A new inode for each lookup (its entry is never cached), holding the
+                # counters as they are now, of their exact size and never changed: each
+                # reading reads one snapshot, through the page cache or not, however
+                # other readings interleave with it. (One inode whose content changed
+                # under the kernel's cached size gave concurrent readers the end of one
+                # snapshot and zeros or another's bytes after it.)
                 self._uncount("lookup")
-                return self._stats_attrs()
+                ino = next(self._stats_inodes)
+                self._stats_snapshots[ino] = (encode_stats(self.fs.snapshot()), time.time_ns())
+                return self._stats_attrs(ino)
             # st_ino 0 asks the kernel to cache the negative entry for entry_timeout.
             attrs = pyfuse3.EntryAttributes()
             attrs.st_ino = 0
@@ -235,9 +248,9 @@ class FuseOperations(pyfuse3.Operations):
 
     @fuse_errors
     async def getattr(self, inode, ctx=None):
-        if inode == STATS_INODE:
+        if inode >= STATS_INODE_FIRST:
             self._uncount("getattr")
-            return self._stats_attrs()
+            return self._stats_attrs(inode)
         return self._attrs(await self.fs.getattr(inode))
 
     def _uncount(self, op: str) -> None:
@@ -245,20 +258,24 @@ class FuseOperations(pyfuse3.Operations):
         # would otherwise show OPEN, READ and RELEASE in a warm epoch that had none.
         self.fs.uncount(f"fuse.{op}")  # (to zero: as if never asked, no "open 0")
 
-    def _stats_attrs(self) -> pyfuse3.EntryAttributes:
-        # Size 0, as /proc's files: read until EOF (direct I/O, so the kernel does not
-        # stop at the size). Where the kernel opens files itself (no direct I/O) its
-        # reads stop at the size: a bound, cut to the counters' length by the short
-        # READ. Modified now: each stat() makes the kernel drop the pages it kept of
-        # the last reading. Timeouts 0: an object of that name may appear in a listing.
+    def _stats_snapshot(self, ino: int) -> tuple:
+        """(counters, taken at ns) of the stats inode `ino`; ESTALE once let go of."""
+        snapshot = self._stats_snapshots.get(ino)
+        if snapshot is None:
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return snapshot
+
+    def _stats_attrs(self, ino: int) -> pyfuse3.EntryAttributes:
+        # Timeouts 0: each path lookup is a new reading, and an object of that name may
+        # appear in a listing.
+        data, taken_ns = self._stats_snapshot(ino)
         attrs = pyfuse3.EntryAttributes()
-        attrs.st_ino = STATS_INODE
-        if self._kernel_opens_files is not None and self._kernel_opens_files.active:
-            attrs.st_size = STATS_FILE_BYTES_MAX
+        attrs.st_ino = ino
+        attrs.st_size = len(data)
         attrs.st_mode = stat_mod.S_IFREG | 0o444
         attrs.st_nlink = 1
         attrs.st_blksize = BLKSIZE_BYTES
-        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = time.time_ns()
+        attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = taken_ns
         attrs.st_uid, attrs.st_gid = self.uid, self.gid
         attrs.entry_timeout = attrs.attr_timeout = 0
         return attrs
@@ -351,10 +368,10 @@ class FuseOperations(pyfuse3.Operations):
             # every file's pages; READs come by inode (read_inode).
             self._uncount("open")
             raise pyfuse3.FUSEError(errno.ENOSYS)
-        if inode == STATS_INODE:
+        if inode >= STATS_INODE_FIRST:
             self._uncount("open")
             fh = next(self._stats_fhs)
-            self._stats_reads[fh] = encode_stats(self.fs.snapshot())  # one snapshot per open: reads agree
+            self._stats_reads[fh] = self._stats_snapshot(inode)[0]  # (its own: past the LRU's bound)
             return pyfuse3.FileInfo(fh=fh, keep_cache=False, direct_io=True)
         fh = await self.fs.open(inode, flags)
         # keep_cache: the page cache stays across opens, so a second epoch never
@@ -366,11 +383,9 @@ class FuseOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         if fh & INODE_FH:  # (the kernel opened the file itself: noopen.py)
             ino = fh ^ INODE_FH
-            if ino == STATS_INODE:
+            if ino >= STATS_INODE_FIRST:
                 self._uncount("read")
-                if not off:  # a new reader: the counters as they are now
-                    self._stats_by_inode = encode_stats(self.fs.snapshot())
-                return self._stats_by_inode[off : off + size]
+                return self._stats_snapshot(ino)[0][off : off + size]
             return await self.fs.read_inode(ino, off, size)
         if fh >= STATS_FH_FIRST:
             self._uncount("read")
@@ -383,12 +398,11 @@ class FuseOperations(pyfuse3.Operations):
         """Whether this READ is taken from pyfuse3's handler (noopen.py) and served by a
         task whose reply the reply thread writes: a large one (streaming shards). A
         small file's READ is left to pyfuse3: its reply costs less than the task and
-        the hand-off to the thread would (W2 lost ~15% of its files/s so). Nor the stats
-        file's: a READ at offset 0 takes a new snapshot, which the later READs of that
-        reading must slice, so its READs are served in the order they come."""
+        the hand-off to the thread would (W2 lost ~15% of its files/s so), and so is
+        the stats file's (a few KB)."""
         if size < REPLY_THREAD_MIN_BYTES or self._nursery is None:
             return False
-        stats_file = fh ^ INODE_FH == STATS_INODE if fh & INODE_FH else fh >= STATS_FH_FIRST
+        stats_file = fh ^ INODE_FH >= STATS_INODE_FIRST if fh & INODE_FH else fh >= STATS_FH_FIRST
         if stats_file:
             return False
         self._nursery.start_soon(self._read_and_reply, req, fh, off, size)
@@ -440,12 +454,13 @@ class FuseOperations(pyfuse3.Operations):
         self.fs.release(fh)
 
     async def forget(self, inode_list):
-        # No reply and no errno: a failure here is logged, never raised.
-        if not self._count_lookups:
-            return  # immutable: nodes live as long as the mount
+        # No reply and no errno: a failure here is logged, never raised. (Each stats
+        # inode is looked up once: its FORGET lets go of it.)
         try:
             for ino, count in inode_list:
-                if ino != STATS_INODE:
+                if ino >= STATS_INODE_FIRST:
+                    self._stats_snapshots.pop(ino, None)
+                elif self._count_lookups:  # (immutable: nodes live as long as the mount)
                     self.fs.forget(ino, count)
         except Exception:  # noqa: BLE001 - the daemon must never die on one request
             log.exception("forget failed")

@@ -187,3 +187,41 @@ def test_a_stop_while_large_reads_wait_on_a_frozen_store_replies_to_them_and_exi
                 os.kill(server.pid, signal.SIGCONT)
         finally:
             m.close()
+
+
+def test_concurrent_readers_of_the_stats_file_each_read_one_whole_snapshot(rclone_server, s3_bucket, mount_factory):
+    """Once the kernel opens files, the stats file has no handle per reading: each
+    reader (thread) is served one snapshot from its first READ to its end, however
+    the readings of other threads interleave and whatever the counters do meanwhile."""
+    files = dataset()
+    del files["shards/shard-000000.tar"]
+    rclone_server.write_files(s3_bucket, files)
+    m = mount_factory(rclone_server, s3_bucket)
+    list(os.walk(m.path("train")))
+    assert read_all(m, files) == files
+    assert m.stats()["namespace.kernel_opens_files"] == 1
+    stats_path = m.path(STATS_FILE_NAME)
+    busy = True
+
+    def churn():  # (the counters change between and during readings)
+        while busy:
+            drop_page_cache()
+            read_all(m, dict(list(files.items())[:8]), threads=2)
+
+    def readings(_worker):
+        texts = []
+        for _ in range(150):
+            with open(stats_path, "rb") as f:
+                texts.append(f.read())
+        return texts
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        churning = pool.submit(churn)
+        try:
+            texts = [text for got in pool.map(readings, range(4)) for text in got]
+        finally:
+            busy = False
+        churning.result()
+    for text in texts:
+        assert json.loads(text)["namespace.kernel_opens_files"] == 1, text[-200:]
+    assert len(set(texts)) > 1  # (readings of changing counters)

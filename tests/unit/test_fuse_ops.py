@@ -163,6 +163,45 @@ def test_the_stats_file_is_found_at_the_root_only_read_as_one_snapshot_and_never
     assert names == [".", "..", "d", "f"] and left_open == {}
 
 
+def test_each_lookup_of_the_stats_file_is_a_reading_of_its_own_until_forgotten():
+    """Read by inode (the kernel opens files itself: no handle per reading), the stats
+    file is a new inode per lookup, its size its counters' own length, its bytes the
+    same whatever the mount does after; let go of at its FORGET (ESTALE after)."""
+    from bucketfs.fuse.noopen import INODE_FH
+    from bucketfs.metrics import STATS_FILE_NAME
+
+    backend = MemoryBackend({"f": b"x"})
+
+    async def body(fs):
+        ops = FuseOperations(fs, fs.config)
+        name = STATS_FILE_NAME.encode()
+        first = await ops.lookup(pyfuse3.ROOT_INODE, name)
+        fs.stats["fuse.read"] += 10**12  # (longer counters from here on)
+        second = await ops.lookup(pyfuse3.ROOT_INODE, name)
+        readings = {}
+        for entry in (first, second):
+            ino = entry.st_ino
+            head = await ops.read(INODE_FH | ino, 0, 7)
+            rest = await ops.read(INODE_FH | ino, 7, 1 << 20)
+            readings[ino] = (entry.st_size, (await ops.getattr(ino, None)).st_size, head + rest)
+        await ops.forget([(first.st_ino, 1)])
+        try:
+            await ops.getattr(first.st_ino, None)
+        except pyfuse3.FUSEError as exc:
+            after_forget = exc.errno
+        return first.st_ino, second.st_ino, readings, after_forget
+
+    first_ino, second_ino, readings, after_forget = run_fs(backend, body)
+    assert first_ino != second_ino
+    for size, size_again, data in readings.values():
+        assert size == size_again == len(data)
+        json.loads(data)
+    assert json.loads(readings[second_ino][2])["fuse.read"] >= 10**12 > json.loads(readings[first_ino][2]).get(
+        "fuse.read", 0
+    )
+    assert after_forget == errno.ESTALE
+
+
 def test_an_object_named_like_the_stats_file_wins():
     from bucketfs.metrics import STATS_FILE_NAME
 
