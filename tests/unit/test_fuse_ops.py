@@ -196,8 +196,10 @@ def test_each_lookup_of_the_stats_file_is_a_reading_of_its_own_until_forgotten()
     for size, size_again, data in readings.values():
         assert size == size_again == len(data)
         json.loads(data)
-    assert json.loads(readings[second_ino][2])["fuse.read"] >= 10**12 > json.loads(readings[first_ino][2]).get(
-        "fuse.read", 0
+    assert (
+        json.loads(readings[second_ino][2])["fuse.read"]
+        >= 10**12
+        > json.loads(readings[first_ino][2]).get("fuse.read", 0)
     )
     assert after_forget == errno.ESTALE
 
