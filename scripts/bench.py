@@ -61,6 +61,11 @@ table compares the two designs per workload: throughput, main-thread and bucketf
 per unit, the ceiling 1 / main and the bound on 2/4/8 free cores (--json:
 "fetch_workers_variant"). See bench/fetchworkers.py.
 
+--store-cpus CPUS (e.g. 1) runs the store's server and the latency proxy on those CPUs and
+everything else (this script, the mounts, every client) on the others, as where the store is
+another machine: a client's own CPU per unit then decides its throughput on the cores it
+has, not its contention with the store's.
+
 --alternatives (S3 only) adds existing FUSE mounts as further systems, each through the
 same proxy: "rclone mount" (`rclone mount :s3:BUCKET`, --vfs-cache-mode off,
 --dir-cache-time/--attr-timeout 1h, --use-server-modtime so that a stat is no HEAD) and,

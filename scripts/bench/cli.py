@@ -18,7 +18,7 @@ from .common import HASH_NAME, MB, REPO, log
 from .copythenread import S5CMD_WORKERS
 from .datasets import Dataset, Spec, ensure_dataset
 from .fetchworkers import DEFAULT_FETCH_WORKERS
-from .procs import drop_caches, is_mounted
+from .procs import drop_caches, is_mounted, parse_cpus, pin_tree
 from .report import print_report
 from .runner import Bench
 from .stores import BACKENDS, gcs_proxy_child
@@ -85,6 +85,13 @@ def parse_args(argv):
         help="after the workloads, W2's cold epochs, W1 (4 readers) and W5 again on a mount with --fetch-workers N, "
         f"compared with the default mount's runs (default {DEFAULT_FETCH_WORKERS}; 0: not run)",
     )
+    p.add_argument(
+        "--store-cpus",
+        metavar="CPUS",
+        help="run the store's server and the latency proxy on these CPUs (taskset -c's form, e.g. 1) and "
+        "everything else (this script, the mounts, every client) on the others: the client side gets "
+        "cores of its own, as it would where the store is another machine",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -119,6 +126,22 @@ def main(argv=None) -> int:
     if not 0 < args.scale <= 1:
         print("bench: --scale must be in (0, 1]", file=sys.stderr)
         return 2
+    client_cpus = None
+    if args.store_cpus is not None:
+        available = os.sched_getaffinity(0)
+        try:
+            store_cpus = parse_cpus(args.store_cpus)
+        except ValueError:
+            print(f"bench: --store-cpus {args.store_cpus!r}: not a CPU list like 1, 0,2 or 2-3", file=sys.stderr)
+            return 2
+        client_cpus = available - store_cpus
+        if not store_cpus <= available or not client_cpus:
+            print(
+                f"bench: --store-cpus {args.store_cpus}: must be some, not all, of this machine's CPUs "
+                f"{sorted(available)}",
+                file=sys.stderr,
+            )
+            return 2
     args.data_dir = args.data_dir.resolve()
     spec = Spec.for_scale(args.scale)
     bucket_dir, manifest = ensure_dataset(spec, args.data_dir)
@@ -143,6 +166,14 @@ def main(argv=None) -> int:
         with backend_cls(args.data_dir / "srv", args.latency_ms, args.conn_mbps, args.proxy_log).serve() as backend:
             backend.seed(ds)
             log(f"server: {backend.description} behind the proxy {backend.proxy.url} (pid {backend.proxy.pid})")
+            if client_cpus is not None:
+                # This process's tree first (the server and proxy are in it), then theirs.
+                pin_tree(os.getpid(), client_cpus)
+                pinned = pin_tree(backend.server.pid, store_cpus) + pin_tree(backend.proxy.pid, store_cpus)
+                log(
+                    f"CPUs: the server and the proxy ({pinned} threads) on {sorted(store_cpus)}; this script, "
+                    f"the mounts and the clients on {sorted(client_cpus)}"
+                )
             bench = Bench(args, ds, backend, work_dir)
             try:
                 for name in only:

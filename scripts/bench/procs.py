@@ -123,3 +123,45 @@ class RssSampler:
             with contextlib.suppress(OSError):
                 self.peak_bytes = max(self.peak_bytes, proc_status_kib(self.pid, "VmRSS") * 1024)
             self._stop.wait(self.interval_s)
+
+
+def parse_cpus(text: str) -> set:
+    """CPU numbers written as taskset -c does ("1", "0,2", "2-3"); ValueError if not."""
+    cpus: set = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    if not cpus:
+        raise ValueError(text)
+    return cpus
+
+
+def _descendants(pid: int) -> set:
+    """`pid` and every process below it (from /proc: children started so far)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    tree, changed = {pid}, True
+    while changed:
+        changed = False
+        for child, parent in parents.items():
+            if parent in tree and child not in tree:
+                tree.add(child)
+                changed = True
+    return tree
+
+
+def pin_tree(pid: int, cpus: set) -> int:
+    """Every thread of `pid` and of the processes below it runs on `cpus` from now on
+    (threads and processes they start later inherit it); how many threads were pinned."""
+    pinned = 0
+    for proc in _descendants(pid):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{proc}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cpus)
+                    pinned += 1
+    return pinned
