@@ -398,12 +398,9 @@ class FuseOperations(pyfuse3.Operations):
         """Whether this READ is taken from pyfuse3's handler (noopen.py) and served by a
         task whose reply the reply thread writes: a large one (streaming shards). A
         small file's READ is left to pyfuse3: its reply costs less than the task and
-        the hand-off to the thread would (W2 lost ~15% of its files/s so), and so is
-        the stats file's (a few KB)."""
+        the hand-off to the thread would (W2 lost ~15% of its files/s so). (The stats
+        file's may go either way: each of its readings is one immutable snapshot.)"""
         if size < REPLY_THREAD_MIN_BYTES or self._nursery is None:
-            return False
-        stats_file = fh ^ INODE_FH >= STATS_INODE_FIRST if fh & INODE_FH else fh >= STATS_FH_FIRST
-        if stats_file:
             return False
         self._nursery.start_soon(self._read_and_reply, req, fh, off, size)
         return True
