@@ -377,6 +377,39 @@ def assert_overwrite_mid_read_is_stale(mount_at, put_many) -> None:
     assert os.listdir(m.path("v")) == ["big.bin", "small.jpg"]  # the mount keeps serving
 
 
+def stop_twice_while_a_read_waits_on_a_frozen_store(mount: "Mount", server, path: str) -> None:
+    """The store frozen (SIGSTOP), a thread reads `path` through `mount` until its READ
+    reaches the daemon, then SIGTERM, the lazy unmount, and SIGTERM again: the daemon
+    must exit 0 within its stop deadline and the blocked reader get an OSError, not wait
+    for ever. The store runs again however this ends."""
+    import queue
+    import threading
+
+    from bucketfs.app.mount import STOP_DEADLINE_S
+
+    result: queue.Queue = queue.Queue()
+
+    def read():
+        try:
+            with open(path, "rb") as f:
+                result.put(f.read())
+        except OSError as exc:
+            result.put(exc)
+
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        before = mount.stats().get("fuse.read", 0)
+        threading.Thread(target=read, daemon=True).start()
+        wait_for(lambda: mount.stats().get("fuse.read", 0) > before, MOUNT_DEADLINE_S, "a READ in flight", mount.proc)
+        mount.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: not os.path.ismount(mount.mountpoint), MOUNT_DEADLINE_S, "lazy unmount", mount.proc)
+        mount.proc.send_signal(signal.SIGTERM)
+        assert mount.proc.wait(timeout=STOP_DEADLINE_S + 10) == 0
+        assert isinstance(result.get(timeout=10), OSError)  # the blocked reader got an error
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def pinned_in_page_cache(paths):
     """Every byte of `paths` in the page cache, and kept there (mmap + mlock) for the

@@ -3,19 +3,24 @@ nothing left mounted; daemon mode returns once mounted; signals unmount cleanly.
 
 import contextlib
 import os
-import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from bucketfs import errors
-from bucketfs.app import mount as bucketfs_mount
-from bucketfs.testing.mounting import MOUNT_DEADLINE_S, assert_one_line_error, mount_cmd, run_cli, server_env, wait_for
+from bucketfs.testing.mounting import (
+    MOUNT_DEADLINE_S,
+    assert_one_line_error,
+    mount_cmd,
+    run_cli,
+    server_env,
+    stop_twice_while_a_read_waits_on_a_frozen_store,
+    wait_for,
+)
 from bucketfs.testing.servers import _answers_http, _die_with_parent, free_port, rclone_s3_server
 
 pytestmark = pytest.mark.integration
@@ -304,29 +309,10 @@ def test_second_signal_ends_the_daemon_while_a_reader_is_blocked_on_a_frozen_sto
         bucket = server.new_bucket()
         server.write_files(bucket, {"f.bin": b"f" * 300_000})
         m = mount_factory(server, bucket, mountpoint=empty_dir)
-        result: queue.Queue = queue.Queue()
-
-        def read():
-            try:
-                with open(m.path("f.bin"), "rb") as f:
-                    result.put(f.read())
-            except OSError as exc:
-                result.put(exc)
-
         try:
             os.stat(m.path("f.bin"))  # listed while the store answers
-            os.kill(server.pid, signal.SIGSTOP)
-            try:
-                threading.Thread(target=read, daemon=True).start()
-                wait_for(lambda: m.stats().get("fuse.read", 0) >= 1, MOUNT_DEADLINE_S, "a READ in flight", m.proc)
-                m.proc.send_signal(signal.SIGTERM)
-                wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
-                m.proc.send_signal(signal.SIGTERM)
-                assert m.proc.wait(timeout=bucketfs_mount.STOP_DEADLINE_S + 10) == 0
-                assert isinstance(result.get(timeout=10), OSError)  # the blocked reader got an error
-                assert "exiting now" in m.stderr_text
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
+            stop_twice_while_a_read_waits_on_a_frozen_store(m, server, m.path("f.bin"))
+            assert "exiting now" in m.stderr_text
         finally:
             m.close()  # while its store still runs
 

@@ -148,12 +148,7 @@ def test_a_stop_while_large_reads_wait_on_a_frozen_store_replies_to_them_and_exi
     """READs served by the daemon's own tasks (replies.py) blocked on a store that
     stopped answering: a second SIGTERM still ends the daemon at once, cleanly, and the
     reader gets an error rather than waiting for ever."""
-    import queue
-    import signal
-    import threading
-
-    from bucketfs.app import mount as bucketfs_mount
-    from bucketfs.testing.mounting import MOUNT_DEADLINE_S
+    from bucketfs.testing.mounting import stop_twice_while_a_read_waits_on_a_frozen_store
     from bucketfs.testing.servers import rclone_s3_server
 
     with rclone_s3_server(tmp_path / "store") as server:
@@ -163,28 +158,8 @@ def test_a_stop_while_large_reads_wait_on_a_frozen_store_replies_to_them_and_exi
         m = mount_factory(server, bucket, mountpoint=empty_dir)
         list(os.walk(m.path("")))
         assert read_all(m, small, threads=1) == small  # (the handle's offset checked: large READs are taken)
-        result: queue.Queue = queue.Queue()
-
-        def read():
-            try:
-                with open(m.path("shards/big.tar"), "rb") as f:
-                    result.put(f.read())
-            except OSError as exc:
-                result.put(exc)
-
         try:
-            os.kill(server.pid, signal.SIGSTOP)
-            try:
-                before = m.stats().get("fuse.read", 0)
-                threading.Thread(target=read, daemon=True).start()
-                wait_for(lambda: m.stats().get("fuse.read", 0) > before, MOUNT_DEADLINE_S, "a READ in flight", m.proc)
-                m.proc.send_signal(signal.SIGTERM)
-                wait_for(lambda: not os.path.ismount(empty_dir), MOUNT_DEADLINE_S, "lazy unmount", m.proc)
-                m.proc.send_signal(signal.SIGTERM)
-                assert m.proc.wait(timeout=bucketfs_mount.STOP_DEADLINE_S + 10) == 0
-                assert isinstance(result.get(timeout=10), OSError)  # the blocked reader got an error
-            finally:
-                os.kill(server.pid, signal.SIGCONT)
+            stop_twice_while_a_read_waits_on_a_frozen_store(m, server, m.path("shards/big.tar"))
         finally:
             m.close()
 
