@@ -70,11 +70,9 @@ PROGRESS_INTERVAL_S = 0.25
 _EXTRA_DIGITS = 3
 PAGE_KEYS = 1000  # what a LIST page holds (S3's and GCS's most)
 # A new range is cut to hold about this many pages, where the keys seen say how dense
-# they are: more leaves slots idle at the end, and the first cut (63 ranges of a
-# 64-slot build) reaching past the keys' end, ranges that list nothing; fewer makes
-# more ranges and their short last pages. (200,000 flat keys, index_bench's store:
-# 4, ~240 LISTs and ~0.53 s; 6, ~275 and ~0.56 s; 3 and 2, slower, ad hoc.)
-PAGES_PER_RANGE = 4
+# they are: more would leave slots idle at the end, fewer would list more keys twice
+# (a LIST answers a whole page, past its range's end too).
+PAGES_PER_RANGE = 6
 SCALES_KEPT = 32  # ranges whose counts correct the next cuts
 # A range's last page asks for the keys its end is estimated to be away (S3 max-keys),
 # widened by this much and a few keys: a page past the end would make the store list
