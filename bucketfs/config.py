@@ -571,6 +571,22 @@ class Config:
         details="requests a reader waits for never queue behind them; without pycurl (GETs on worker "
         "threads) fetch-ahead shares --max-connections instead",
     )
+    # A cold shuffled epoch's files, fetched ahead into the kernel's page cache by other
+    # processes, cost the daemon one GETATTR each, not a GET's work and the READs
+    # (core/fetchahead.py; docs/design.md#fetch-ahead-workers).
+    fetch_ahead_workers_count: int = option(
+        1,
+        flag="--fetch-ahead-workers",
+        kind="int",
+        low=0,
+        high=FETCH_WORKERS_MAX,
+        group=CACHING,
+        help="processes that fetch a pass's files (--fetch-ahead) straight into the kernel's page cache, "
+        "{range}; 0: into the daemon's memory",
+        details="S3 and S3-compatible stores, where pycurl is installed, without --cache-dir; each file is "
+        "checked (whole, the pinned version, the ETag's MD5) before the kernel gets it; the memory budget "
+        "covers the bodies being fetched, and the files waiting for the loader stay within half of --max-memory",
+    )
     # The kernel's directory cache needs writes into pyfuse3's and libfuse's private
     # memory (fuse/dircache.py, fuse/noopendir.py): "off" makes none.
     kernel_dir_cache: str = option(

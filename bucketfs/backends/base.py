@@ -26,7 +26,7 @@ import abc
 import collections
 import dataclasses
 import typing
-from typing import Optional
+from typing import Callable, Optional
 
 from bucketfs import errors
 from bucketfs.backends import versions
@@ -80,6 +80,26 @@ class Backend(abc.ABC):
         """(fetch worker processes running, workers replaced after they ended): (0, 0)
         without --fetch-workers."""
         return 0, 0
+
+    @property
+    def fetch_ahead_workers(self) -> tuple:
+        """(fetch-ahead worker processes running, workers replaced): start_pushing's."""
+        return 0, 0
+
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+        """Start worker processes that fetch whole objects straight into the kernel's page
+        cache of the mount whose /dev/fuse descriptor is `kernel_fd` (push_whole), each
+        with up to `transfers_count` GETs in flight; False where this backend cannot."""
+        return False
+
+    async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest) -> tuple:
+        """Fetch object `key` of `version` (`size_bytes`) whole, check it, and put it into
+        inode `ino`'s page cache, in a worker (start_pushing): (outcome, body). PUSHED;
+        PUSH_READ with the checked body, once `request` asked for it; or why not
+        (PUSH_NO_INODE: the kernel holds no such inode; PUSH_REFUSED: the answer failed
+        a check; PUSH_FAILED: the GET failed), not retried: the reader's READ fetches
+        what was not pushed, with every check and retry. `body` is None but for PUSH_READ."""
+        return PUSH_REFUSED, None
 
     @abc.abstractmethod
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
@@ -159,6 +179,29 @@ class ShortBody(ConnectionError):
     """An answer for the pinned version with fewer bytes than the range asked for (a
     cut Content-Length, a proxy's partial answer): the object did not change, so it is
     retried like a reset, not reported as ESTALE."""
+
+
+# push_whole's outcomes. PUSH_READ: a reader's READ waited for the file, and its body
+# came back to the daemon instead (PushRequest.ask_for_body).
+PUSHED, PUSH_READ, PUSH_NO_INODE, PUSH_REFUSED, PUSH_FAILED = "pushed", "read", "no_inode", "refused", "failed"
+
+
+class PushRequest:
+    """One push_whole call's link to its caller: `ask_for_body()` (a READ of the file
+    waits) has the worker send the body back rather than write it into the kernel (whose
+    write would wait for that READ's pages)."""
+
+    __slots__ = ("wanted", "want")
+
+    def __init__(self) -> None:
+        self.wanted = False
+        self.want: Optional[Callable[[], None]] = None  # set by the backend once the push is sent
+
+    def ask_for_body(self) -> None:
+        if not self.wanted:
+            self.wanted = True
+            if self.want is not None:
+                self.want()
 
 
 def check_answer(

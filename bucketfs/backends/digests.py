@@ -46,12 +46,24 @@ def md5_of(data) -> bytes:
     return hashlib.md5(data).digest()
 
 
+# Answer headers that say an S3 ETag is not the MD5 of the bytes (AWS: SSE-KMS, DSSE-KMS,
+# SSE-C): (header, what its value starts with; "" any value). Also checked by the
+# fetch-ahead workers, which are given it (http/fetchworker.py: answer_refusal).
+S3_ETAG_NOT_MD5_HEADERS = (
+    ("x-amz-server-side-encryption", "aws:kms"),
+    ("x-amz-server-side-encryption-customer-algorithm", ""),
+)
+
+
 def s3_etag_digest(etag: str, encryption: Optional[str], customer_algorithm: Optional[str]) -> Optional[Digest]:
     """The MD5 an S3 ETag (quoted or not) states of the object's bytes, or None where it
     states none: a multipart upload's ETag ("<hex>-<parts>"), SSE-KMS, DSSE-KMS and
-    SSE-C objects (AWS: their ETag is not the MD5 of the data), and ETags of another
-    shape (stores that do not use MD5)."""
-    if customer_algorithm or (encryption or "").lower().startswith("aws:kms"):
+    SSE-C objects (AWS: their ETag is not the MD5 of the data: S3_ETAG_NOT_MD5_HEADERS),
+    and ETags of another shape (stores that do not use MD5)."""
+    values = (encryption, customer_algorithm)
+    if any(
+        (value or "").lower().startswith(start) and value for value, (_, start) in zip(values, S3_ETAG_NOT_MD5_HEADERS)
+    ):
         return None
     etag = (etag or "").strip('"')
     if not _MD5_HEX_RE.fullmatch(etag):

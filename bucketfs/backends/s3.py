@@ -32,10 +32,12 @@ GetObject. Invariants:
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import http.client
 import itertools
 import logging
+import os
 import re
 import threading
 from typing import Optional
@@ -52,17 +54,23 @@ from bucketfs import errors
 from bucketfs.backends import versions
 from bucketfs.backends.base import (
     PAGE_KEYS_MAX,
+    PUSH_FAILED,
+    PUSH_NO_INODE,
+    PUSH_READ,
+    PUSH_REFUSED,
+    PUSHED,
     Backend,
     ListPage,
     ObjectInfo,
+    PushRequest,
     check_answer,
     gone_message,
     lists_entries,
 )
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
-from bucketfs.backends.digests import EtagChecks, check_whole_object
+from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check_whole_object, s3_etag_digest
 from bucketfs.backends.http.curl import CurlEngine
-from bucketfs.backends.http.workerengine import engine_workers, small_get_engine
+from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
 from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
@@ -226,6 +234,7 @@ class S3Backend(Backend):
             else None
         )
         self.lean.sign_in_engine = getattr(self.curl, "signs_requests", False)
+        self.push_engine: Optional[WorkerEngine] = None  # start_pushing's
         self.etag_checks = EtagChecks()
         self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
@@ -480,7 +489,57 @@ class S3Backend(Backend):
             (item["Key"] for item in response.get("Contents", ())), len(response.get("CommonPrefixes", ())), prefix
         )
 
+    @property
+    def fetch_ahead_workers(self) -> tuple:
+        return engine_workers(self.push_engine)
+
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+        if self.curl is None or self.push_engine is not None:  # (the workers' engine needs pycurl)
+            return False
+        config = self._config
+        self.push_engine = WorkerEngine(
+            workers_count,
+            transfers_count,
+            config.connect_timeout_s,
+            config.read_timeout_s,
+            ca_bundle(self._session),
+            kernel_fd,
+        )
+        return True
+
+    async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest) -> tuple:
+        engine = self.push_engine
+        if engine is None or self.transport is self.sdk:
+            return PUSH_REFUSED, None
+        transfer = self.lean.push_transfer(key, size_bytes, version)
+        if transfer is None:
+            return PUSH_REFUSED, None
+        pinned_etag = version if versions.kind(version) == versions.ETAG else None
+        digest = s3_etag_digest(version, None, None) if pinned_etag and self.etag_checks.enabled else None
+        md5 = None if digest is None else digest.expected
+        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS)
+        self.requests["get"] += 1
+        self.get_paths["push"] += 1
+        try:
+            await engine.push(transfer, size_bytes, ino, checks, request)
+        except PushRefused:
+            return PUSH_REFUSED, None
+        except ConnectionError:  # (no worker could start)
+            return PUSH_FAILED, None
+        error = transfer.error
+        if error is None:
+            self.bytes_fetched += size_bytes
+            if transfer.buffer:
+                return PUSH_READ, transfer.buffer
+            return PUSHED, None
+        log.debug("push of %r: %s", key, error)
+        if not isinstance(error, PushRefused):
+            return PUSH_FAILED, None
+        return (PUSH_NO_INODE if str(error).endswith(os.strerror(errno.ENOENT)) else PUSH_REFUSED), None
+
     async def aclose(self) -> None:
+        if self.push_engine is not None:
+            self.push_engine.close()
         if self.curl is not None:
             self.curl.close()
         self.lean.close()

@@ -625,17 +625,27 @@ class LeanS3:
         headers = self.range_headers(start, end, version)
         if self.sign_in_engine and not self.unsigned:
             # Signed where the engine runs it (a fetch worker), off this thread.
-            credentials = self._credentials()
-            signing = (
-                self.region,
-                credentials.access_key,
-                credentials.secret_key,
-                credentials.token,
-                self._host,
-                headers,
-            )
-            return Transfer.ranged(url, {}, buffer, start, self.read_timeout_s, signing)
+            return Transfer.ranged(url, {}, buffer, start, self.read_timeout_s, self._signing(headers))
         return Transfer.ranged(url, self._headers(url, headers), buffer, start, self.read_timeout_s)
+
+    def push_transfer(self, key: str, size_bytes: int, version: str) -> Optional[Transfer]:
+        """The GET of the whole object for a worker's push (workerengine.push): signed
+        there; its buffer stays empty here. None if this path cannot serve the bucket."""
+        if not self._resolve():
+            return None
+        url = self._base() + quote(key, safe="/~")
+        headers = self.range_headers(0, size_bytes, version)
+        timeout_s = body_deadline_s(self.read_timeout_s, size_bytes) - time.monotonic()
+        # (A BodyTransfer: a body that comes back, WANTed, is appended to its buffer.)
+        if self.unsigned:
+            lines = [f"{name}: {value}" for name, value in headers.items()]
+            return BodyTransfer(url, lines, bytearray(), 0, timeout_s)
+        return BodyTransfer(url, [], bytearray(), 0, timeout_s, signing=self._signing(headers))
+
+    def _signing(self, headers: dict) -> tuple:
+        """What an engine that signs (a worker) signs a GET of the endpoint's with."""
+        credentials = self._credentials()
+        return (self.region, credentials.access_key, credentials.secret_key, credentials.token, self._host, headers)
 
     def redirected(self, transfer: Transfer, start: int, end: int, version: str, hops: int) -> Optional[Transfer]:
         """The transfer that follows `transfer`'s answer if it is a redirect (signed

@@ -27,6 +27,7 @@ import logging
 from typing import Optional
 
 from bucketfs import errors
+from bucketfs.backends.http.body import http_date_s
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +100,6 @@ def condition_headers(version: str) -> dict:
     if version == UNPINNED:
         return {}
     return {"If-Match": f'"{version}"'}
-
-
-def http_date_s(text: Optional[str]) -> Optional[int]:
-    """Seconds since the epoch of an HTTP date (Last-Modified), or None."""
-    if not text:
-        return None
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError, IndexError):
-        return None
-    return int(when.timestamp())
 
 
 class AnswerChecks:

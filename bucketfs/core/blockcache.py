@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.base import PUSH_FAILED, PushRequest
 from bucketfs.backends.slots import mark_speculative
 from bucketfs.core.blockpolicy import Run, RunResidency
 
@@ -58,7 +59,7 @@ class Flight:
     """One GET of a run of blocks. Also the ticket of its GET's connection slot
     (backends/slots.py): a fetch-ahead flight is speculative until someone waits on it."""
 
-    __slots__ = ("done", "error", "blocks", "speculative", "waiters", "in_own_slot")
+    __slots__ = ("done", "error", "blocks", "speculative", "waiters", "in_own_slot", "on_wait", "outcome")
 
     def __init__(self, speculative: bool = False):
         self.done = trio.Event()
@@ -67,6 +68,8 @@ class Flight:
         self.speculative = speculative
         self.waiters = 0
         self.in_own_slot = False  # (set by PrioritySlots)
+        self.on_wait: Optional[Callable[[], None]] = None  # called when its first waiter comes
+        self.outcome = ""  # a push's (push_ahead): Backend.push_whole's
 
     @property
     def urgent(self) -> bool:
@@ -229,13 +232,20 @@ class BlockCache:
                 # scheduler rounds, holding the flight's buffer all along, however soon
                 # the budget evicted its blocks.)
                 flight.waiters += 1  # a fetch-ahead GET someone waits on is urgent now
+                if flight.on_wait is not None and flight.waiters == 1:
+                    flight.on_wait()
                 try:
                     await flight.done.wait()
                 finally:
                     flight.waiters -= 1
             if flight.error is not None:
                 raise flight.error
-            found[i] = flight.blocks[i]
+            block = flight.blocks.get(i)
+            if block is None:
+                # A push that gave its bytes to the kernel only (or was refused): they
+                # are fetched here now, the flight gone.
+                return await self._blocks_for(key, version, size_bytes, first, last)
+            found[i] = block
         return [found[i] for i in range(first, last + 1)]
 
     def _plan(self, key, version, size_bytes, first, last):
@@ -296,22 +306,8 @@ class BlockCache:
             ).toreadonly()
             if len(data) != end - start:
                 raise errors.ObjectChanged(f"{key}: expected {end - start} bytes at {start}, got {len(data)}")
-            bs = self.block_size_bytes
-            entry = Run(key, version, run[0], len(run), len(data))
-            for n, i in enumerate(run):
-                block = Block(data, n * bs, min((n + 1) * bs, len(data)), entry)
-                flight.blocks[i] = block
-                self._blocks[(key, version, i)] = block
-            self.cached_bytes += len(data)
-            held = self._held.get((key, version))
-            if held is not None:
-                held[1] = entry  # the policy takes it in when it is let go
-            else:
-                self._index.add(entry)
-            self._changes += 1
+            self._land(key, version, run, flight, data)
             reserved_bytes = 0  # ownership moved to the cache; eviction releases it
-            self.budget.reclaimable_grew()
-            self.stats["cache.fetched_bytes"] += len(data)
         except errors.BucketfsError as exc:
             flight.error = exc
         except Exception as exc:  # noqa: BLE001 - a waiter must get an errno, never hang
@@ -326,7 +322,62 @@ class BlockCache:
                 self.release_hold(key, version)  # nothing was cached to hold
             flight.done.set()
 
+    def _land(self, key, version, run: list, flight: Flight, data: memoryview) -> None:
+        """Cache `data`, the bytes of `run`'s blocks a flight fetched (their memory,
+        reserved, is the cache's from now on)."""
+        bs = self.block_size_bytes
+        entry = Run(key, version, run[0], len(run), len(data))
+        for n, i in enumerate(run):
+            block = Block(data, n * bs, min((n + 1) * bs, len(data)), entry)
+            flight.blocks[i] = block
+            self._blocks[(key, version, i)] = block
+        self.cached_bytes += len(data)
+        held = self._held.get((key, version))
+        if held is not None:
+            held[1] = entry  # the policy takes it in when it is let go
+        else:
+            self._index.add(entry)
+        self._changes += 1
+        self.budget.reclaimable_grew()
+        self.stats["cache.fetched_bytes"] += len(data)
+
     # -- fetched ahead of its reader (core/fetchahead.py) ---------------------------
+    def push_ahead(self, key: str, version: str, size_bytes: int, ino: int) -> Optional[Flight]:
+        """fetch_ahead into the kernel's page cache (inode `ino`'s) by a fetch-ahead
+        worker (Backend.push_whole): the bytes come here only if a READ waits for them
+        (then cached, not held). Its memory is reserved while it runs (the worker's
+        buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's."""
+        last = (size_bytes - 1) // self.block_size_bytes
+        run = list(range(last + 1))
+        if size_bytes <= 0 or any((key, version, i) in self._blocks or (key, version, i) in self._flights for i in run):
+            return None
+        if not self.budget.try_reserve(size_bytes, reclaim_priority=-1, refused_stat="fetch_ahead.memory_refused"):
+            return None
+        flight = Flight(speculative=True)
+        request = PushRequest()
+        flight.on_wait = request.ask_for_body
+        for i in run:
+            self._flights[(key, version, i)] = flight
+        self.nursery.start_soon(self._push, key, version, size_bytes, ino, run, flight, request)
+        return flight
+
+    async def _push(self, key, version, size_bytes: int, ino: int, run: list, flight: Flight, request) -> None:
+        reserved_bytes = size_bytes
+        flight.outcome = PUSH_FAILED
+        try:
+            flight.outcome, body = await self.backend.push_whole(key, version, size_bytes, ino, request)
+            if body is not None and len(body) == size_bytes:
+                self._land(key, version, run, flight, memoryview(body).toreadonly())
+                reserved_bytes = 0
+        except Exception:  # noqa: BLE001 - its waiters fetch the file themselves, never hang
+            log.exception("unexpected error pushing %r", key)
+        finally:
+            if reserved_bytes:
+                self.budget.release(reserved_bytes)
+            for i in run:
+                self._flights.pop((key, version, i), None)
+            flight.done.set()
+
     def fetch_ahead(self, key: str, version: str, size_bytes: int) -> Optional[Flight]:
         """Start one speculative GET of the whole object and hold it until `release_hold`;
         None when any of it is cached or in flight already, or the budget has no room

@@ -50,6 +50,23 @@ A pass (`_run_pass`):
   detected afresh) or when no file of it is opened for PASS_IDLE_S. Held files
   not yet opened are released then (kept in the cache, evictable: counted unused).
 
+Into the kernel's page cache (`start_pushing`: fetch-ahead workers, --fetch-ahead-workers):
+a file of a pass is fetched, checked and written into its inode's page cache by a
+worker process (backends push_whole), not held in the daemon's memory: the loader's
+reads of it then never reach the daemon. A pushed file's cached attributes are ended
+with it, so the loader's first stat() or read past its end is a GETATTR, which tells
+the pass it was opened (`note_getattr`). The room, the ramp and the pass are the same;
+each push reserves its size in the budget while it runs (the worker's buffer).
+- only files of directories whose listing the kernel read to its end (READDIRPLUS hands
+  it every entry's inode): a loader that opens paths it never listed gets them
+  fetched into memory as above. A push to an inode the kernel has dropped since is
+  refused (ENOENT) and its GET wasted; once most of a pass's recent pushes are refused
+  so, that pass fetches into memory;
+- a push refused for its answer (not the pinned version, not whole, a wrong MD5) or
+  failed is not retried: the loader's READ fetches the file, with every check and retry;
+- a READ of a file whose push is in flight is a GET of the daemon's own (the worker's
+  write waits for that READ's pages, and is then a no-op of the same bytes).
+
 A loader that reads only part of the tree in each epoch (a DistributedSampler share
 on one of several nodes) looks the same while its epoch runs: its opens are spread
 over the whole tree. It shows when the epoch ends (the next one opens a file again):
@@ -70,6 +87,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
+from bucketfs.backends.base import PUSH_FAILED, PUSH_NO_INODE, PUSH_READ, PUSHED
 from bucketfs.core.namespace import Node
 
 log = logging.getLogger(__name__)
@@ -102,6 +120,10 @@ PARTIAL_HELD_MIN = 16
 # When the budget refuses memory with room left (held by readers or read-ahead), the
 # walk tries again this often; opens and landed fetches wake it sooner.
 RETRY_S = 0.25
+# Of a pass's last PUSH_OUTCOMES_KEPT pushes, more than this many to inodes the kernel
+# no longer held: the pass stops pushing (its files go to memory instead).
+PUSH_OUTCOMES_KEPT = 32
+PUSH_NO_INODE_MAX = 16
 
 
 class _PassOver(Exception):
@@ -120,9 +142,14 @@ class _Pass:
         "kernel_keeps_served",
         "tree_files_count",
         "walked",
+        "pushed_held",
+        "pushed_held_bytes",
+        "pushed_opened",
+        "push_no_inode",
+        "pushing",
     )
 
-    def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool):
+    def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool, pushing: bool):
         self.root = root
         self.kernel_keeps_served = kernel_keeps_served  # files served whole before are skipped
         self.opened: set = set()  # inos of files opened in this pass
@@ -133,6 +160,11 @@ class _Pass:
         self.last_open_s = now_s
         self.cancel_scope = trio.CancelScope()
         self.fetched_count = 0
+        self.pushing = pushing
+        self.pushed_held: dict = {}  # ino -> bytes: pushed (or being pushed), not yet opened
+        self.pushed_held_bytes = 0
+        self.pushed_opened: set = set()  # inos opened after they were pushed (a GETATTR told)
+        self.push_no_inode: collections.deque = collections.deque(maxlen=PUSH_OUTCOMES_KEPT)  # refused: no inode
 
 
 def is_under(node: Node, directory: Node) -> bool:
@@ -184,6 +216,15 @@ class FetchAhead:
             disk_cache.on_write_done = self._wake
         self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
         self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
+        self._pushes = False  # start_pushing's
+        # Directories whose entries' inodes the kernel was handed (READDIRPLUS): only
+        # their files are pushed (a push to an inode the kernel lacks is refused).
+        self._listed_to_kernel: set = set()
+
+    def start_pushing(self) -> None:
+        """From now on, passes push their files into the kernel's page cache
+        (BlockCache.push_ahead: the backend's workers write them there)."""
+        self._pushes = True
 
     @property
     def room_bytes(self) -> int:
@@ -198,6 +239,19 @@ class FetchAhead:
         held_bytes = self._cache.release_hold(key, node.version)
         current = self._pass
         if current is not None:
+            pushed_bytes = current.pushed_held.pop(node.ino, 0)
+            if pushed_bytes:
+                current.pushed_held_bytes -= pushed_bytes
+                current.pushed_opened.add(node.ino)
+                self._stats["fetch_ahead.used_files"] += 1
+                self._stats["fetch_ahead.used_bytes"] += pushed_bytes
+                self._wake()
+            elif node.ino in current.pushed_opened:
+                # Read from the daemon after its GETATTR said it was opened: the kernel
+                # dropped its pages (or the reader skipped stat()), not a next epoch.
+                current.pushed_opened.discard(node.ino)
+                self._note_order(node)
+                return
             if held_bytes:
                 current.held.pop(key, None)
                 self._stats["fetch_ahead.used_files"] += 1
@@ -212,6 +266,19 @@ class FetchAhead:
                     current.opened.add(node.ino)
                     current.read.append((key, node.version, node.size_bytes))
         self._note_order(node)
+
+    def note_getattr(self, node: Node) -> None:
+        """The kernel asked for `node`'s attributes: for a file pushed into its page
+        cache (whose cached attributes the push ended), the loader opened it."""
+        current = self._pass
+        if current is not None and node.ino in current.pushed_held:
+            self.note_open(node, self.key_prefix + node.path)
+
+    def note_listed_to_kernel(self, directory: Node) -> None:
+        """The kernel was handed the inodes of every entry of `directory` (a READDIRPLUS
+        read to its end): its files may be pushed."""
+        if self._pushes:
+            self._listed_to_kernel.add(directory.ino)
 
     def note_kernel_miss(self, node: Node) -> None:
         """A READ of `node`, served whole before, reached the daemon: the kernel had
@@ -261,7 +328,7 @@ class FetchAhead:
 
     # -- a pass -----------------------------------------------------------------------
     def _start_pass(self, root: Node) -> None:
-        current = self._pass = _Pass(root, trio.current_time(), self._kernel_keeps_served())
+        current = self._pass = _Pass(root, trio.current_time(), self._kernel_keeps_served(), pushing=self._pushes)
         self._window.clear()
         self._stats["fetch_ahead.passes"] += 1
         # The opens that revealed the pass count as opened in it.
@@ -296,6 +363,10 @@ class FetchAhead:
                 self._stats["fetch_ahead.unused_files"] += 1
                 self._stats["fetch_ahead.unused_bytes"] += held_bytes
         current.held.clear()
+        self._stats["fetch_ahead.unused_files"] += len(current.pushed_held)
+        self._stats["fetch_ahead.unused_bytes"] += current.pushed_held_bytes
+        current.pushed_held.clear()
+        current.pushed_held_bytes = 0
         self._window.clear()
         self._recent.clear()  # the next epoch's order owes nothing to this one's
         self._recent_set.clear()
@@ -366,25 +437,65 @@ class FetchAhead:
         while True:
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
-            fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
+            held_bytes = self._cache.held_bytes + current.pushed_held_bytes
+            fits = held_bytes + node.size_bytes <= self.room_bytes or not (current.held or current.pushed_held)
             if fits and not self._disk_keeps_up(node.size_bytes):
                 # No faster than the disk cache stores: past its queue a file is not
                 # stored, and the next epoch would fetch it again.
                 self._stats["fetch_ahead.disk_waits"] += 1
                 fits = False
             if fits and self._in_flight_count < self._allowed_count:
-                self._make_room(current, node.size_bytes)
-                flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
+                pushing = current.pushing and node.parent.ino in self._listed_to_kernel
+                if pushing:
+                    flight = self._cache.push_ahead(key, node.version, node.size_bytes, node.ino)
+                else:
+                    self._make_room(current, node.size_bytes)
+                    flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
                 if flight is not None:
                     break
             await self._wait(current)
-        current.held[key] = (node.version, node.size_bytes)
         current.fetched_count += 1
         self._in_flight_count += 1
         self._in_flight_bytes += node.size_bytes
         self._stats["fetch_ahead.files"] += 1
         self._stats["fetch_ahead.bytes"] += node.size_bytes
+        if pushing:
+            current.pushed_held[node.ino] = node.size_bytes
+            current.pushed_held_bytes += node.size_bytes
+            self._nursery.start_soon(self._pushed, current, node, flight)
+            return
+        current.held[key] = (node.version, node.size_bytes)
         self._nursery.start_soon(self._landed, current, key, node.size_bytes, flight)
+
+    async def _pushed(self, current: _Pass, node: Node, flight) -> None:
+        """Wait for `node`'s push (BlockCache.push_ahead) and account for its outcome."""
+        size_bytes = node.size_bytes
+        try:
+            await flight.done.wait()
+        finally:
+            outcome = flight.outcome or PUSH_FAILED
+            self._in_flight_count -= 1
+            self._in_flight_bytes -= size_bytes
+            self._stats[f"fetch_ahead.push_{outcome}"] += 1
+            if outcome in (PUSHED, PUSH_READ):
+                if outcome == PUSHED:
+                    node.served = True  # (the kernel holds it whole, as if a reader had read it)
+                self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
+            else:
+                if current.pushed_held.pop(node.ino, 0):
+                    current.pushed_held_bytes -= size_bytes
+                    self._stats["fetch_ahead.failed"] += 1
+                if outcome == PUSH_FAILED:
+                    self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
+            current.push_no_inode.append(outcome == PUSH_NO_INODE)
+            if current.pushing and sum(current.push_no_inode) > PUSH_NO_INODE_MAX:
+                current.pushing = False
+                log.info(
+                    "fetch-ahead: the kernel no longer holds the inodes of most files under /%s; fetching them "
+                    "into memory instead",
+                    current.root.path,
+                )
+            self._wake()
 
     def _disk_keeps_up(self, size_bytes: int) -> bool:
         """With --cache-dir: this fetch and those in flight fit the disk cache's queue of

@@ -163,7 +163,26 @@ class Filesystem:
         return await self.ns.lookup(parent_ino, name)
 
     async def getattr(self, ino: int) -> Node:
-        return self.ns.node(ino)
+        node = self.ns.node(ino)
+        self.fetch_ahead.note_getattr(node)
+        return node
+
+    def note_listed_to_kernel(self, directory: Node) -> None:
+        """The kernel was handed every entry of `directory` (READDIRPLUS: with inodes)."""
+        self.fetch_ahead.note_listed_to_kernel(directory)
+
+    def start_pushing(self, kernel_fd: int) -> bool:
+        """Let fetch-ahead push files into the kernel's page cache (fetchahead.py) through
+        --fetch-ahead-workers processes writing to `kernel_fd`, the mount's /dev/fuse
+        descriptor; False where it cannot: fetch-ahead off, --cache-dir (its files go to
+        disk too), a backend without the worker engine (no pycurl, GCS)."""
+        workers_count = self.config.fetch_ahead_workers_count
+        if not (workers_count and self.fetch_ahead.enabled) or self.disk_cache is not None:
+            return False
+        if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count):
+            return False
+        self.fetch_ahead.start_pushing()
+        return True
 
     async def opendir(self, ino: int) -> int:
         handle = DirHandle(self.ns.node(ino), await self.ns.list_dir(ino))
@@ -474,6 +493,8 @@ class Filesystem:
         stats["backend.bytes_fetched"] = self.backend.bytes_fetched
         stats["backend.redirects"] = self.backend.redirects_count
         stats["backend.fetch_workers"], stats["backend.fetch_worker_restarts"] = self.backend.fetch_workers
+        workers, restarts = self.backend.fetch_ahead_workers
+        stats["backend.fetch_ahead_workers"], stats["backend.fetch_ahead_worker_restarts"] = workers, restarts
         for path, count in getattr(self.backend, "get_paths", {}).items():
             stats[f"backend.get_path.{path}"] = count
         caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one

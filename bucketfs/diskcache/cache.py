@@ -58,7 +58,7 @@ from typing import Any, Optional
 import trio
 
 from bucketfs.backends import versions
-from bucketfs.backends.base import PAGE_KEYS_MAX
+from bucketfs.backends.base import PAGE_KEYS_MAX, PUSH_REFUSED
 from bucketfs.diskcache import files, journal, pagecache, policy
 from bucketfs.diskcache.directory import NO_SPACE_ERRNOS, dir_error
 
@@ -466,6 +466,16 @@ class DiskCache:
     @property
     def fetch_workers(self) -> tuple:
         return self.inner.fetch_workers
+
+    @property
+    def fetch_ahead_workers(self) -> tuple:
+        return self.inner.fetch_ahead_workers  # (none: a mount with a disk cache does not push)
+
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+        return False  # (fetch-ahead's files must reach the disk cache: into memory, then onto disk)
+
+    async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:
+        return PUSH_REFUSED, None
 
     @property
     def caller(self):

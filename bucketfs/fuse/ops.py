@@ -27,6 +27,7 @@ from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.fuse.replies import REPLY_THREAD_MIN_BYTES, ReplyThread
+from bucketfs.fuse.session import session_fd
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,12 @@ class FuseOperations(pyfuse3.Operations):
         TTL, or in the immutable default after a replaced object was found); READs the
         kernel sends without an OPEN are served by tasks of `nursery`."""
         self._nursery = nursery
+        kernel_fd = session_fd()
+        if kernel_fd is not None and self.fs.start_pushing(kernel_fd):
+            log.info(
+                "fetch-ahead: %d worker(s) fetch a shuffled pass's files into the page cache",
+                self.config.fetch_ahead_workers_count,
+            )
         if self._dir_cache is not None:
             self._dir_cache.install()
         self.fs.watch_vanished(self._note_vanished)
@@ -305,6 +312,7 @@ class FuseOperations(pyfuse3.Operations):
             entries = await self.fs.readdir_inode(ino, start_id)
         else:
             entries = await self.fs.readdir(fh, start_id)
+        last_child = None
         for i, (name, node) in enumerate(entries, start=start_id + 1):
             # The kernel takes no reference for "." and ".." (libfuse: their lookup
             # count is not raised), and a directory's node is never replaced.
@@ -318,8 +326,12 @@ class FuseOperations(pyfuse3.Operations):
                     continue
             if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(node), i):
                 return
+            if child:
+                last_child = node
             if counting and child:
                 self.fs.note_lookup(node)  # a READDIRPLUS entry counts as a lookup
+        if last_child is not None:
+            self.fs.note_listed_to_kernel(last_child.parent)  # (its last entries went in this reply)
 
     @fuse_errors
     async def releasedir(self, fh):

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import email.utils
 import time
 from typing import Optional
 
@@ -78,3 +79,14 @@ def copy_into(buffer: bytearray, data: bytes) -> int:
     """`data` written at the start of `buffer`; its length (read_range_into's answer)."""
     buffer[: len(data)] = data
     return len(data)
+
+
+def http_date_s(text: Optional[str]) -> Optional[int]:
+    """Seconds since the epoch of an HTTP date (Last-Modified), or None."""
+    if not text:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return int(when.timestamp())

@@ -87,6 +87,7 @@ class Transfer:
     # For an engine that signs (a fetch worker): (region, access key, secret key, token,
     # host, headers) to sign with SigV4 and send; header_lines is then empty.
     signing: Optional[tuple] = None
+    tid: int = 0  # a fetch worker's number for it (workerengine.py)
 
     @classmethod
     def ranged(
@@ -191,13 +192,17 @@ class CurlLoop:
         self._free_handles: list = []
         self._multi: Any = None  # (a pycurl.CurlMulti while run() runs)
 
-    def run(self, wake_fd: int, on_wake, deliver, stopping) -> None:
+    def run(self, wake_fd: int, on_wake, deliver, stopping, more_wakes: Optional[dict] = None) -> None:
         """Serve transfers until `stopping()`. `on_wake()` runs when `wake_fd` is
         readable (it reads it, and adds or aborts transfers); `deliver(finished)` gets
         each batch of finished transfers. However it ends (a bug in it raises after),
-        every transfer still running is failed and delivered, and the handles closed."""
+        every transfer still running is failed and delivered, and the handles closed.
+        `more_wakes`: {fd: callback} run when that descriptor is readable."""
+        more_wakes = more_wakes or {}
         epoll = select.epoll()
         epoll.register(wake_fd, select.EPOLLIN)
+        for fd in more_wakes:
+            epoll.register(fd, select.EPOLLIN)
         watched: dict = {}  # curl's socket fd -> epoll mask
         timer = [None]  # when curl wants SOCKET_TIMEOUT (time.monotonic), or None
 
@@ -230,6 +235,8 @@ class CurlLoop:
                 for fd, mask in epoll.poll(timeout_s):
                     if fd == wake_fd:
                         on_wake()
+                    elif fd in more_wakes:
+                        more_wakes[fd]()
                     else:
                         flags = (
                             (pycurl.CSELECT_IN if mask & select.EPOLLIN else 0)

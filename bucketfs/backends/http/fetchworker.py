@@ -2,7 +2,7 @@
 their bodies back to the daemon (workerengine.py), so their HTTP work (libcurl, its
 Python callbacks, the MD5 of a whole object) runs on another core, under another GIL.
 
-    python -m bucketfs.backends.http.fetchworker FD PARENT_PID MAX_TRANSFERS CONNECT_S READ_S [CA_BUNDLE]
+    python -m bucketfs.backends.http.fetchworker FD PARENT_PID MAX_TRANSFERS CONNECT_S READ_S [CA_BUNDLE [KERNEL_FD]]
 
 FD is the worker's end of a Unix stream socket from the daemon; everything it does
 goes through it:
@@ -10,6 +10,12 @@ goes through it:
     (GET, tid, kind, url, header_lines, length_bytes, skip_bytes, timeout_s, signing)
       kind: RANGED | BODY; signing: None, or what to sign the GET with (SigV4) here
     (ABORT, tid)
+    (WANT, tid): the daemon waits for PUSH tid's body after all (a READ came first)
+    (PUSH, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks): a
+      whole object into the kernel's page cache (KERNEL_FD, the mount's /dev/fuse), as
+      "Pushing into the page cache" below says; checks: (the pinned ETag or None, the
+      pinned Last-Modified or None, the MD5 the ETag states or None, the answer
+      headers that say it is no MD5 after all: digests.S3_ETAG_NOT_MD5_HEADERS)
 - worker -> daemon: a FRAME header (type, tid, offset, body_length, meta_length),
   the meta, then the body: bytes at `offset` of the transfer's buffer (BODY: appended)
     DATA: body bytes of a GET still running (no meta)
@@ -23,6 +29,9 @@ Invariants:
 - Every GET ends with exactly one DONE (errors included); an ABORT of a GET still
   running ends it with an "aborted" DONE. A GET comes signed, or with what to sign it
   with (its HMACs are then this process's CPU, not the daemon's).
+- A PUSH ends with a DONE and no body: its error kind "" (pushed), "refused" (the
+  answer failed a check, or the kernel refused it: the text says which), or a
+  transport error's; or, once WANTed, with the DONE of a GET: the checked body.
 - It never outlives the daemon: it exits when the socket closes, and the kernel kills
   it when the daemon's thread that started it ends (PR_SET_PDEATHSIG).
 """
@@ -34,20 +43,23 @@ import ctypes
 import logging
 import marshal
 import os
+import queue
 import signal
 import socket
 import struct
 import sys
+import threading
 import typing
 from typing import Optional
 
+from bucketfs.backends.http.body import http_date_s
 from bucketfs.backends.http.curl import BodyTransfer, CurlLoop, Transfer
 from bucketfs.backends.http.sigv4 import Signer
 
 log = logging.getLogger("bucketfs.fetchworker")
 _Credentials = collections.namedtuple("_Credentials", "access_key secret_key token")
 
-GET, ABORT = 1, 2  # requests
+GET, ABORT, PUSH, WANT = 1, 2, 3, 4  # requests
 DATA, DONE = 1, 2  # frames back
 RANGED, BODY = 0, 1  # kinds of GET: into a buffer of known length, or a whole answer
 REQUEST_LENGTH = struct.Struct("<I")
@@ -61,6 +73,19 @@ HELD_MAX_BYTES = 1 << 20
 # Requests are read this much at a time (one is ~1 KB: a URL and signed headers).
 RECEIVE_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
+
+# Pushing into the page cache. FUSE's notifications are writes to the mount's /dev/fuse
+# descriptor by any process holding it (include/uapi/linux/fuse.h): a fuse_out_header
+# whose `error` is the notification's code and `unique` 0, then its arguments. STORE
+# puts bytes into an inode's page cache (the kernel refuses with ENOENT an inode it
+# does not hold); INVAL_INODE with offset -1 ends its cached attributes only, so the
+# reader's next stat() or read past the end asks the daemon (a GETATTR): the daemon
+# learns the file was opened, at the cost of one request, not its READs.
+FUSE_NOTIFY_INVAL_INODE, FUSE_NOTIFY_STORE = 2, 4
+FUSE_OUT_HEADER = struct.Struct("<IiQ")  # len, error (the notification's code), unique (0)
+FUSE_NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
+FUSE_NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino, offset (-1: attributes only), length
+REFUSED = "refused"  # a PUSH's error kind when an answer or the kernel refused it
 
 
 class _Sink:
@@ -113,16 +138,10 @@ class _Out:
             self._held_bytes = 0
             self.flush()
 
-    def done(self, tid: int, transfer: Transfer) -> None:
-        error, kind = transfer.error, ""
-        if error is not None:
-            kind = (
-                "timeout"
-                if isinstance(error, TimeoutError)
-                else "connection"
-                if isinstance(error, ConnectionError)
-                else "os"
-            )
+    def done(self, tid: int, transfer: Transfer, body=None) -> None:
+        """The DONE of a GET, with what is held of its body (or `body`, a PUSH's)."""
+        error = transfer.error
+        kind = "" if error is None else _error_kind(error)
         meta = marshal.dumps(
             (
                 transfer.status,
@@ -134,12 +153,26 @@ class _Out:
                 None if transfer.md5 is None else transfer.md5.digest(),
             )
         )
-        offset, pieces = self._held.pop(tid, (0, ()))
-        body = b"".join(pieces)
-        self._held_bytes -= len(body)
+        offset = 0
+        if body is None:
+            offset, pieces = self._held.pop(tid, (0, ()))
+            body = b"".join(pieces)
+            self._held_bytes -= len(body)
         if error is not None:
             body = b""  # (a failed GET's bytes are not used)
         self._frames += (FRAME.pack(DONE, tid, offset, len(body), len(meta)), meta, body)
+        if len(self._frames) >= IOV_MAX_COUNT:
+            self.flush()
+
+    def pushed(self, tid: int, transfer: Transfer, refusal: str) -> None:
+        """The DONE of a PUSH: no body, no headers; `refusal` "" if it was pushed."""
+        error = transfer.error
+        kind = "" if error is None else _error_kind(error)
+        text = "" if error is None else str(error)
+        if error is None and refusal:
+            kind, text = REFUSED, refusal
+        meta = marshal.dumps((transfer.status, {}, transfer.received_bytes, b"", kind, text, None))
+        self._frames += (FRAME.pack(DONE, tid, 0, 0, len(meta)), meta)
         if len(self._frames) >= IOV_MAX_COUNT:
             self.flush()
 
@@ -166,10 +199,11 @@ class _Out:
             os._exit(2)
 
 
-def serve(sock: socket.socket, loop: CurlLoop) -> None:
-    """Run GETs for the daemon until it closes the socket."""
+def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None) -> None:
+    """Run GETs (and PUSHes, with `kernel_fd`) for the daemon until it closes the socket."""
     out = _Out(sock)
     running: dict = {}  # tid -> Transfer, and Transfer -> tid
+    pusher = _Pusher(out, kernel_fd)
     signers: dict = {}  # region -> Signer (each keeps its day's signing key)
     inbox = bytearray()
     closed = [False]
@@ -196,19 +230,161 @@ def serve(sock: socket.socket, loop: CurlLoop) -> None:
                 transfer = cls(url, header_lines, sink, skip_bytes, timeout_s)
                 running[tid], running[transfer] = transfer, tid
                 loop.add(transfer)
+            elif request[0] == PUSH:
+                _, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks = request
+                if signing is not None:
+                    header_lines = signed_lines(signers, url, signing)
+                transfer = Transfer(url, header_lines, bytearray(length_bytes), 0, timeout_s)
+                running[tid], running[transfer] = transfer, tid
+                pusher.add(tid, transfer, ino, checks)
+                loop.add(transfer)
+            elif request[0] == WANT:
+                pusher.want(request[1], request[1] in running)
             elif (to_abort := running.get(request[1])) is not None and loop.abort(to_abort):
                 aborted.append(to_abort)
         deliver(aborted)
+        out.flush()  # (a WANT's body)
 
     def deliver(finished: list) -> None:  # (after every batch of events, finished or not)
         for transfer in finished:
             tid = running.pop(transfer)
             del running[tid]
-            out.done(tid, transfer)
+            if not pusher.finished(tid, transfer):
+                out.done(tid, transfer)
         if finished:
             out.flush()
 
-    loop.run(sock.fileno(), on_wake, deliver, lambda: closed[0])
+    loop.run(sock.fileno(), on_wake, deliver, lambda: closed[0], {pusher.wake_fd: pusher.on_written})
+
+
+class _Pusher:
+    """A worker's PUSHes. A checked body is written into the kernel by a thread of its
+    own: the write waits while a READ of those pages is in flight, and the daemon
+    answers that READ with this body (it asks with WANT), so this process's loop must
+    go on meanwhile. A body the daemon WANTs goes back to it (a DONE with the body, as
+    a GET's) instead of into the kernel, or as well when its write had begun; its
+    later outcome is then not sent (one DONE per request)."""
+
+    def __init__(self, out: "_Out", kernel_fd: Optional[int]):
+        self._out = out
+        self._kernel_fd = kernel_fd
+        self._pushes: dict = {}  # Transfer -> (ino, checks), while its GET runs
+        self._wanted: set = set()  # tids whose GET runs and whose body the daemon wants
+        self._writing: dict = {}  # tid -> Transfer being written into the kernel
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (tid, ino, body) for the thread
+        self._written: queue.SimpleQueue = queue.SimpleQueue()  # (tid, refusal) from the thread
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, tid: int, transfer: Transfer, ino: int, checks: tuple) -> None:
+        self._pushes[transfer] = (ino, checks)
+
+    def want(self, tid: int, running: bool) -> None:
+        """The daemon waits for the body of PUSH `tid` (a reader's READ came first)."""
+        transfer = self._writing.pop(tid, None)
+        if transfer is not None:
+            self._out.done(tid, transfer, transfer.buffer)  # (its write waits for the READ this answers)
+        elif running:
+            self._wanted.add(tid)
+
+    def finished(self, tid: int, transfer: Transfer) -> bool:
+        """Handle a finished transfer if it is a PUSH's (True)."""
+        push = self._pushes.pop(transfer, None)
+        if push is None:
+            return False
+        ino, checks = push
+        wanted = tid in self._wanted
+        self._wanted.discard(tid)
+        refusal = "" if transfer.error is not None else answer_refusal(transfer, checks)
+        if transfer.error is not None or refusal:
+            self._out.pushed(tid, transfer, refusal)
+        elif wanted:
+            self._out.done(tid, transfer, transfer.buffer)
+        elif self._kernel_fd is None:
+            self._out.pushed(tid, transfer, "no kernel descriptor")
+        else:
+            self._writing[tid] = transfer
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write, name="kernel writes", daemon=True)
+                self._thread.start()
+            self._todo.put((tid, ino, transfer.buffer))
+        return True
+
+    def _write(self) -> None:
+        assert self._kernel_fd is not None
+        while True:
+            tid, ino, body = self._todo.get()
+            self._written.put((tid, write_to_kernel(self._kernel_fd, ino, body)))
+            os.eventfd_write(self.wake_fd, 1)
+
+    def on_written(self) -> None:
+        """(The loop's thread) send the outcomes of the writes done."""
+        try:
+            os.eventfd_read(self.wake_fd)
+        except BlockingIOError:
+            return
+        while True:
+            try:
+                tid, refusal = self._written.get_nowait()
+            except queue.Empty:
+                break
+            transfer = self._writing.pop(tid, None)
+            if transfer is not None:  # (else WANT had its body sent)
+                self._out.pushed(tid, transfer, refusal)
+        self._out.flush()
+
+
+def _error_kind(error: BaseException) -> str:
+    return (
+        "timeout" if isinstance(error, TimeoutError) else "connection" if isinstance(error, ConnectionError) else "os"
+    )
+
+
+def answer_refusal(transfer: Transfer, checks: tuple) -> str:
+    """Why the finished GET `transfer` of a whole object (its buffer's length) must not
+    be pushed, or "" if it may: it is that object, whole, of the pinned version, with
+    the stated MD5. Stricter than the daemon's checks (s3.py, base.check_answer): a
+    doubt is a refusal, and the reader's own READ then fetches the file, through
+    those checks and their retries."""
+    etag, last_modified_max_s, md5, not_md5_headers = checks
+    headers, size_bytes = transfer.headers, len(transfer.buffer)
+    if transfer.status == 206:
+        if headers.get("content-range", "").strip() != f"bytes 0-{size_bytes - 1}/{size_bytes}":
+            return f"Content-Range {headers.get('content-range')!r} for {size_bytes} bytes"
+    elif transfer.status != 200 or headers.get("content-length", "").strip() != str(size_bytes):
+        return f"status {transfer.status}, Content-Length {headers.get('content-length')!r}"
+    if transfer.received_bytes != size_bytes:
+        return f"{transfer.received_bytes} bytes of {size_bytes}"
+    if etag is not None and headers.get("etag", "").strip('"') != etag:
+        return f"ETag {headers.get('etag')!r}, pinned {etag!r}"
+    if last_modified_max_s is not None:
+        answered_s = http_date_s(headers.get("last-modified"))
+        if answered_s is None or answered_s > last_modified_max_s:
+            return f"Last-Modified {headers.get('last-modified')!r}"
+    if md5 is not None and not any(
+        (value := headers.get(name, "").lower()) and value.startswith(start) for name, start in not_md5_headers
+    ):
+        if transfer.md5 is None or transfer.md5.digest() != md5:
+            return "the body's MD5 is not the one its ETag states"
+    return ""
+
+
+def write_to_kernel(kernel_fd: int, ino: int, body) -> str:
+    """Put `body` (a whole file) into inode `ino`'s page cache and end the inode's cached
+    attributes; "" if done, else why not."""
+    store = FUSE_NOTIFY_STORE_OUT.pack(ino, 0, len(body), 0)
+    inval = FUSE_NOTIFY_INVAL_INODE_OUT.pack(ino, -1, 0)
+    try:
+        os.writev(
+            kernel_fd,
+            [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(store) + len(body), FUSE_NOTIFY_STORE, 0), store, body],
+        )
+        os.writev(
+            kernel_fd, [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(inval), FUSE_NOTIFY_INVAL_INODE, 0), inval]
+        )
+    except OSError as exc:
+        return f"the kernel refused it: {os.strerror(exc.errno) if exc.errno else exc}"
+    return ""
 
 
 def signed_lines(signers: dict, url: str, signing: tuple) -> list:
@@ -232,6 +408,7 @@ def main(argv: Optional[list] = None) -> int:
     fd, parent_pid, max_transfers = int(args[0]), int(args[1]), int(args[2])
     connect_timeout_s, read_timeout_s = float(args[3]), float(args[4])
     ca_bundle_path = args[5] if len(args) > 5 and args[5] else None
+    kernel_fd = int(args[6]) if len(args) > 6 and args[6] else None
     _die_with_parent(parent_pid)
     # Ctrl-C on a foreground mount reaches the whole process group: the daemon decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -239,7 +416,7 @@ def main(argv: Optional[list] = None) -> int:
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
-        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path))
+        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path), kernel_fd)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the daemon went away mid-frame: nobody to tell
     except Exception:  # noqa: BLE001 - a bug: the daemon sees the socket close, fails and restarts

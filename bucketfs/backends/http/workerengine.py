@@ -46,8 +46,11 @@ from bucketfs.backends.http.fetchworker import (
     DONE,
     FRAME,
     GET,
+    PUSH,
     RANGED,
+    REFUSED,
     REQUEST_LENGTH,
+    WANT,
     signed_lines,
 )
 
@@ -65,7 +68,13 @@ RESTART_MAX_INTERVAL_S = 30.0
 YOUNG_DEATHS_MAX = 3
 # Frames are received this much at a time: a 100 KB body in one or two receives.
 RECEIVE_BUFFER_BYTES = 1 << 20
-_ERRORS = {"timeout": TimeoutError, "connection": ConnectionError, "os": OSError}
+
+
+class PushRefused(Exception):
+    """A PUSH's answer failed a check, or the kernel refused its bytes (fetchworker.py)."""
+
+
+_ERRORS = {"timeout": TimeoutError, "connection": ConnectionError, "os": OSError, REFUSED: PushRefused}
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(bucketfs.__file__)))
 
 
@@ -112,8 +121,12 @@ class WorkerEngine:
         connect_timeout_s: float,
         read_timeout_s: float,
         ca_bundle_path: Optional[str],
+        kernel_fd: Optional[int] = None,
     ):
+        """`kernel_fd`: the mount's /dev/fuse descriptor, for workers that push (push())."""
         self.workers_count = workers_count
+        self.kernel_fd = kernel_fd
+        self.what = "fetch worker" if kernel_fd is None else "fetch-ahead worker"  # (for the log)
         # Each worker's CurlLoop's, and the fallback thread engine's.
         self._engine_args = (max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
         self.workers: list = []  # live _Worker
@@ -141,10 +154,11 @@ class WorkerEngine:
         worker = await self._worker_for(transfer.timeout_s)
         if worker is None:
             return await self._on_fallback(transfer)
-        tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
         kind = BODY if isinstance(transfer, BodyTransfer) else RANGED
-        request = marshal.dumps(
-            (
+        return await self._run(
+            worker,
+            transfer,
+            lambda tid: (
                 GET,
                 tid,
                 kind,
@@ -154,8 +168,54 @@ class WorkerEngine:
                 transfer.skip_bytes,
                 transfer.timeout_s,
                 transfer.signing,
-            )
+            ),
         )
+
+    async def push(self, transfer: Transfer, length_bytes: int, ino: int, checks: tuple, request) -> Transfer:
+        """Have a worker GET the whole object `transfer` names (`length_bytes`, from its
+        first byte; `transfer.buffer` stays empty: no body comes back) and put it into
+        inode `ino`'s page cache after `checks` (fetchworker.answer_refusal). Its error
+        when this returns: None (pushed), PushRefused, or a transport error. Never on
+        the fallback thread: PushRefused when no worker runs. `request` (a
+        base.PushRequest) gets its `want`: the worker sends the body back then (into
+        `transfer.buffer`, a BodyTransfer's) instead of writing it into the kernel."""
+        if self.kernel_fd is None or self.fallback is not None:
+            raise PushRefused("no worker pushes")
+        if self._token is not trio.lowlevel.current_trio_token():
+            self._attach_run()
+        worker = await self._worker_for(transfer.timeout_s)
+        if worker is None:
+            raise PushRefused("no worker pushes")
+        request.want = lambda: self._want(worker, transfer)
+        if request.wanted:  # (asked before the push was sent: right after it)
+            trio.lowlevel.current_trio_token().run_sync_soon(request.want)
+        return await self._run(
+            worker,
+            transfer,
+            lambda tid: (
+                PUSH,
+                tid,
+                transfer.url,
+                transfer.header_lines,
+                length_bytes,
+                transfer.timeout_s,
+                transfer.signing,
+                ino,
+                checks,
+            ),
+        )
+
+    def _want(self, worker: _Worker, transfer: Transfer) -> None:
+        """Ask `worker` for the body of the PUSH `transfer` (if it still runs there)."""
+        tid = transfer.tid
+        if worker.alive and worker.pending.get(tid) is transfer:
+            want = marshal.dumps((WANT, tid))
+            self._send(worker, REQUEST_LENGTH.pack(len(want)) + want)
+
+    async def _run(self, worker: _Worker, transfer: Transfer, request_of) -> Transfer:
+        """Send `worker` the request `request_of(tid)` for `transfer` and wait for its DONE."""
+        tid = transfer.tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
+        request = marshal.dumps(request_of(tid))
         worker.pending[tid] = transfer
         worker.gets_count += 1
         worker.deadlines[tid] = time.monotonic() + transfer.timeout_s + WORKER_GRACE_S
@@ -217,18 +277,24 @@ class WorkerEngine:
             return False
         try:
             child.set_inheritable(True)
+            pass_fds: tuple = (child.fileno(),)
+            if self.kernel_fd is not None:
+                pass_fds += (self.kernel_fd,)
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")]))
             proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
-                    "bucketfs.backends.http.fetchworker",
+                    "bucketfs.backends.http.fetchworker"
+                    if self.kernel_fd is None
+                    else "bucketfs.backends.http.pushworker",
                     str(child.fileno()),
                     str(os.getpid()),
                     *(repr(arg) if isinstance(arg, float) else str(arg or "") for arg in self._engine_args),
+                    "" if self.kernel_fd is None else str(self.kernel_fd),
                 ],
-                pass_fds=(child.fileno(),),
+                pass_fds=pass_fds,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env=env,
@@ -256,7 +322,7 @@ class WorkerEngine:
                 now_s = time.monotonic()
                 for worker in list(self.workers):
                     if worker.deadlines and min(worker.deadlines.values()) < now_s:
-                        log.warning("fetch worker %d: silent past a GET's deadline; killing it", worker.pid)
+                        log.warning("%s %d: silent past a GET's deadline; killing it", self.what, worker.pid)
                         self._lost(worker, "killed: silent past a GET's deadline")
         except trio.Cancelled:
             pass  # the run ended
@@ -288,12 +354,12 @@ class WorkerEngine:
             worker.sock.close()  # (wakes its tasks, in the run they wait in)
         except RuntimeError:  # outside a trio run: no task waits on it
             worker.raw.close()
-        self._fail_pending(worker, f"fetch worker {worker.pid}: {reason}")
+        self._fail_pending(worker, f"{self.what} {worker.pid}: {reason}")
         worker.outbox_ready.set()  # (its writer ends)
         code = _end(worker.proc)
         if self._closed:
             return
-        log.warning("fetch worker %d ended (%s, exit status %s); starting another", worker.pid, reason, code)
+        log.warning("%s %d ended (%s, exit status %s); starting another", self.what, worker.pid, reason, code)
         self.restarts_count += 1
         # One that served is replaced at once; one that died before it ended a GET (it
         # cannot start, or crashes at once) after a delay that doubles each time.
@@ -400,7 +466,7 @@ class WorkerEngine:
         except (OSError, trio.ClosedResourceError) as exc:
             self._lost(worker, f"its socket failed: {exc}")
         except (ValueError, EOFError, TypeError) as exc:
-            log.error("fetch worker %d broke the protocol: %s", worker.pid, exc)
+            log.error("%s %d broke the protocol: %s", self.what, worker.pid, exc)
             self._lost(worker, f"it broke the protocol: {exc}")
         except trio.Cancelled:
             self._run_ended(worker)
