@@ -21,7 +21,18 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends import versions as version_kinds
-from bucketfs.backends.base import PAGE_KEYS_MAX, Backend, ListPage, ObjectInfo, gone_message
+from bucketfs.backends.base import (
+    PAGE_KEYS_MAX,
+    PUSH_FAILED,
+    PUSH_NO_INODE,
+    PUSH_READ,
+    PUSH_REFUSED,
+    PUSHED,
+    Backend,
+    ListPage,
+    ObjectInfo,
+    gone_message,
+)
 
 _versions = itertools.count(1)
 VERSION_MODES = ("counter", "hash", "none", "unpinned")
@@ -168,6 +179,31 @@ class MemoryBackend(Backend):
         if what == version_kinds.LASTMOD:
             return info.mtime_ns // version_kinds.NS_PER_S <= (version_kinds.lastmod_s(version) or 0)
         return True
+
+    # -- pushes into a stand-in for the kernel's page cache -----------------------
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+        """A fake kernel: `kernel_pages` {ino: bytes} is what push_whole put into its
+        page cache (tests read a pushed file from there, as the kernel would, and tell
+        the filesystem with a getattr). `kernel_inodes`: the inodes it holds (None: all)."""
+        self.kernel_pages: dict = {}
+        self.kernel_inodes: Optional[set] = None
+        return True
+
+    async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:
+        """As a worker would: the GET (fail_hook, delay), the checks, then the bytes into
+        `kernel_pages`, or back to the caller if `request` asked for them meanwhile."""
+        try:
+            data = await self.read_range(key, 0, size_bytes, version, object_bytes=size_bytes)
+        except errors.ObjectChanged:
+            return PUSH_REFUSED, None
+        except errors.BucketfsError:
+            return PUSH_FAILED, None
+        if request.wanted:
+            return PUSH_READ, bytearray(data)
+        if self.kernel_inodes is not None and ino not in self.kernel_inodes:
+            return PUSH_NO_INODE, None
+        self.kernel_pages[ino] = data
+        return PUSHED, None
 
     async def check_bucket(self, prefix: str) -> bool:
         await self._request("list", prefix)

@@ -18,6 +18,7 @@ import concurrent.futures
 import hashlib
 import os
 import random
+import signal
 
 import pytest
 
@@ -237,3 +238,72 @@ def test_files_fetched_ahead_land_in_the_disk_cache_for_the_next_mount(
         f"first mount: {fetch_ahead_counters(first)}; this mount: {fetch_ahead_counters(second)}"
     )
     assert second.get("backend.requests.get", 0) == 0, fetch_ahead_counters(second)
+
+
+def fetch_ahead_workers(daemon_pid: int) -> set:
+    """The daemon's live children running the fetch-ahead worker's module."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent_pid == daemon_pid and b"bucketfs.backends.http.pushworker" in command:
+            found.add(int(name))
+    return found
+
+
+def test_pushed_files_are_read_from_the_page_cache_without_a_read_reaching_the_daemon(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=8))
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)  # (READDIRPLUS: the kernel holds every file's inode)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=9), digests)
+    stats = m.stats()
+    pushed = stats.get("fetch_ahead.push_pushed", 0)
+    assert pushed >= FILES_COUNT // 2, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.failed", 0) == 0, fetch_ahead_counters(stats)
+    assert stats["backend.fetch_ahead_workers"] == 1
+    # Each file the daemon served itself costs it a READ or two; a pushed one none.
+    reads = stats.get("fuse.read", 0)
+    assert reads <= 2 * (FILES_COUNT - pushed), (reads, fetch_ahead_counters(stats))
+    # ... and one GETATTR: how the pass learns it was opened.
+    assert stats.get("fuse.getattr", 0) >= stats["fetch_ahead.used_files"] - (FILES_COUNT - pushed)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+
+
+def test_a_fetch_ahead_worker_killed_mid_pass_costs_no_reader_a_wrong_byte(rclone_server, s3_bucket, mount_factory):
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=10))
+    with counting_proxy(rclone_server.endpoint_url) as slow:
+        m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=slow.url)
+        assert scan(m) == sorted(digests)
+        order = list(digests)
+        random.Random(11).shuffle(order)
+        killed: list = []
+        read: dict = {}
+
+        def read_and_kill(i_key):
+            i, key = i_key
+            if i in (FILES_COUNT // 8, FILES_COUNT // 3):  # (the pass is running: it started in the first 32 opens)
+                for pid in fetch_ahead_workers(m.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            return read_digest(m, key)
+
+        with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
+            read.update(pool.map(read_and_kill, enumerate(order)))
+        assert_bytes_match(read, digests)
+        assert killed, "no fetch-ahead worker was running"
+        stats = m.stats()
+        assert stats["backend.fetch_ahead_worker_restarts"] >= 1, fetch_ahead_counters(stats)
+        assert not any(k.startswith("errors.") for k in stats), fetch_ahead_counters(stats)
+        assert f"fetch-ahead worker {killed[0]} ended" in m.stderr_text
+        assert "Traceback" not in m.stderr_text and "unexpected error" not in m.stderr_text
+        assert m.proc.poll() is None, "the daemon died"

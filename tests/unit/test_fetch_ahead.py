@@ -411,3 +411,136 @@ def test_fetch_ahead_runs_no_faster_than_the_disk_cache_stores(tmp_path, monkeyp
     got = mount(lambda fs: read_epoch(fs, shuffled(objects, 20)))
     assert got == objects
     assert backend.requests["get"] == 0
+
+
+# -- into the kernel's page cache (--fetch-ahead-workers: MemoryBackend's fake kernel) ---
+async def kernel_read(fs, backend, path: str) -> bytes:
+    """A loader's read as the kernel serves it: from the page cache if a push put the
+    file there (the daemon hears one GETATTR), else through the daemon's READs."""
+    node = await resolve(fs, path)
+    pages = backend.kernel_pages.get(node.ino)
+    if pages is not None:
+        await fs.getattr(node.ino)  # (the push ended its cached attributes: stat() asks)
+        return pages
+    return await read_all(fs, path)
+
+
+async def pushed_epoch(fs, backend, objects, seed, workers=8, listed=True):
+    fs.start_pushing(-1)
+    if listed:
+        for directory in sorted({path.rsplit("/", 1)[0] for path in objects}):
+            fs.note_listed_to_kernel(await resolve(fs, directory))
+    out = {}
+    queue = iter(shuffled(objects, seed))
+
+    async def worker():
+        for path in queue:
+            out[path] = await kernel_read(fs, backend, path)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(workers):
+            nursery.start_soon(worker)
+    return out
+
+
+def test_a_pushed_pass_puts_most_files_into_the_page_cache_each_fetched_once():
+    objects, backend = image_folder()
+
+    async def body(fs):
+        got = await pushed_epoch(fs, backend, objects, seed=1)
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert stats["fetch_ahead.passes"] == 1
+    pushed = stats.get("fetch_ahead.push_pushed", 0)
+    assert pushed > len(objects) // 2, stats
+    assert len(backend.kernel_pages) == pushed
+    # No object cost two GETs: the READs of a file whose push was running took its body.
+    assert backend.requests["get"] <= len(objects)
+    assert stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+    assert stats.get("fetch_ahead.failed", 0) == 0
+    # The pushed files' bytes never went through the daemon's memory.
+    assert stats["cache.fetched_bytes"] <= sum(map(len, objects.values())) - pushed * 8 * KiB
+
+
+def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body():
+    objects, backend = image_folder(delay_s=0.05)
+
+    async def body(fs):
+        fs.start_pushing(-1)
+        fs.note_listed_to_kernel(await resolve(fs, "train/class00"))
+        node = await resolve(fs, "train/class00/img0000.jpg")
+        flight = fs.cache.push_ahead(fs.key_prefix + node.path, node.version, node.size_bytes, node.ino)
+        assert flight is not None
+        data = await read_all(fs, "train/class00/img0000.jpg")  # (the push's GET is still running)
+        await flight.done.wait()
+        return data, flight.outcome, node.ino
+
+    data, outcome, ino = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert data == objects["train/class00/img0000.jpg"]
+    assert outcome == "read"
+    assert ino not in backend.kernel_pages
+    assert backend.requests["get"] == 1
+
+
+def test_a_refused_or_failed_push_leaves_the_file_to_its_reader():
+    objects, backend = image_folder()
+    unlucky = sorted(objects)[::3]
+    pushed_by_the_store = backend.push_whole
+
+    async def push_whole(key, version, size_bytes, ino, request):
+        if key in unlucky:  # (a wrong MD5, or a reset: the worker gives up on it)
+            await trio.sleep(backend.delay_s)
+            return ("refused" if len(key) % 2 else "failed"), None
+        return await pushed_by_the_store(key, version, size_bytes, ino, request)
+
+    backend.push_whole = push_whole
+
+    async def body(fs):
+        got = await pushed_epoch(fs, backend, objects, seed=2)
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    not_pushed = stats.get("fetch_ahead.push_refused", 0) + stats.get("fetch_ahead.push_failed", 0)
+    assert not_pushed > 0, stats
+    assert stats["fetch_ahead.failed"] == not_pushed
+
+
+def test_files_of_directories_the_kernel_never_listed_are_fetched_into_memory():
+    """A loader that opens paths it never listed: the kernel holds none of their inodes,
+    so a push would be refused and its GET wasted."""
+    objects, backend = image_folder()
+
+    async def body(fs):
+        got = await pushed_epoch(fs, backend, objects, seed=3, listed=False)
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert stats["fetch_ahead.files"] > len(objects) // 2
+    assert not backend.kernel_pages
+    assert stats.get("fetch_ahead.push_pushed", 0) == 0
+    assert backend.requests["get"] <= len(objects)
+
+
+def test_a_pass_stops_pushing_once_the_kernel_has_dropped_most_inodes():
+    objects, backend = image_folder()
+
+    async def body(fs):
+        fs.start_pushing(-1)
+        backend.kernel_inodes = set()  # (evicted: every push is refused with ENOENT)
+        for directory in sorted({path.rsplit("/", 1)[0] for path in objects}):
+            fs.note_listed_to_kernel(await resolve(fs, directory))
+        got = {}
+        for path in shuffled(objects, 4):
+            got[path] = await kernel_read(fs, backend, path)
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    no_inode = stats.get("fetch_ahead.push_no_inode", 0)
+    assert fetchahead.PUSH_NO_INODE_MAX < no_inode <= fetchahead.PUSH_OUTCOMES_KEPT + 256, stats
+    # The rest of the pass went into memory: most files were fetched ahead all the same.
+    assert stats["fetch_ahead.files"] - no_inode > len(objects) // 3, stats
