@@ -291,6 +291,9 @@ class Filesystem:
                 if not self.cache.holds(handle.key, handle.version, off):
                     # A miss (evicted, or the kernel dropped its pages): the whole object in one GET.
                     if handle.node.served:
+                        # Given to the kernel whole (read through, or pushed) and dropped since:
+                        # memory pressure, or a host's proactive reclaim (DAMON) of pages not read yet.
+                        self.stats["read.kernel_dropped_gets"] += 1
                         self.fetch_ahead.note_kernel_miss(handle.node)
                     self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)

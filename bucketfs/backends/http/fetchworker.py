@@ -370,17 +370,20 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
 
 
 def write_to_kernel(kernel_fd: int, ino: int, body) -> str:
-    """Put `body` (a whole file) into inode `ino`'s page cache and end the inode's cached
-    attributes; "" if done, else why not."""
+    """End inode `ino`'s cached attributes, then put `body` (a whole file) into its page
+    cache; "" if done, else why not. In this order: a reader that opens the file between
+    the two asks for its attributes (the daemon hears of the open) or READs it; the other
+    way round, one that opened it just before could read it all from the page cache
+    before its attributes ended, and the daemon would never hear of it."""
     store = FUSE_NOTIFY_STORE_OUT.pack(ino, 0, len(body), 0)
     inval = FUSE_NOTIFY_INVAL_INODE_OUT.pack(ino, -1, 0)
     try:
         os.writev(
-            kernel_fd,
-            [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(store) + len(body), FUSE_NOTIFY_STORE, 0), store, body],
+            kernel_fd, [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(inval), FUSE_NOTIFY_INVAL_INODE, 0), inval]
         )
         os.writev(
-            kernel_fd, [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(inval), FUSE_NOTIFY_INVAL_INODE, 0), inval]
+            kernel_fd,
+            [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(store) + len(body), FUSE_NOTIFY_STORE, 0), store, body],
         )
     except OSError as exc:
         return f"the kernel refused it: {os.strerror(exc.errno) if exc.errno else exc}"
