@@ -1,7 +1,9 @@
 """Issue 37's measure: the CPU bucketfs spends per unit of work, by thread and process,
 and the throughput ceilings it implies.
 
-bucketfs is the daemon and, with --fetch-workers N, N fetch worker processes it starts.
+bucketfs is the daemon and the worker processes it starts: --fetch-workers N fetch
+workers, and --fetch-ahead-workers N (default 1) that fetch a shuffled pass's files into
+the page cache.
 The daemon's main thread runs trio and serves FUSE (every request the kernel sends goes
 through it); a libcurl thread ("bucketfs-curl") runs the small GETs, or the fetch
 workers run them (fetchworker.py: libcurl and the MD5 on other cores); trio's thread
@@ -16,8 +18,9 @@ before and after each bucketfs run split bucketfs's CPU into those roles:
 - workers: trio's cache threads (named "Trio thread N", or after the function a job
   runs), and the CPU of threads that exited during the run (the process's total less
   its live threads': trio's idle cache threads exit after 10 s; main and curl do not);
-- fetch workers: the daemon's child processes whose command line names
-  bucketfs.backends.http.fetchworker (workers that start during the run count from 0),
+- fetch workers: the daemon's worker processes, fetch workers and fetch-ahead
+  workers: its children whose command line names bucketfs.backends.http.fetchworker
+  or .pushworker (workers that start during the run count from 0),
   and the daemon's reaped children (a worker that dies is replaced, and the daemon's
   cutime and cstime then hold its CPU);
 - other: any other thread (none today).
@@ -49,7 +52,9 @@ from .procs import proc_cpu_s
 
 ROLES = ("main", "curl", "workers", "fetch_workers", "other")
 CURL_THREAD_NAME = "bucketfs-curl"  # bucketfs/backends/http/curl.py
-FETCH_WORKER_MODULE = b"bucketfs.backends.http.fetchworker"  # workerengine.py runs it with `python -m`
+# The daemon's worker processes (workerengine.py runs them with `python -m`): fetch
+# workers (--fetch-workers) and fetch-ahead workers (--fetch-ahead-workers).
+WORKER_MODULES = (b"bucketfs.backends.http.fetchworker", b"bucketfs.backends.http.pushworker")
 FREE_CORES = (2, 4, 8)  # bounds printed for these numbers of free cores
 # Issue 37's machine-independent targets (per cold ~100 KB file, per GB streamed).
 MAIN_MS_PER_FILE = 0.25
@@ -103,7 +108,8 @@ def _is_fetch_worker(pid: int, state: str) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return FETCH_WORKER_MODULE in f.read()
+            command = f.read()
+        return any(module in command for module in WORKER_MODULES)
     except OSError:  # exited meanwhile
         return False
 
@@ -343,7 +349,7 @@ class ThreadCpuReport:
             "bucketfs run",
             "files",
             "GB",
-            "CPU s: main (user+sys) / curl / workers / fetch workers / other = bucketfs total",
+            "CPU s: main (user+sys) / curl / workers / worker processes / other = bucketfs total",
             "ms/file: main / bucketfs",
             "s/GB: main / bucketfs",
             "ceiling, main thread: files/s / GB/s",

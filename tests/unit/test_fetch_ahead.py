@@ -505,7 +505,8 @@ def test_a_refused_or_failed_push_leaves_the_file_to_its_reader():
     assert got == objects
     not_pushed = stats.get("fetch_ahead.push_refused", 0) + stats.get("fetch_ahead.push_failed", 0)
     assert not_pushed > 0, stats
-    assert stats["fetch_ahead.failed"] == not_pushed
+    # Counted failed unless its reader had opened it by then (it read it itself anyway).
+    assert 0 < stats["fetch_ahead.failed"] <= not_pushed
 
 
 def test_files_of_directories_the_kernel_never_listed_are_fetched_into_memory():
