@@ -319,3 +319,42 @@ def test_a_fetch_ahead_worker_killed_mid_pass_costs_no_reader_a_wrong_byte(rclon
         assert f"fetch-ahead worker {killed[0]} ended" in m.stderr_text
         assert "Traceback" not in m.stderr_text and "unexpected error" not in m.stderr_text
         assert m.proc.poll() is None, "the daemon died"
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_fetch_ahead_worker_holds_no_reader_forever(rclone_server, s3_bucket, mount_factory):
+    """SIGSTOP: a worker that neither answers nor dies. The READs that wait on its pushes
+    get their files once the watchdog kills it (--read-timeout plus 5 s past a GET's
+    deadline); every byte right, the daemon serving throughout."""
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=12))
+    with counting_proxy(rclone_server.endpoint_url) as proxy:
+        m = mount_factory(rclone_server, s3_bucket, "", "--read-timeout", "2", endpoint_url=proxy.url)
+        assert scan(m) == sorted(digests)
+        order = list(digests)
+        random.Random(13).shuffle(order)
+        stopped: list = []
+
+        def read_and_stop(i_key):
+            i, key = i_key
+            if i == FILES_COUNT // 8:  # (the pass is running: it started in the first 32 opens)
+                for pid in fetch_ahead_workers(m.proc.pid):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+            return read_digest(m, key)
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
+                read = dict(pool.map(read_and_stop, enumerate(order)))
+            assert_bytes_match(read, digests)
+            assert stopped, "no fetch-ahead worker was running"
+            stats = m.stats()
+            assert stats["backend.fetch_ahead_worker_restarts"] >= 1, fetch_ahead_counters(stats)
+            assert "silent past a GET's deadline" in m.stderr_text
+            assert not any(k.startswith("errors.") for k in stats), fetch_ahead_counters(stats)
+            assert m.proc.poll() is None, "the daemon died"
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -63,6 +64,8 @@ WORKER_GRACE_S = 5.0
 # doubled per such death up to RESTART_MAX_INTERVAL_S: no busy loop of interpreters.
 RESTART_MIN_INTERVAL_S = 1.0
 RESTART_MAX_INTERVAL_S = 30.0
+# How long the trio thread waits for a killed worker to exit before a thread reaps it.
+REAP_WAIT_S = 0.05
 # Workers in a row that die before they end a GET (or cannot be started) before the
 # GETs go to a thread of the daemon instead.
 YOUNG_DEATHS_MAX = 3
@@ -546,12 +549,20 @@ def _finish(transfer: Transfer, meta: tuple) -> None:
 
 
 def _end(proc: subprocess.Popen) -> Optional[int]:
-    """End a worker and reap it; its exit status. Killed at once if it has not exited:
-    it holds no state (the daemon's buffers and caches are not its), and the trio
-    thread must not wait for it."""
+    """End a worker; its exit status, or None if it has not exited yet. Killed at once
+    if it has not exited: it holds no state (the daemon's buffers and caches are not
+    its). Never waited for on the trio thread: a fetch-ahead worker's thread can sit in
+    the kernel, unkillable until it returns, in a STORE that waits for a READ only this
+    thread can answer (its pages are locked); a worker under a debugger is reaped only
+    once the debugger lets go. Reaped by a thread then."""
     if proc.poll() is None:
         proc.kill()
-    return proc.wait()
+        try:
+            return proc.wait(timeout=REAP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            threading.Thread(target=proc.wait, name="bucketfs worker reaper", daemon=True).start()
+            return None
+    return proc.returncode
 
 
 def engine_workers(engine) -> tuple:
