@@ -124,6 +124,9 @@ RETRY_S = 0.25
 # no longer held: the pass stops pushing (its files go to memory instead).
 PUSH_OUTCOMES_KEPT = 32
 PUSH_NO_INODE_MAX = 16
+# A pushed file's READ this soon after the GETATTR that said it was opened belongs to
+# that open (the kernel dropped some of its pages); later, it is another open.
+SAME_OPEN_S = 1.0
 
 
 class _PassOver(Exception):
@@ -163,7 +166,7 @@ class _Pass:
         self.pushing = pushing
         self.pushed_held: dict = {}  # ino -> bytes: pushed (or being pushed), not yet opened
         self.pushed_held_bytes = 0
-        self.pushed_opened: set = set()  # inos opened after they were pushed (a GETATTR told)
+        self.pushed_opened: dict = {}  # ino -> when it was opened after it was pushed (a GETATTR told)
         self.push_no_inode: collections.deque = collections.deque(maxlen=PUSH_OUTCOMES_KEPT)  # refused: no inode
 
 
@@ -240,16 +243,17 @@ class FetchAhead:
         current = self._pass
         if current is not None:
             pushed_bytes = current.pushed_held.pop(node.ino, 0)
+            opened_s = current.pushed_opened.pop(node.ino, None)
             if pushed_bytes:
                 current.pushed_held_bytes -= pushed_bytes
-                current.pushed_opened.add(node.ino)
+                current.pushed_opened[node.ino] = now_s
                 self._stats["fetch_ahead.used_files"] += 1
                 self._stats["fetch_ahead.used_bytes"] += pushed_bytes
                 self._wake()
-            elif node.ino in current.pushed_opened:
-                # Read from the daemon after its GETATTR said it was opened: the kernel
-                # dropped its pages (or the reader skipped stat()), not a next epoch.
-                current.pushed_opened.discard(node.ino)
+            elif opened_s is not None and now_s - opened_s < SAME_OPEN_S:
+                # Read from the daemon right after its GETATTR said it was opened: the
+                # same open, whose pages the kernel dropped; not the next epoch (which,
+                # later, ends the pass as any second open does).
                 self._note_order(node)
                 return
             if held_bytes:

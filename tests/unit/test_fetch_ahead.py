@@ -545,3 +545,32 @@ def test_a_pass_stops_pushing_once_the_kernel_has_dropped_most_inodes():
     assert fetchahead.PUSH_NO_INODE_MAX < no_inode <= fetchahead.PUSH_OUTCOMES_KEPT + 256, stats
     # The rest of the pass went into memory: most files were fetched ahead all the same.
     assert stats["fetch_ahead.files"] - no_inode > len(objects) // 3, stats
+
+
+def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_pushes_them_again():
+    """The page cache dropped (memory pressure, drop_caches): the next epoch's READs of
+    pushed files are opens of a new epoch, which end the pass; the next pass pushes them
+    again, rather than leaving each to its reader, one GET at a time."""
+    objects, backend = image_folder()
+
+    async def body(fs):
+        await pushed_epoch(fs, backend, objects, seed=5)
+        first = fs.snapshot()
+        backend.kernel_pages.clear()
+        await trio.sleep(2 * fetchahead.SAME_OPEN_S)  # (an epoch's length, at least)
+        out = {}
+        queue = iter(shuffled(objects, 6))
+
+        async def worker():
+            for path in queue:
+                out[path] = await kernel_read(fs, backend, path)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(worker)
+        return out, first, fs.snapshot()
+
+    got, first, second = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert second["fetch_ahead.passes"] == 2, second
+    assert second["fetch_ahead.push_pushed"] - first["fetch_ahead.push_pushed"] > len(objects) // 2, second
