@@ -108,6 +108,30 @@ _SIMPLE = [
     ),
     ("fetch_ahead.failed", "bucketfs_fetch_ahead_failed", "Fetch-ahead GETs that failed after retries", "counter"),
     (
+        "fetch_ahead.push_pushed",
+        "bucketfs_fetch_ahead_pushed_files",
+        "Files fetch-ahead workers wrote into the kernel's page cache (--fetch-ahead-workers)",
+        "counter",
+    ),
+    (
+        "backend.fetch_ahead_workers",
+        "bucketfs_fetch_ahead_workers",
+        "Fetch-ahead worker processes running (--fetch-ahead-workers; started at a pass's first push)",
+        "gauge",
+    ),
+    (
+        "backend.fetch_ahead_worker_restarts",
+        "bucketfs_fetch_ahead_worker_restarts",
+        "Fetch-ahead workers replaced after they ended",
+        "counter",
+    ),
+    (
+        "read.kernel_dropped_gets",
+        "bucketfs_kernel_dropped_gets",
+        "GETs of files the kernel had been given whole and dropped before they were read again",
+        "counter",
+    ),
+    (
         "fetch_ahead.partial_passes_skipped",
         "bucketfs_fetch_ahead_partial_passes_skipped",
         "Shuffled passes not fetched ahead: their tree is read in part per epoch (one node's share)",
