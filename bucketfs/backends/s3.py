@@ -32,12 +32,10 @@ GetObject. Invariants:
 from __future__ import annotations
 
 import bisect
-import errno
 import functools
 import http.client
 import itertools
 import logging
-import os
 import re
 import threading
 from typing import Optional
@@ -70,6 +68,7 @@ from bucketfs.backends.base import (
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check_whole_object, s3_etag_digest
 from bucketfs.backends.http.curl import CurlEngine
+from bucketfs.backends.http.fetchworker import NO_INODE
 from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
@@ -535,7 +534,7 @@ class S3Backend(Backend):
         log.debug("push of %r: %s", key, error)
         if not isinstance(error, PushRefused):
             return PUSH_FAILED, None
-        return (PUSH_NO_INODE if str(error).endswith(os.strerror(errno.ENOENT)) else PUSH_REFUSED), None
+        return (PUSH_NO_INODE if str(error) == NO_INODE else PUSH_REFUSED), None
 
     async def aclose(self) -> None:
         if self.push_engine is not None:

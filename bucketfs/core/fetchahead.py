@@ -64,8 +64,8 @@ each push reserves its size in the budget while it runs (the worker's buffer).
   so, that pass fetches into memory;
 - a push refused for its answer (not the pinned version, not whole, a wrong MD5) or
   failed is not retried: the loader's READ fetches the file, with every check and retry;
-- a READ of a file whose push is in flight is a GET of the daemon's own (the worker's
-  write waits for that READ's pages, and is then a no-op of the same bytes).
+- a READ of a file whose push is in flight waits on the push, which then brings the
+  body back to the daemon instead (PushRequest.ask_for_body): each file is fetched once.
 
 A loader that reads only part of the tree in each epoch (a DistributedSampler share
 on one of several nodes) looks the same while its epoch runs: its opens are spread

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import logging
 import marshal
 import os
@@ -86,6 +87,7 @@ FUSE_OUT_HEADER = struct.Struct("<IiQ")  # len, error (the notification's code),
 FUSE_NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
 FUSE_NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino, offset (-1: attributes only), length
 REFUSED = "refused"  # a PUSH's error kind when an answer or the kernel refused it
+NO_INODE = "the kernel holds no such inode"  # a PUSH's refusal when the kernel answers ENOENT
 
 
 class _Sink:
@@ -236,7 +238,7 @@ def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None) 
                     header_lines = signed_lines(signers, url, signing)
                 transfer = Transfer(url, header_lines, bytearray(length_bytes), 0, timeout_s)
                 running[tid], running[transfer] = transfer, tid
-                pusher.add(tid, transfer, ino, checks)
+                pusher.add(transfer, ino, checks)
                 loop.add(transfer)
             elif request[0] == WANT:
                 pusher.want(request[1], request[1] in running)
@@ -276,7 +278,7 @@ class _Pusher:
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, tid: int, transfer: Transfer, ino: int, checks: tuple) -> None:
+    def add(self, transfer: Transfer, ino: int, checks: tuple) -> None:
         self._pushes[transfer] = (ino, checks)
 
     def want(self, tid: int, running: bool) -> None:
@@ -386,6 +388,8 @@ def write_to_kernel(kernel_fd: int, ino: int, body) -> str:
             [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(store) + len(body), FUSE_NOTIFY_STORE, 0), store, body],
         )
     except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return NO_INODE
         return f"the kernel refused it: {os.strerror(exc.errno) if exc.errno else exc}"
     return ""
 
