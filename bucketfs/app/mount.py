@@ -348,6 +348,7 @@ async def _serve(
             mounted = True
             ops.start(nursery)
             nursery.start_soon(allocator.trim_periodically)
+            nursery.start_soon(fs.release_idle_inode_handles_periodically)
             log.info("mounted %s on %s", config.url, config.mountpoint)
             if on_fs is not None:
                 on_fs(fs, nursery)

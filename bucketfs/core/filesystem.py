@@ -23,8 +23,8 @@ Invariants:
 - Reads by inode (`read_inode`: the kernel opens files itself and sends READs with
   no handle) go through a handle of the inode's own, opened at its first READ as an
   open would be but pinning nothing, released once a READ reaches the file's end or
-  fails, and at most INODE_HANDLES_MAX of them at once (the least recently read
-  released first). The handles open when the kernel starts opening files itself
+  fails, or once no READ of it came for INODE_HANDLE_IDLE_S, and at most
+  INODE_HANDLES_MAX of them at once (the least recently read released first). The handles open when the kernel starts opening files itself
   become their inodes' own (release_all_open_handles): it sends no RELEASE for them.
 """
 
@@ -73,10 +73,27 @@ INODE_HANDLES_MAX = 256
 # sent before it (the kernel's read-ahead): they are answered through a handle that
 # goes at once, instead of opening one no later READ would end.
 LATE_READ_WINDOW_S = 1.0
+# An inode's handle no READ came for in this long is released: a READ that reaches the
+# end never comes for a file whose last pages the kernel already holds (a READ of a hole
+# a killed reader left, queued behind others past LATE_READ_WINDOW_S). Its next READ
+# opens afresh; a stream this slow loses only its read-ahead's head start.
+INODE_HANDLE_IDLE_S = 10.0
 
 
 class FileHandle:
-    __slots__ = ("node", "key", "version", "size_bytes", "reader", "failed_reads", "pinned", "read_bytes", "at_end")
+    __slots__ = (
+        "node",
+        "key",
+        "version",
+        "size_bytes",
+        "reader",
+        "failed_reads",
+        "pinned",
+        "read_bytes",
+        "at_end",
+        "reads_in_progress",
+        "read_at_s",
+    )
 
     def __init__(self, node: Node, key: str, reader):
         self.node, self.key = node, key
@@ -86,6 +103,8 @@ class FileHandle:
         self.pinned = False  # a small file: its blocks stay cached until it is read (BlockCache.pin)
         self.read_bytes = 0  # while pinned: read through once this reaches the size
         self.at_end = False  # a READ reached the file's end
+        self.reads_in_progress = 0
+        self.read_at_s = trio.current_time()  # when a READ of it last ended (trio time)
 
 
 # A directory's own entries, listed ahead of its children; no child has these names.
@@ -284,6 +303,7 @@ class Filesystem:
             self.stats["read.kernel_retries_failed"] += 1
             raise errors.TransientError(f"{handle.key}: [{off}, {end}) failed a moment ago, after every retry")
         started_s, started_trio_s = time.monotonic(), trio.current_time()
+        handle.reads_in_progress += 1
         try:
             if handle.reader is None:
                 if handle.pinned:
@@ -309,6 +329,8 @@ class Filesystem:
             raise
         finally:
             self.stats["read.wait_seconds"] += time.monotonic() - started_s  # type: ignore[assignment]  # (a float counter)
+            handle.reads_in_progress -= 1
+            handle.read_at_s = trio.current_time()
         if end == handle.size_bytes:
             handle.node.served = handle.at_end = True
         if handle.pinned:
@@ -381,6 +403,22 @@ class Filesystem:
             self._inode_handles[ino] = fh
         while len(self._inode_handles) > INODE_HANDLES_MAX:
             self.release(self._inode_handles.popitem(last=False)[1])
+
+    def release_idle_inode_handles(self) -> None:
+        """Release every inode's handle that no READ is in and none came for in
+        INODE_HANDLE_IDLE_S (see the module's invariants)."""
+        now_s = trio.current_time()
+        for ino, fh in list(self._inode_handles.items()):
+            handle = self._handles.get(fh)
+            if handle is None or (not handle.reads_in_progress and now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S):
+                self._release_inode(ino, fh)
+                self.stats["read.idle_handles_released"] += 1
+
+    async def release_idle_inode_handles_periodically(self) -> None:
+        """Until cancelled."""
+        while True:
+            await trio.sleep(INODE_HANDLE_IDLE_S / 2)
+            self.release_idle_inode_handles()
 
     def _handle_bytes(self, fh: int) -> int:
         handle = self._handles.get(fh)

@@ -7,7 +7,8 @@ that in its stride: stay up, let go of every handle, and serve the same files ri
 to the next readers. Both ways files are opened: by the daemon (OPEN and RELEASE,
 `--kernel-dir-cache off`) and by the kernel itself (the default, noopen.py), where a
 file a killed reader left half read keeps its inode's handle until a READ reaches its
-end (bounded: filesystem.py's INODE_HANDLES_MAX).
+end or none came for INODE_HANDLE_IDLE_S (a hole it left may be read after the file's
+last pages are in the page cache: no READ then reaches the end).
 """
 
 import os

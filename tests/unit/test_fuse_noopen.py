@@ -118,6 +118,59 @@ def test_files_read_in_part_keep_at_most_inode_handles_max_open(monkeypatch):
     assert run_fs(backend, body) == (8, 8)
 
 
+def test_an_inode_handle_no_read_came_for_is_released_and_the_next_read_opens_afresh():
+    """A file whose last pages the kernel already holds never gets the READ that would
+    end its handle (a hole a killed reader left, read late): idleness ends it."""
+    import trio.testing
+
+    from bucketfs.core import filesystem
+
+    backend = MemoryBackend(FILES)
+    path = "img/001.jpg"
+
+    async def body(fs):
+        ino = (await resolve(fs, path)).ino
+        assert await fs.read_inode(ino, 0, 100) == FILES[path][:100]
+        await trio.sleep(filesystem.INODE_HANDLE_IDLE_S / 2)
+        fs.release_idle_inode_handles()
+        kept = len(fs._handles)
+        await trio.sleep(filesystem.INODE_HANDLE_IDLE_S / 2)
+        fs.release_idle_inode_handles()
+        released = len(fs._handles)
+        assert await fs.read_inode(ino, 100, 100) == FILES[path][100:200]
+        return kept, released, len(fs._inode_handles), fs.stats.snapshot()["read.idle_handles_released"]
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert run_fs(backend, body, clock=clock) == (1, 0, 1, 1)
+
+
+def test_an_inode_handle_a_read_is_in_is_not_released_however_long_it_takes():
+    import trio.testing
+
+    from bucketfs.core import filesystem
+
+    backend = MemoryBackend(FILES)
+    path = "img/001.jpg"
+
+    async def body(fs):
+        ino = (await resolve(fs, path)).ino
+        backend.delay_s = 2 * filesystem.INODE_HANDLE_IDLE_S  # (its GET)
+        got = []
+
+        async def read():
+            got.append(await fs.read_inode(ino, 0, 100))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.sleep(1.5 * filesystem.INODE_HANDLE_IDLE_S)
+            fs.release_idle_inode_handles()
+            during = len(fs._handles)
+        return during, got
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    assert run_fs(backend, body, clock=clock, read_timeout_s=1000) == (1, [FILES["img/001.jpg"][:100]])
+
+
 def test_a_read_by_inode_of_a_replaced_object_fails_and_the_next_gets_estale():
     backend = MemoryBackend(FILES)
     path = "img/001.jpg"
