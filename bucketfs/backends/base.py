@@ -189,11 +189,14 @@ PUSHED, PUSH_READ, PUSH_NO_INODE, PUSH_REFUSED, PUSH_FAILED = "pushed", "read", 
 class PushRequest:
     """One push_whole call's link to its caller: `ask_for_body()` (a READ of the file
     waits) has the worker send the body back rather than write it into the kernel (whose
-    write would wait for that READ's pages)."""
+    write would wait for that READ's pages). `tell_open`: the push also ends the inode's
+    cached attributes, so that its reader's first stat() is a GETATTR (the daemon hears
+    of the open)."""
 
-    __slots__ = ("wanted", "want")
+    __slots__ = ("wanted", "want", "tell_open")
 
-    def __init__(self) -> None:
+    def __init__(self, tell_open: bool = True) -> None:
+        self.tell_open = tell_open
         self.wanted = False
         self.want: Optional[Callable[[], None]] = None  # set by the backend once the push is sent
 

@@ -184,8 +184,10 @@ class MemoryBackend(Backend):
     def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
         """A fake kernel: `kernel_pages` {ino: bytes} is what push_whole put into its
         page cache (tests read a pushed file from there, as the kernel would, and tell
-        the filesystem with a getattr). `kernel_inodes`: the inodes it holds (None: all)."""
+        the filesystem with a getattr if its push ended its attributes: `attributes_ended`).
+        `kernel_inodes`: the inodes it holds (None: all)."""
         self.kernel_pages: dict = {}
+        self.attributes_ended: set = set()
         self.kernel_inodes: Optional[set] = None
         return True
 
@@ -203,6 +205,8 @@ class MemoryBackend(Backend):
         if self.kernel_inodes is not None and ino not in self.kernel_inodes:
             return PUSH_NO_INODE, None
         self.kernel_pages[ino] = data
+        if request.tell_open:
+            self.attributes_ended.add(ino)
         return PUSHED, None
 
     async def check_bucket(self, prefix: str) -> bool:

@@ -342,11 +342,12 @@ class BlockCache:
         self.stats["cache.fetched_bytes"] += len(data)
 
     # -- fetched ahead of its reader (core/fetchahead.py) ---------------------------
-    def push_ahead(self, key: str, version: str, size_bytes: int, ino: int) -> Optional[Flight]:
+    def push_ahead(self, key: str, version: str, size_bytes: int, ino: int, tell_open: bool) -> Optional[Flight]:
         """fetch_ahead into the kernel's page cache (inode `ino`'s) by a fetch-ahead
         worker (Backend.push_whole): the bytes come here only if a READ waits for them
         (then cached, not held). Its memory is reserved while it runs (the worker's
-        buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's."""
+        buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's.
+        `tell_open`: PushRequest's."""
         last = (size_bytes - 1) // self.block_size_bytes
         run = list(range(last + 1))
         if size_bytes <= 0 or any((key, version, i) in self._blocks or (key, version, i) in self._flights for i in run):
@@ -354,7 +355,7 @@ class BlockCache:
         if not self.budget.try_reserve(size_bytes, reclaim_priority=-1, refused_stat="fetch_ahead.memory_refused"):
             return None
         flight = Flight(speculative=True)
-        request = PushRequest()
+        request = PushRequest(tell_open)
         flight.on_wait = request.ask_for_body
         for i in run:
             self._flights[(key, version, i)] = flight

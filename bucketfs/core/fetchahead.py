@@ -53,10 +53,12 @@ A pass (`_run_pass`):
 Into the kernel's page cache (`start_pushing`: fetch-ahead workers, --fetch-ahead-workers):
 a file of a pass is fetched, checked and written into its inode's page cache by a
 worker process (backends push_whole), not held in the daemon's memory: the loader's
-reads of it then never reach the daemon. A pushed file's cached attributes are ended
-with it, so the loader's first stat() or read past its end is a GETATTR, which tells
-the pass it was opened (`note_getattr`). The room, the ramp and the pass are the same;
-each push reserves its size in the budget while it runs (the worker's buffer).
+reads of it then never reach the daemon. One push in several (up to
+TELL_OPEN_EVERY_MAX) ends its file's cached attributes too, so the loader's first
+stat() or read past its end is a GETATTR, which tells the pass it was opened
+(`note_getattr`); it stands for the pushes after it (pushed.py), in the room and in
+the counts. The room, the ramp and the pass are the same; each push reserves its size
+in the budget while it runs (the worker's buffer).
 - only files of directories whose listing the kernel read to its end (READDIRPLUS hands
   it every entry's inode): a loader that opens paths it never listed gets them
   fetched into memory as above. A push to an inode the kernel has dropped since is
@@ -89,6 +91,7 @@ import trio
 from bucketfs import errors
 from bucketfs.backends.base import PUSH_FAILED, PUSH_NO_INODE, PUSH_READ, PUSHED
 from bucketfs.core.namespace import Node
+from bucketfs.core.pushed import PushedFiles
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,13 @@ PUSH_NO_INODE_MAX = 16
 # A pushed file's READ this soon after the GETATTR that said it was opened belongs to
 # that open (the kernel dropped some of its pages); later, it is another open.
 SAME_OPEN_S = 1.0
+# One push in up to this many ends its inode's cached attributes (a "told" push): the
+# pass hears of those files' opens, a GETATTR each, and counts the others by them
+# (pushed.py). A GETATTR per file cost the serving thread 0.04 ms (15% of its CPU per
+# cold file). Fewer are untold when the room holds few files: what the kernel holds
+# unread is told by about TOLD_IN_ROOM_MIN told files (within about 1/8).
+TELL_OPEN_EVERY_MAX = 16
+TOLD_IN_ROOM_MIN = 64
 
 
 class _PassOver(Exception):
@@ -145,8 +155,7 @@ class _Pass:
         "kernel_keeps_served",
         "tree_files_count",
         "walked",
-        "pushed_held",
-        "pushed_held_bytes",
+        "pushed",
         "pushed_opened",
         "push_no_inode",
         "pushing",
@@ -164,9 +173,8 @@ class _Pass:
         self.cancel_scope = trio.CancelScope()
         self.fetched_count = 0
         self.pushing = pushing
-        self.pushed_held: dict = {}  # ino -> bytes: pushed (or being pushed), not yet opened
-        self.pushed_held_bytes = 0
-        self.pushed_opened: dict = {}  # ino -> when it was opened after it was pushed (a GETATTR told)
+        self.pushed = PushedFiles()  # pushed (or being pushed), not yet opened
+        self.pushed_opened: dict = {}  # told ino -> when it was opened after it was pushed (a GETATTR told)
         self.push_no_inode: collections.deque = collections.deque(maxlen=PUSH_OUTCOMES_KEPT)  # refused: no inode
 
 
@@ -242,12 +250,14 @@ class FetchAhead:
         held_bytes = self._cache.release_hold(key, node.version)
         current = self._pass
         if current is not None:
-            pushed_bytes = current.pushed_held.pop(node.ino, 0)
+            told = current.pushed.is_told(node.ino)
+            pushed_files, pushed_bytes = current.pushed.opened(node.ino)
             opened_s = current.pushed_opened.pop(node.ino, None)
-            if pushed_bytes:
-                current.pushed_held_bytes -= pushed_bytes
+            if told:
                 current.pushed_opened[node.ino] = now_s
-                self._stats["fetch_ahead.used_files"] += 1
+                self._stats["fetch_ahead.push_told_opened"] += 1
+            if pushed_files:
+                self._stats["fetch_ahead.used_files"] += pushed_files
                 self._stats["fetch_ahead.used_bytes"] += pushed_bytes
                 self._wake()
             elif opened_s is not None and now_s - opened_s < SAME_OPEN_S:
@@ -275,7 +285,7 @@ class FetchAhead:
         """The kernel asked for `node`'s attributes: for a file pushed into its page
         cache (whose cached attributes the push ended), the loader opened it."""
         current = self._pass
-        if current is not None and node.ino in current.pushed_held:
+        if current is not None and current.pushed.is_told(node.ino):
             self.note_open(node, self.key_prefix + node.path)
 
     def note_listed_to_kernel(self, directory: Node) -> None:
@@ -342,7 +352,8 @@ class FetchAhead:
 
     def _note_share(self, current: _Pass) -> None:
         """The pass's epoch is over (a repeated open): did its loader read the tree?"""
-        opened_count, held_count = len(current.opened), len(current.held)
+        opened_count = len(current.opened) + current.pushed.credited_untold_count
+        held_count = len(current.held)
         few_opened = current.walked and opened_count < PARTIAL_SHARE * current.tree_files_count
         if few_opened or held_count > max(PARTIAL_HELD_MIN, PARTIAL_HELD_SHARE * opened_count):
             self._partial_roots.add(current.root.ino)
@@ -367,10 +378,9 @@ class FetchAhead:
                 self._stats["fetch_ahead.unused_files"] += 1
                 self._stats["fetch_ahead.unused_bytes"] += held_bytes
         current.held.clear()
-        self._stats["fetch_ahead.unused_files"] += len(current.pushed_held)
-        self._stats["fetch_ahead.unused_bytes"] += current.pushed_held_bytes
-        current.pushed_held.clear()
-        current.pushed_held_bytes = 0
+        unused_files, unused_bytes = current.pushed.end()
+        self._stats["fetch_ahead.unused_files"] += unused_files
+        self._stats["fetch_ahead.unused_bytes"] += unused_bytes
         self._window.clear()
         self._recent.clear()  # the next epoch's order owes nothing to this one's
         self._recent_set.clear()
@@ -441,8 +451,8 @@ class FetchAhead:
         while True:
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
-            held_bytes = self._cache.held_bytes + current.pushed_held_bytes
-            fits = held_bytes + node.size_bytes <= self.room_bytes or not (current.held or current.pushed_held)
+            held_bytes = self._cache.held_bytes + current.pushed.held_bytes
+            fits = held_bytes + node.size_bytes <= self.room_bytes or not (current.held or current.pushed)
             if fits and not self._disk_keeps_up(node.size_bytes):
                 # No faster than the disk cache stores: past its queue a file is not
                 # stored, and the next epoch would fetch it again.
@@ -450,8 +460,9 @@ class FetchAhead:
                 fits = False
             if fits and self._in_flight_count < self._allowed_count:
                 pushing = current.pushing and node.parent.ino in self._listed_to_kernel
+                told = current.pushed.next_is_told()
                 if pushing:
-                    flight = self._cache.push_ahead(key, node.version, node.size_bytes, node.ino)
+                    flight = self._cache.push_ahead(key, node.version, node.size_bytes, node.ino, told)
                 else:
                     self._make_room(current, node.size_bytes)
                     flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
@@ -464,8 +475,10 @@ class FetchAhead:
         self._stats["fetch_ahead.files"] += 1
         self._stats["fetch_ahead.bytes"] += node.size_bytes
         if pushing:
-            current.pushed_held[node.ino] = node.size_bytes
-            current.pushed_held_bytes += node.size_bytes
+            every = max(1, min(TELL_OPEN_EVERY_MAX, self.room_bytes // max(node.size_bytes, 1) // TOLD_IN_ROOM_MIN))
+            current.pushed.add(node.ino, node.size_bytes, told, every)
+            if told:
+                self._stats["fetch_ahead.push_told"] += 1
             self._nursery.start_soon(self._pushed, current, node, flight)
             return
         current.held[key] = (node.version, node.size_bytes)
@@ -486,9 +499,11 @@ class FetchAhead:
                     node.served = True  # (the kernel holds it whole, as if a reader had read it)
                 self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
             else:
-                if current.pushed_held.pop(node.ino, 0):
-                    current.pushed_held_bytes -= size_bytes
+                ours, (counted_files, counted_bytes) = current.pushed.failed(node.ino)
+                if ours:
                     self._stats["fetch_ahead.failed"] += 1
+                    self._stats["fetch_ahead.used_files"] -= counted_files
+                    self._stats["fetch_ahead.used_bytes"] -= counted_bytes
                 if outcome == PUSH_FAILED:
                     self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
             current.push_no_inode.append(outcome == PUSH_NO_INODE)

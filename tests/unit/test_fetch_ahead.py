@@ -416,11 +416,14 @@ def test_fetch_ahead_runs_no_faster_than_the_disk_cache_stores(tmp_path, monkeyp
 # -- into the kernel's page cache (--fetch-ahead-workers: MemoryBackend's fake kernel) ---
 async def kernel_read(fs, backend, path: str) -> bytes:
     """A loader's read as the kernel serves it: from the page cache if a push put the
-    file there (the daemon hears one GETATTR), else through the daemon's READs."""
+    file there (the daemon hears one GETATTR if the push ended its cached attributes),
+    else through the daemon's READs."""
     node = await resolve(fs, path)
     pages = backend.kernel_pages.get(node.ino)
     if pages is not None:
-        await fs.getattr(node.ino)  # (the push ended its cached attributes: stat() asks)
+        if node.ino in backend.attributes_ended:
+            backend.attributes_ended.discard(node.ino)
+            await fs.getattr(node.ino)  # (stat() asks)
         return pages
     return await read_all(fs, path)
 
@@ -443,25 +446,50 @@ async def pushed_epoch(fs, backend, objects, seed, workers=8, listed=True):
     return out
 
 
+async def end_the_pass(fs, objects) -> None:
+    """The next epoch's first opens, through the daemon (as if the kernel had dropped
+    the pages): the first of a file whose open the pass heard of ends it."""
+    for path in sorted(objects):
+        if fs.fetch_ahead._pass is None:
+            return
+        await read_all(fs, path)
+
+
 def test_a_pushed_pass_puts_most_files_into_the_page_cache_each_fetched_once():
     objects, backend = image_folder()
+    getattrs = []
 
     async def body(fs):
-        got = await pushed_epoch(fs, backend, objects, seed=1)
-        return got, fs.snapshot()
+        getattr_of = fs.getattr
 
-    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+        async def counted_getattr(ino):
+            getattrs.append(ino)
+            return await getattr_of(ino)
+
+        fs.getattr = counted_getattr
+        got = await pushed_epoch(fs, backend, objects, seed=1)
+        epoch, gets = fs.snapshot(), backend.requests["get"]
+        await end_the_pass(fs, objects)
+        return got, epoch, gets, fs.snapshot()
+
+    got, stats, gets, ended = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
     assert got == objects
     assert stats["fetch_ahead.passes"] == 1
     pushed = stats.get("fetch_ahead.push_pushed", 0)
     assert pushed > len(objects) // 2, stats
     assert len(backend.kernel_pages) == pushed
     # No object cost two GETs: the READs of a file whose push was running took its body.
-    assert backend.requests["get"] <= len(objects)
-    assert stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+    assert gets <= len(objects)
     assert stats.get("fetch_ahead.failed", 0) == 0
+    # Few pushes cost their reader's stat() a GETATTR; the rest nothing.
+    told = stats["fetch_ahead.push_told"]
+    assert 0 < told <= stats["fetch_ahead.files"] // 8 + 1, stats
+    assert len([ino for ino in getattrs if ino in backend.kernel_pages]) <= told  # (not the walks' of the root)
     # The pushed files' bytes never went through the daemon's memory.
     assert stats["cache.fetched_bytes"] <= sum(map(len, objects.values())) - pushed * 8 * KiB
+    # Every told file was opened: so, the pass counts, were the others.
+    assert ended["fetch_ahead.used_files"] == ended["fetch_ahead.files"], ended
+    assert ended.get("fetch_ahead.unused_files", 0) == 0, ended
 
 
 def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body():
@@ -471,7 +499,7 @@ def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body():
         fs.start_pushing(-1)
         fs.note_listed_to_kernel(await resolve(fs, "train/class00"))
         node = await resolve(fs, "train/class00/img0000.jpg")
-        flight = fs.cache.push_ahead(fs.key_prefix + node.path, node.version, node.size_bytes, node.ino)
+        flight = fs.cache.push_ahead(fs.key_prefix + node.path, node.version, node.size_bytes, node.ino, True)
         assert flight is not None
         data = await read_all(fs, "train/class00/img0000.jpg")  # (the push's GET is still running)
         await flight.done.wait()
@@ -574,3 +602,52 @@ def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_pushes_them_ag
     assert got == objects
     assert second["fetch_ahead.passes"] == 2, second
     assert second["fetch_ahead.push_pushed"] - first["fetch_ahead.push_pushed"] > len(objects) // 2, second
+
+
+def test_pushed_files_not_yet_read_stay_about_inside_the_room_though_few_opens_are_told(monkeypatch):
+    """The pass hears of one pushed file's open in several (TELL_OPEN_EVERY_MAX): its
+    estimate of what the kernel holds unread keeps the real amount near the room, and
+    the counts it makes when the loader stops are near the truth."""
+    monkeypatch.setattr(fetchahead, "PASS_IDLE_S", 5.0)  # (the test's whole run has 30 s of trio time)
+    objects, backend = image_folder(file_bytes=100 * KiB, per_class=170)  # ~100 MiB: 3 rooms
+    read_paths: set = set()
+    peaks = []
+
+    async def body(fs):
+        async def watch():
+            while True:
+                unread = [len(data) for ino, data in backend.kernel_pages.items() if ino not in read_inos]
+                peaks.append((sum(unread), fs.fetch_ahead.room_bytes))
+                await trio.sleep(0.005)
+
+        read_inos = set()
+
+        async def counted(path):
+            read_inos.add((await resolve(fs, path)).ino)
+            read_paths.add(path)
+
+        fs.start_pushing(-1)
+        for directory in sorted({path.rsplit("/", 1)[0] for path in objects}):
+            fs.note_listed_to_kernel(await resolve(fs, directory))
+        order = shuffled(objects, 21)[:700]
+        got = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            for path in order:
+                await counted(path)
+                got[path] = await kernel_read(fs, backend, path)
+                await trio.sleep(0.002)  # (a loader slower than the store: the room is what bounds the pass)
+            nursery.cancel_scope.cancel()
+        unread_pushed = sum(1 for ino in backend.kernel_pages if ino not in read_inos)
+        await trio.sleep(fetchahead.PASS_IDLE_S + 1)  # (the loader stopped: the pass goes idle)
+        return got, unread_pushed, fs.snapshot()
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    got, unread_pushed, stats = run_fs(backend, body, clock=clock, max_memory_bytes=64 * MiB)
+    assert got == {path: objects[path] for path in read_paths}
+    assert stats["fetch_ahead.push_told"] * 4 <= stats["fetch_ahead.push_pushed"], stats
+    largest_bytes = max(len(data) for data in objects.values())
+    worst = max(unread / room for unread, room in peaks)
+    assert all(unread <= 1.25 * room + largest_bytes for unread, room in peaks), worst
+    assert stats["fetch_ahead.unused_files"] + stats["fetch_ahead.used_files"] == stats["fetch_ahead.files"]
+    assert abs(stats["fetch_ahead.unused_files"] - unread_pushed) <= max(8, unread_pushed // 4), (unread_pushed, stats)

@@ -233,12 +233,12 @@ def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None) 
                 running[tid], running[transfer] = transfer, tid
                 loop.add(transfer)
             elif request[0] == PUSH:
-                _, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks = request
+                _, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks, tell_open = request
                 if signing is not None:
                     header_lines = signed_lines(signers, url, signing)
                 transfer = Transfer(url, header_lines, bytearray(length_bytes), 0, timeout_s)
                 running[tid], running[transfer] = transfer, tid
-                pusher.add(transfer, ino, checks)
+                pusher.add(transfer, ino, checks, tell_open)
                 loop.add(transfer)
             elif request[0] == WANT:
                 pusher.want(request[1], request[1] in running)
@@ -278,8 +278,8 @@ class _Pusher:
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, transfer: Transfer, ino: int, checks: tuple) -> None:
-        self._pushes[transfer] = (ino, checks)
+    def add(self, transfer: Transfer, ino: int, checks: tuple, tell_open: bool) -> None:
+        self._pushes[transfer] = (ino, checks, tell_open)
 
     def want(self, tid: int, running: bool) -> None:
         """The daemon waits for the body of PUSH `tid` (a reader's READ came first)."""
@@ -294,7 +294,7 @@ class _Pusher:
         push = self._pushes.pop(transfer, None)
         if push is None:
             return False
-        ino, checks = push
+        ino, checks, tell_open = push
         wanted = tid in self._wanted
         self._wanted.discard(tid)
         refusal = "" if transfer.error is not None else answer_refusal(transfer, checks)
@@ -309,14 +309,14 @@ class _Pusher:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._write, name="kernel writes", daemon=True)
                 self._thread.start()
-            self._todo.put((tid, ino, transfer.buffer))
+            self._todo.put((tid, ino, transfer.buffer, tell_open))
         return True
 
     def _write(self) -> None:
         assert self._kernel_fd is not None
         while True:
-            tid, ino, body = self._todo.get()
-            self._written.put((tid, write_to_kernel(self._kernel_fd, ino, body)))
+            tid, ino, body, tell_open = self._todo.get()
+            self._written.put((tid, write_to_kernel(self._kernel_fd, ino, body, tell_open)))
             os.eventfd_write(self.wake_fd, 1)
 
     def on_written(self) -> None:
@@ -371,18 +371,20 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
     return ""
 
 
-def write_to_kernel(kernel_fd: int, ino: int, body) -> str:
-    """End inode `ino`'s cached attributes, then put `body` (a whole file) into its page
-    cache; "" if done, else why not. In this order: a reader that opens the file between
-    the two asks for its attributes (the daemon hears of the open) or READs it; the other
-    way round, one that opened it just before could read it all from the page cache
-    before its attributes ended, and the daemon would never hear of it."""
+def write_to_kernel(kernel_fd: int, ino: int, body, tell_open: bool = True) -> str:
+    """With `tell_open`, end inode `ino`'s cached attributes; then put `body` (a whole
+    file) into its page cache; "" if done, else why not. In this order: a reader that
+    opens the file between the two asks for its attributes (the daemon hears of the
+    open) or READs it; the other way round, one that opened it just before could read it
+    all from the page cache before its attributes ended, and the daemon would never
+    hear of it."""
     store = FUSE_NOTIFY_STORE_OUT.pack(ino, 0, len(body), 0)
     inval = FUSE_NOTIFY_INVAL_INODE_OUT.pack(ino, -1, 0)
     try:
-        os.writev(
-            kernel_fd, [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(inval), FUSE_NOTIFY_INVAL_INODE, 0), inval]
-        )
+        if tell_open:
+            os.writev(
+                kernel_fd, [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(inval), FUSE_NOTIFY_INVAL_INODE, 0), inval]
+            )
         os.writev(
             kernel_fd,
             [FUSE_OUT_HEADER.pack(FUSE_OUT_HEADER.size + len(store) + len(body), FUSE_NOTIFY_STORE, 0), store, body],

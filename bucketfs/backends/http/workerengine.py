@@ -205,6 +205,7 @@ class WorkerEngine:
                 transfer.signing,
                 ino,
                 checks,
+                request.tell_open,
             ),
         )
 
