@@ -60,8 +60,9 @@ stat() or read past its end is a GETATTR, which tells the pass it was opened
 the counts. The room, the ramp and the pass are the same; each push reserves its size
 in the budget while it runs (the worker's buffer).
 - only files of directories whose listing the kernel read to its end (READDIRPLUS hands
-  it every entry's inode): a loader that opens paths it never listed gets them
-  fetched into memory as above. A push to an inode the kernel has dropped since is
+  it every entry's inode). A directory the loader never listed (it opens paths from a
+  list) is listed through the mount first (`list_to_kernel`, on a thread); if that
+  does not reach the kernel either, its files are fetched into memory as above. A push to an inode the kernel has dropped since is
   refused (ENOENT) and its GET wasted; once most of a pass's recent pushes are refused
   so, that pass fetches into memory;
 - a push refused for its answer (not the pinned version, not whole, a wrong MD5) or
@@ -84,7 +85,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
@@ -228,14 +229,18 @@ class FetchAhead:
         self._allowed_count = min(RAMP_START_COUNT, self.requests_max_count)  # grows per success, halves per failure
         self._changed = trio.Event()  # room freed, a fetch landed, or the pass ended
         self._pushes = False  # start_pushing's
+        self._list_to_kernel: Optional[Callable[[Node], None]] = None  # start_pushing's
         # Directories whose entries' inodes the kernel was handed (READDIRPLUS): only
         # their files are pushed (a push to an inode the kernel lacks is refused).
         self._listed_to_kernel: set = set()
 
-    def start_pushing(self) -> None:
+    def start_pushing(self, list_to_kernel: Optional[Callable[[Node], None]] = None) -> None:
         """From now on, passes push their files into the kernel's page cache
-        (BlockCache.push_ahead: the backend's workers write them there)."""
+        (BlockCache.push_ahead: the backend's workers write them there).
+        `list_to_kernel(directory)` (blocking: run on a thread) lists a directory
+        through the mount, so that the kernel holds its entries' inodes."""
         self._pushes = True
+        self._list_to_kernel = list_to_kernel
 
     @property
     def room_bytes(self) -> int:
@@ -423,7 +428,10 @@ class FetchAhead:
         while stack:
             directory = stack.pop()
             subdirectories = []
-            for child in await self._ns.list_dir(directory.ino):
+            children = await self._ns.list_dir(directory.ino)
+            if current.pushing and directory.ino not in self._listed_to_kernel:
+                await self._list_through_kernel(directory, children)
+            for child in children:
                 if child.is_dir:
                     subdirectories.append(child)
                     continue
@@ -433,6 +441,19 @@ class FetchAhead:
                     await self._fetch(current, child)
             stack.extend(reversed(subdirectories))
         current.walked = True
+
+    async def _list_through_kernel(self, directory: Node, children: list) -> None:
+        """Have the kernel list `directory` (READDIRPLUS hands it every entry's inode),
+        if it holds files to push: a loader that opens paths it never listed (a list of
+        files, brace expansion) gets them pushed too."""
+        if self._list_to_kernel is None or not any(0 < c.size_bytes <= self.small_file_bytes for c in children):
+            return
+        try:
+            await trio.to_thread.run_sync(self._list_to_kernel, directory, abandon_on_cancel=True)
+        except OSError as exc:
+            log.debug("fetch-ahead: listing /%s through the mount: %s", directory.path, exc)
+            return
+        self._stats["fetch_ahead.dirs_listed_to_kernel"] += 1
 
     def _wanted(self, current: _Pass, node: Node) -> bool:
         if not 0 < node.size_bytes <= self.small_file_bytes or node.ino in current.opened:

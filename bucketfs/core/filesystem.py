@@ -190,17 +190,18 @@ class Filesystem:
         """The kernel was handed every entry of `directory` (READDIRPLUS: with inodes)."""
         self.fetch_ahead.note_listed_to_kernel(directory)
 
-    def start_pushing(self, kernel_fd: int) -> bool:
+    def start_pushing(self, kernel_fd: int, list_to_kernel=None) -> bool:
         """Let fetch-ahead push files into the kernel's page cache (fetchahead.py) through
         --fetch-ahead-workers processes writing to `kernel_fd`, the mount's /dev/fuse
         descriptor; False where it cannot: fetch-ahead off, --cache-dir (its files go to
-        disk too), a backend without the worker engine (no pycurl, GCS)."""
+        disk too), a backend without the worker engine (no pycurl, GCS).
+        `list_to_kernel`: FetchAhead.start_pushing's."""
         workers_count = self.config.fetch_ahead_workers_count
         if not (workers_count and self.fetch_ahead.enabled) or self.disk_cache is not None:
             return False
         if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count):
             return False
-        self.fetch_ahead.start_pushing()
+        self.fetch_ahead.start_pushing(list_to_kernel)
         return True
 
     async def opendir(self, ino: int) -> int:

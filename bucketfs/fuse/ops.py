@@ -161,7 +161,7 @@ class FuseOperations(pyfuse3.Operations):
         kernel sends without an OPEN are served by tasks of `nursery`."""
         self._nursery = nursery
         kernel_fd = session_fd()
-        if kernel_fd is not None and self.fs.start_pushing(kernel_fd):
+        if kernel_fd is not None and self.fs.start_pushing(kernel_fd, self._list_to_kernel):
             log.info(
                 "fetch-ahead: %d worker(s) fetch a shuffled pass's files into the page cache",
                 self.config.fetch_ahead_workers_count,
@@ -170,6 +170,13 @@ class FuseOperations(pyfuse3.Operations):
             self._dir_cache.install()
         self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
+
+    def _list_to_kernel(self, directory) -> None:
+        """(On a thread: the kernel's READDIRPLUS comes to this process's loop.) List
+        `directory` (a Node) through the mount."""
+        with os.scandir(os.path.join(self.config.mountpoint, directory.path)) as entries:
+            for _ in entries:
+                pass
 
     def _note_vanished(self, parent_ino: int, name: str) -> None:
         try:

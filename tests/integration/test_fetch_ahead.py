@@ -294,6 +294,24 @@ def test_pushed_files_are_read_from_the_page_cache_without_a_read_reaching_the_d
     assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
 
 
+def test_files_opened_by_paths_never_listed_are_pushed_once_the_daemon_lists_their_directories(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    """A loader with a list of paths (a manifest, brace expansion) never lists: the
+    daemon lists each directory of the pass through the mount itself, so that the
+    kernel holds the inodes the pushes go to."""
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=12))
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=13), digests)
+    stats = m.stats()
+    assert stats.get("fetch_ahead.dirs_listed_to_kernel", 0) >= CLASSES - 1, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.push_pushed", 0) >= FILES_COUNT // 2, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.push_no_inode", 0) == 0, fetch_ahead_counters(stats)
+    assert stats.get("fetch_ahead.failed", 0) == 0, fetch_ahead_counters(stats)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
+
+
 def test_a_fetch_ahead_worker_killed_mid_pass_costs_no_reader_a_wrong_byte(rclone_server, s3_bucket, mount_factory):
     digests = seeded(rclone_server, s3_bucket, image_tree(seed=10))
     with counting_proxy(rclone_server.endpoint_url) as slow:

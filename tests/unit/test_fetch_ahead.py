@@ -428,8 +428,8 @@ async def kernel_read(fs, backend, path: str) -> bytes:
     return await read_all(fs, path)
 
 
-async def pushed_epoch(fs, backend, objects, seed, workers=8, listed=True):
-    fs.start_pushing(-1)
+async def pushed_epoch(fs, backend, objects, seed, workers=8, listed=True, list_to_kernel=None):
+    fs.start_pushing(-1, list_to_kernel)
     if listed:
         for directory in sorted({path.rsplit("/", 1)[0] for path in objects}):
             fs.note_listed_to_kernel(await resolve(fs, directory))
@@ -551,6 +551,28 @@ def test_files_of_directories_the_kernel_never_listed_are_fetched_into_memory():
     assert stats["fetch_ahead.files"] > len(objects) // 2
     assert not backend.kernel_pages
     assert stats.get("fetch_ahead.push_pushed", 0) == 0
+    assert backend.requests["get"] <= len(objects)
+
+
+def test_directories_the_kernel_never_listed_are_listed_through_the_mount_and_their_files_pushed():
+    objects, backend = image_folder()
+    listed = []
+
+    async def body(fs):
+        def list_to_kernel(directory):  # (on a thread, as the mount's own listing is)
+            listed.append(directory.path)
+            trio.from_thread.run_sync(fs.note_listed_to_kernel, directory)  # (its READDIRPLUS, read to the end)
+
+        got = await pushed_epoch(fs, backend, objects, seed=3, listed=False, list_to_kernel=list_to_kernel)
+        return got, fs.snapshot()
+
+    got, stats = run_fs(backend, body)  # (real time: the listing runs on a thread)
+    assert got == objects
+    assert sorted(p.rstrip("/") for p in listed) == sorted(
+        {path.rsplit("/", 1)[0] for path in objects}
+    )  # (not the root)
+    assert stats["fetch_ahead.dirs_listed_to_kernel"] == len(listed)
+    assert stats.get("fetch_ahead.push_pushed", 0) > len(objects) // 2, stats
     assert backend.requests["get"] <= len(objects)
 
 
