@@ -470,6 +470,10 @@ class FetchAhead:
     async def _fetch(self, current: _Pass, node: Node) -> None:
         key = self.key_prefix + node.path
         while True:
+            # Once the pass has ended no fetch may start (nothing would count it or let go
+            # of its hold), though a fetch that fits starts with no checkpoint, and a wait
+            # woken as the pass ended returns as if it had not.
+            await trio.lowlevel.checkpoint_if_cancelled()
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
             held_bytes = self._cache.held_bytes + current.pushed.held_bytes
@@ -562,8 +566,8 @@ class FetchAhead:
             self._in_flight_count -= 1
             self._in_flight_bytes -= size_bytes
             if flight.error is not None:
-                current.held.pop(key, None)  # (BlockCache let go of its hold)
-                self._stats["fetch_ahead.failed"] += 1
+                if current.held.pop(key, None) is not None:  # (BlockCache let go of its hold)
+                    self._stats["fetch_ahead.failed"] += 1  # (else opened meanwhile: counted used)
                 self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
             else:
                 self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
