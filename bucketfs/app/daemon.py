@@ -10,6 +10,7 @@ and the user hears once when it has nowhere to go.
 
 from __future__ import annotations
 
+import errno
 import logging
 import logging.handlers
 import os
@@ -25,6 +26,20 @@ log = logging.getLogger(__name__)
 
 SYSLOG_SOCKET = "/dev/log"
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+class GoneRequests(logging.Filter):
+    """pyfuse3 logs at ERROR a reply the kernel no longer waited for (`fuse_reply_*`
+    failed with ENOENT): its reader was interrupted, or the mount was going away with
+    READs in flight. Not an error of the daemon's: logged at DEBUG."""
+
+    GONE = "fuse_reply_* failed with " + os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.getMessage().endswith(self.GONE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
 
 
 def syslog_available() -> bool:
@@ -58,6 +73,9 @@ def setup_logging(config: Config, daemon: bool) -> None:
     # SDK debug logs carry request signatures and headers: never let them through.
     for noisy in ("botocore", "boto3", "urllib3", "google", "s3transfer"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, GoneRequests) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(GoneRequests())
 
 
 def log_is_kept(config: Config) -> bool:

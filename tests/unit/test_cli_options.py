@@ -3,6 +3,8 @@ is mounted or forked: exit 2 and one line naming the option. Also the URL rules 
 the help hint. In-process: the mountpoint does not exist, so an option let through
 by mistake ends at the mountpoint check (exit 6), never at a mount."""
 
+import errno
+import logging
 import os
 import re
 
@@ -264,6 +266,31 @@ def test_log_file_is_watched_for_rotation(tmp_path):
     finally:
         root.handlers[:] = saved_handlers
         root.setLevel(saved_level)
+
+
+def test_a_reply_the_kernel_no_longer_waited_for_is_not_logged_as_an_error(tmp_path):
+    """At an unmount with READs in flight, or for an interrupted reader, pyfuse3 logs
+    its failed reply at ERROR: the log says it at DEBUG only, and other errors stay."""
+    from bucketfs.config import Config
+
+    log_path = tmp_path / "x.log"
+    config = Config(url=parse_bucket_url("s3://bkt/x"), mountpoint="/nonexistent", log_file=str(log_path))
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level  # pytest's own capture
+    try:
+        daemon.setup_logging(config, daemon=True)
+        pyfuse3_log = logging.getLogger("pyfuse3")
+        pyfuse3_log.error("fuse_read(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+        pyfuse3_log.error("fuse_read(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
+        for handler in root.handlers:
+            handler.flush()
+            handler.close()
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    logged = log_path.read_text()
+    assert os.strerror(errno.ENOENT) not in logged
+    assert "ERROR pyfuse3: fuse_read(): fuse_reply_* failed with " + os.strerror(errno.EINVAL) in logged
 
 
 @pytest.mark.parametrize(
