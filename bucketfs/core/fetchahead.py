@@ -62,9 +62,10 @@ in the budget while it runs (the worker's buffer).
 - only files of directories whose listing the kernel read to its end (READDIRPLUS hands
   it every entry's inode). A directory the loader never listed (it opens paths from a
   list) is listed through the mount first (`list_to_kernel`, on a thread); if that
-  does not reach the kernel either, its files are fetched into memory as above. A push to an inode the kernel has dropped since is
-  refused (ENOENT) and its GET wasted; once most of a pass's recent pushes are refused
-  so, that pass fetches into memory;
+  does not reach the kernel either, its files are fetched into memory as above. A
+  push to an inode the kernel has dropped since is refused (ENOENT) and its GET
+  wasted; once most of a pass's recent pushes are refused so, that pass fetches into
+  memory;
 - a push refused for its answer (not the pinned version, not whole, a wrong MD5) or
   failed is not retried: the loader's READ fetches the file, with every check and retry;
 - a READ of a file whose push is in flight waits on the push, which then brings the
