@@ -195,7 +195,7 @@ class PushRequest:
 
     __slots__ = ("wanted", "want", "tell_open")
 
-    def __init__(self, tell_open: bool = True) -> None:
+    def __init__(self, tell_open: bool) -> None:
         self.tell_open = tell_open
         self.wanted = False
         self.want: Optional[Callable[[], None]] = None  # set by the backend once the push is sent

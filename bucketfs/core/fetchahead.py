@@ -486,8 +486,8 @@ class FetchAhead:
                 fits = False
             if fits and self._in_flight_count < self._allowed_count:
                 pushing = current.pushing and node.parent.ino in self._listed_to_kernel
-                told = current.pushed.next_is_told()
                 if pushing:
+                    told = current.pushed.next_is_told()
                     flight = self._cache.push_ahead(key, node.version, node.size_bytes, node.ino, told)
                 else:
                     self._make_room(current, node.size_bytes)

@@ -24,8 +24,9 @@ Invariants:
   no handle) go through a handle of the inode's own, opened at its first READ as an
   open would be but pinning nothing, released once a READ reaches the file's end or
   fails, or once no READ of it came for INODE_HANDLE_IDLE_S, and at most
-  INODE_HANDLES_MAX of them at once (the least recently read released first). The handles open when the kernel starts opening files itself
-  become their inodes' own (release_all_open_handles): it sends no RELEASE for them.
+  INODE_HANDLES_MAX of them at once (the least recently read released first). The
+  handles open when the kernel starts opening files itself become their inodes' own
+  (release_all_open_handles): it sends no RELEASE for them.
 """
 
 from __future__ import annotations
@@ -411,7 +412,9 @@ class Filesystem:
         now_s = trio.current_time()
         for ino, fh in list(self._inode_handles.items()):
             handle = self._handles.get(fh)
-            if handle is None or (not handle.reads_in_progress and now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S):
+            if handle is None:  # (released already: a RELEASE sent before the kernel began opening files)
+                del self._inode_handles[ino]
+            elif not handle.reads_in_progress and now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S:
                 self._release_inode(ino, fh)
                 self.stats["read.idle_handles_released"] += 1
 

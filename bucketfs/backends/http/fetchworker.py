@@ -371,7 +371,7 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
     return ""
 
 
-def write_to_kernel(kernel_fd: int, ino: int, body, tell_open: bool = True) -> str:
+def write_to_kernel(kernel_fd: int, ino: int, body, tell_open: bool) -> str:
     """With `tell_open`, end inode `ino`'s cached attributes; then put `body` (a whole
     file) into its page cache; "" if done, else why not. In this order: a reader that
     opens the file between the two asks for its attributes (the daemon hears of the
