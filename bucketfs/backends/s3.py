@@ -68,7 +68,7 @@ from bucketfs.backends.base import (
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
 from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check_whole_object, s3_etag_digest
 from bucketfs.backends.http.curl import CurlEngine
-from bucketfs.backends.http.fetchworker import NO_INODE
+from bucketfs.backends.http.fetchworker import DAMAGED, NO_INODE
 from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine
 from bucketfs.backends.s3_lean import LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
@@ -534,6 +534,8 @@ class S3Backend(Backend):
         log.debug("push of %r: %s", key, error)
         if not isinstance(error, PushRefused):
             return PUSH_FAILED, None
+        if str(error) == DAMAGED:
+            self.caller.corrupt_bodies_count += 1  # (as a damaged answer to the daemon's own GET is)
         return (PUSH_NO_INODE if str(error) == NO_INODE else PUSH_REFUSED), None
 
     async def aclose(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS
 from bucketfs.backends.http.curl import Transfer
-from bucketfs.backends.http.fetchworker import answer_refusal
+from bucketfs.backends.http.fetchworker import DAMAGED, answer_refusal
 
 BODY = b"x" * 1000 + b"y" * 234
 SIZE = len(BODY)
@@ -52,6 +52,12 @@ def test_the_whole_object_of_the_pinned_version_with_its_md5_is_pushed():
 )
 def test_a_doubtful_answer_is_refused(transfer, why):
     assert answer_refusal(transfer, checks()), why
+
+
+def test_a_damaged_body_is_refused_as_damaged():
+    """(The daemon counts those refusals with its own GETs' damaged answers: backend.corrupt_bodies.)"""
+    assert answer_refusal(answer(body=BODY[:-1] + b"z"), checks()) == DAMAGED
+    assert answer_refusal(answer(body=BODY[:-10]), checks()) != DAMAGED
 
 
 def test_an_etag_the_answer_says_is_no_md5_is_not_compared():

@@ -88,6 +88,7 @@ FUSE_NOTIFY_STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
 FUSE_NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino, offset (-1: attributes only), length
 REFUSED = "refused"  # a PUSH's error kind when an answer or the kernel refused it
 NO_INODE = "the kernel holds no such inode"  # a PUSH's refusal when the kernel answers ENOENT
+DAMAGED = "the body's MD5 is not the one its ETag states"  # a PUSH's refusal of a damaged body
 
 
 class _Sink:
@@ -367,7 +368,7 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
         (value := headers.get(name, "").lower()) and value.startswith(start) for name, start in not_md5_headers
     ):
         if transfer.md5 is None or transfer.md5.digest() != md5:
-            return "the body's MD5 is not the one its ETag states"
+            return DAMAGED
     return ""
 
 
