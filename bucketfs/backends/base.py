@@ -86,10 +86,12 @@ class Backend(abc.ABC):
         """(fetch-ahead worker processes running, workers replaced): start_pushing's."""
         return 0, 0
 
-    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int, keep_bytes: int = 0) -> bool:
         """Start worker processes that fetch whole objects straight into the kernel's page
         cache of the mount whose /dev/fuse descriptor is `kernel_fd` (push_whole), each
-        with up to `transfers_count` GETs in flight; False where this backend cannot."""
+        with up to `transfers_count` GETs in flight; False where this backend cannot.
+        `keep_bytes`: the most that pushes in flight and their kept copies (KeptBody)
+        take together; 0: nothing kept."""
         return False
 
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest) -> tuple:
@@ -98,7 +100,8 @@ class Backend(abc.ABC):
         PUSH_READ with the checked body, once `request` asked for it; or why not
         (PUSH_NO_INODE: the kernel holds no such inode; PUSH_REFUSED: the answer failed
         a check; PUSH_FAILED: the GET failed), not retried: the reader's READ fetches
-        what was not pushed, with every check and retry. `body` is None but for PUSH_READ."""
+        what was not pushed, with every check and retry. `body` is None but for PUSH_READ
+        and, where `start_pushing` was given `keep_bytes`, a KeptBody for PUSHED."""
         return PUSH_REFUSED, None
 
     @abc.abstractmethod
@@ -205,6 +208,29 @@ class PushRequest:
             self.wanted = True
             if self.want is not None:
                 self.want()
+
+
+class KeptBody:
+    """A copy of a pushed file that push_whole hands back with PUSHED, for the daemon to
+    keep (an epoch after the kernel dropped its page cache reads it from there):
+    `length_bytes`, reserved in the memory budget by the caller while it keeps it.
+    `read(start, end)` copies bytes out of it (None once it is gone), until it is
+    `discard`ed; the backend may take it back itself (for room: http/arena.py), and
+    calls `on_dropped` then. This one holds bytes; the fetch-ahead workers' are pages
+    of shared memory."""
+
+    __slots__ = ("_data", "length_bytes", "on_dropped")
+
+    def __init__(self, data: Optional[bytes], length_bytes: int):
+        self._data, self.length_bytes = data, length_bytes
+        self.on_dropped: Optional[Callable[[], None]] = None  # (set by its keeper)
+
+    def read(self, start: int, end: int) -> Optional[bytes]:
+        return None if self._data is None else self._data[start:end]
+
+    def discard(self, give_back: bool) -> None:
+        """Let go of it; `give_back`: its memory goes back to the system now."""
+        self._data = None
 
 
 def check_answer(

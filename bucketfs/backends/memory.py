@@ -29,6 +29,7 @@ from bucketfs.backends.base import (
     PUSH_REFUSED,
     PUSHED,
     Backend,
+    KeptBody,
     ListPage,
     ObjectInfo,
     gone_message,
@@ -181,11 +182,13 @@ class MemoryBackend(Backend):
         return True
 
     # -- pushes into a stand-in for the kernel's page cache -----------------------
-    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int, keep_bytes: int = 0) -> bool:
         """A fake kernel: `kernel_pages` {ino: bytes} is what push_whole put into its
         page cache (tests read a pushed file from there, as the kernel would, and tell
         the filesystem with a getattr if its push ended its attributes: `attributes_ended`).
-        `kernel_inodes`: the inodes it holds (None: all)."""
+        `kernel_inodes`: the inodes it holds (None: all). With `keep_bytes`, a pushed
+        file's copy comes back too (a KeptBody), as from the workers' shared memory."""
+        self.keeps = keep_bytes > 0
         self.kernel_pages: dict = {}
         self.attributes_ended: set = set()
         self.kernel_inodes: Optional[set] = None
@@ -207,7 +210,7 @@ class MemoryBackend(Backend):
         self.kernel_pages[ino] = data
         if request.tell_open:
             self.attributes_ended.add(ino)
-        return PUSHED, None
+        return PUSHED, (KeptBody(bytes(data), size_bytes) if self.keeps else None)
 
     async def check_bucket(self, prefix: str) -> bool:
         await self._request("list", prefix)

@@ -492,7 +492,7 @@ class S3Backend(Backend):
     def fetch_ahead_workers(self) -> tuple:
         return engine_workers(self.push_engine)
 
-    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int, keep_bytes: int = 0) -> bool:
         if self.curl is None or self.push_engine is not None:  # (the workers' engine needs pycurl)
             return False
         config = self._config
@@ -503,6 +503,7 @@ class S3Backend(Backend):
             config.read_timeout_s,
             ca_bundle(self._session),
             kernel_fd,
+            keep_bytes,
         )
         return True
 
@@ -520,7 +521,7 @@ class S3Backend(Backend):
         self.requests["get"] += 1
         self.get_paths["push"] += 1
         try:
-            await engine.push(transfer, size_bytes, ino, checks, request)
+            transfer, kept = await engine.push(transfer, size_bytes, ino, checks, request)
         except PushRefused:
             return PUSH_REFUSED, None
         except ConnectionError:  # (no worker could start)
@@ -530,7 +531,7 @@ class S3Backend(Backend):
             self.bytes_fetched += size_bytes
             if transfer.buffer:
                 return PUSH_READ, transfer.buffer
-            return PUSHED, None
+            return PUSHED, kept
         log.debug("push of %r: %s", key, error)
         if not isinstance(error, PushRefused):
             return PUSH_FAILED, None

@@ -24,6 +24,8 @@ Invariants:
 - Every cached byte is reserved in the MemoryBudget; eviction releases it.
 - Two readers that miss the same block wait on one GET (a Flight); a failed
   flight hands its error to every waiter and caches nothing.
+- A pushed file's copy kept by the daemon (`kept`, core/kept.py) is read from there,
+  never fetched while it is kept.
 - An object fetched ahead (`fetch_ahead`, for core/fetchahead.py) is held: never
   evicted until `release_hold` (its reader opened it, or the pass stopped), outside
   the policy's index until then, so evictions never look at it. Its GET
@@ -40,9 +42,10 @@ from typing import Callable, Optional
 import trio
 
 from bucketfs import errors
-from bucketfs.backends.base import PUSH_FAILED, PushRequest
+from bucketfs.backends.base import PUSH_FAILED, PUSH_READ, PUSHED, PushRequest
 from bucketfs.backends.slots import mark_speculative
 from bucketfs.core.blockpolicy import Run, RunResidency
+from bucketfs.core.kept import KeptCopies
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,9 @@ PIN_FRESH_S = 2.0
 # The replacement policy: blockpolicy.py's scan-resistant one; True: plain LRU (for
 # comparisons: tests and benchmarks may set it before a cache is made).
 LRU_POLICY = False
+# A kept copy takes whole pages of shared memory (backends/http/arena.py): a push that
+# may be kept reserves its size rounded up to them.
+KEPT_PAGE_BYTES = 4096
 
 
 class Flight:
@@ -120,6 +126,7 @@ class BlockCache:
         # run lands, a pin goes or the first of them lapses.
         self._changes = 0
         self._fruitless: Optional[tuple] = None  # (_changes, trio time the first passed pin lapses)
+        self.kept: Optional[KeptCopies] = None  # of pushed files, once pushes keep them
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.evict)
 
     # -- pins: a small file being read stays until its reader has read it ----------
@@ -193,7 +200,14 @@ class BlockCache:
             return b""
         bs = self.block_size_bytes
         first, last = start // bs, (end - 1) // bs
-        pieces = await self._blocks_for(key, version, size_bytes, first, last)
+        while True:
+            if self.kept is not None and (key, version) in self.kept:
+                data = self.kept.read(key, version, start, end)
+                if data is not None:
+                    return data
+            pieces = await self._blocks_for(key, version, size_bytes, first, last)
+            if pieces is not None:
+                break  # (else a push this waited on left a kept copy)
         run = pieces[0].run
         if all(block.run is run for block in pieces):
             self._index.note_read(pieces[0].entry, end - start)
@@ -216,7 +230,8 @@ class BlockCache:
     def holds(self, key: str, version: str, offset: int) -> bool:
         """The block at `offset` is cached or on its way (no fetch needed for it)."""
         ck = (key, version, offset // self.block_size_bytes)
-        return ck in self._blocks or ck in self._flights
+        kept = self.kept
+        return ck in self._blocks or ck in self._flights or (kept is not None and (key, version) in kept)
 
     def start_read(self, key: str, version: str, size_bytes: int, start: int, end: int) -> None:
         """Start fetching the missing blocks of [start, end) without waiting (small file at open)."""
@@ -224,8 +239,11 @@ class BlockCache:
         if start < end:
             self._plan(key, version, size_bytes, start // self.block_size_bytes, (end - 1) // self.block_size_bytes)
 
-    async def _blocks_for(self, key, version, size_bytes, first, last) -> list:
+    async def _blocks_for(self, key, version, size_bytes, first, last) -> Optional[list]:
+        """The blocks, cached or fetched; None if the object is kept (kept.py) instead."""
         found, waits = self._plan(key, version, size_bytes, first, last)
+        if found is None:
+            return None
         for i, flight in waits:
             if not flight.done.is_set():
                 # (Only then: a READ over 16 blocks of one flight would otherwise pass 16
@@ -249,12 +267,15 @@ class BlockCache:
         return [found[i] for i in range(first, last + 1)]
 
     def _plan(self, key, version, size_bytes, first, last):
-        """Split blocks into cached, in flight and missing; start one fetch per missing run.
+        """Split blocks into cached, in flight and missing; start one fetch per missing run
+        (found is None, nothing started, for a kept object).
         (A hit is a read for the policy in `read`, where the bytes read are known: the
         hits of a start_read at open are followed by the READs.)"""
         found: dict = {}
         waits: list = []
         missing_run: list = []
+        if self.kept is not None and (key, version) in self.kept:
+            return None, waits  # (read from there: nothing to fetch)
         for i in range(first, last + 1):
             ck = (key, version, i)
             data = self._blocks.get(ck)
@@ -350,26 +371,40 @@ class BlockCache:
         `tell_open`: PushRequest's."""
         last = (size_bytes - 1) // self.block_size_bytes
         run = list(range(last + 1))
-        if size_bytes <= 0 or any((key, version, i) in self._blocks or (key, version, i) in self._flights for i in run):
+        if (
+            size_bytes <= 0
+            or self.holds(key, version, 0)
+            or any((key, version, i) in self._blocks or (key, version, i) in self._flights for i in run)
+        ):
             return None
-        if not self.budget.try_reserve(size_bytes, reclaim_priority=-1, refused_stat="fetch_ahead.memory_refused"):
+        reserved_bytes = size_bytes
+        if self.kept is not None:
+            reserved_bytes = -(-size_bytes // KEPT_PAGE_BYTES) * KEPT_PAGE_BYTES  # (kept: whole pages)
+            self.kept.make_room(reserved_bytes)
+        if not self.budget.try_reserve(reserved_bytes, reclaim_priority=-1, refused_stat="fetch_ahead.memory_refused"):
             return None
         flight = Flight(speculative=True)
         request = PushRequest(tell_open)
         flight.on_wait = request.ask_for_body
         for i in run:
             self._flights[(key, version, i)] = flight
-        self.nursery.start_soon(self._push, key, version, size_bytes, ino, run, flight, request)
+        self.nursery.start_soon(self._push, key, version, size_bytes, ino, run, flight, request, reserved_bytes)
         return flight
 
-    async def _push(self, key, version, size_bytes: int, ino: int, run: list, flight: Flight, request) -> None:
-        reserved_bytes = size_bytes
+    async def _push(self, key, version, size_bytes, ino, run: list, flight: Flight, request, reserved_bytes) -> None:
         flight.outcome = PUSH_FAILED
         try:
             flight.outcome, body = await self.backend.push_whole(key, version, size_bytes, ino, request)
-            if body is not None and len(body) == size_bytes:
+            if flight.outcome == PUSH_READ and body is not None and len(body) == size_bytes:
                 self._land(key, version, run, flight, memoryview(body).toreadonly())
+                self.budget.release(reserved_bytes - size_bytes)
                 reserved_bytes = 0
+            elif flight.outcome == PUSHED and body is not None:
+                if self.kept is not None and body.length_bytes <= reserved_bytes:
+                    self.kept.keep(key, version, body, reserved_bytes)
+                    reserved_bytes = 0
+                else:
+                    body.discard(give_back=True)
         except Exception:  # noqa: BLE001 - its waiters fetch the file themselves, never hang
             log.exception("unexpected error pushing %r", key)
         finally:

@@ -43,6 +43,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.components import build_components
+from bucketfs.core.kept import KeptCopies
 from bucketfs.core.namespace import ROOT_INO, Node
 from bucketfs.core.prefetch import HandleReader
 
@@ -200,8 +201,13 @@ class Filesystem:
         workers_count = self.config.fetch_ahead_workers_count
         if not (workers_count and self.fetch_ahead.enabled) or self.disk_cache is not None:
             return False
-        if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count):
+        # Pushes in flight and the copies kept of pushed files share the budget's room for
+        # buffers (kept.py: the cheapest memory to take back).
+        keep_bytes = self.budget.capacity_bytes
+        if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count, keep_bytes):
             return False
+        if self.cache.kept is None:
+            self.cache.kept = KeptCopies(self.budget, self.stats)
         self.fetch_ahead.start_pushing(list_to_kernel)
         return True
 
@@ -526,6 +532,7 @@ class Filesystem:
                 "memory.disk_index_bytes": self.budget.disk_index_bytes,
                 "cache.bytes": self.cache.cached_bytes,
                 "fetch_ahead.held_bytes": self.cache.held_bytes,
+                "fetch_ahead.kept_bytes": 0 if self.cache.kept is None else self.cache.kept.kept_bytes,
                 "namespace.entries": self.ns.entries_count,
                 "handles.open": len(self._handles),
             }

@@ -471,7 +471,7 @@ class DiskCache:
     def fetch_ahead_workers(self) -> tuple:
         return self.inner.fetch_ahead_workers  # (none: a mount with a disk cache does not push)
 
-    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int) -> bool:
+    def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int, keep_bytes: int = 0) -> bool:
         return False  # (fetch-ahead's files must reach the disk cache: into memory, then onto disk)
 
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:

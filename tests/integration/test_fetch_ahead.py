@@ -23,6 +23,7 @@ import signal
 import pytest
 
 from bucketfs.testing.counting_proxy import CountingProxy, counting_proxy
+from bucketfs.testing.mounting import drop_page_cache
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -340,6 +341,46 @@ def test_a_fetch_ahead_worker_killed_mid_pass_costs_no_reader_a_wrong_byte(rclon
         assert f"fetch-ahead worker {killed[0]} ended" in m.stderr_text
         assert "Traceback" not in m.stderr_text and "unexpected error" not in m.stderr_text
         assert m.proc.poll() is None, "the daemon died"
+
+
+def test_after_the_page_cache_is_dropped_pushed_files_are_read_from_the_daemons_kept_copies(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    """The workers receive pushed files into shared memory the daemon keeps (within
+    --max-memory): once the kernel dropped its page cache, the next epoch reads them
+    from there, with no GET; a worker killed mid-pass spoils no kept byte."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping the page cache needs root")
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=14))
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+    order = list(digests)
+    random.Random(15).shuffle(order)
+    killed: list = []
+
+    def read_and_kill(i_key):
+        i, key = i_key
+        if i == FILES_COUNT // 3:  # (the pass is running: it started in the first 32 opens)
+            for pid in fetch_ahead_workers(m.proc.pid):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        return read_digest(m, key)
+
+    with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
+        assert_bytes_match(dict(pool.map(read_and_kill, enumerate(order))), digests)
+    first = m.stats()
+    assert killed, "no fetch-ahead worker was running"
+    assert first.get("fetch_ahead.kept_files", 0) >= FILES_COUNT // 3, fetch_ahead_counters(first)
+    assert drop_page_cache()
+    gets_before = first.get("backend.requests.get", 0)
+
+    assert_bytes_match(shuffled_epoch(m, digests, seed=16), digests)
+    second = m.stats()
+    kept_read = second.get("fetch_ahead.kept_read", 0)
+    assert kept_read >= FILES_COUNT // 3, fetch_ahead_counters(second)
+    # The rest was read through the daemon in the first epoch: in its block cache.
+    assert second.get("backend.requests.get", 0) - gets_before <= FILES_COUNT - kept_read, fetch_ahead_counters(second)
+    assert "Traceback" not in m.stderr_text and "unexpected error" not in m.stderr_text
 
 
 @pytest.mark.timeout(240)

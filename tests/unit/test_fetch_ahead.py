@@ -597,11 +597,16 @@ def test_a_pass_stops_pushing_once_the_kernel_has_dropped_most_inodes():
     assert stats["fetch_ahead.files"] - no_inode > len(objects) // 3, stats
 
 
-def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_pushes_them_again():
-    """The page cache dropped (memory pressure, drop_caches): the next epoch's READs of
-    pushed files are opens of a new epoch, which end the pass; the next pass pushes them
-    again, rather than leaving each to its reader, one GET at a time."""
+def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_pushes_them_again(monkeypatch):
+    """The page cache dropped (memory pressure, drop_caches), and the daemon kept no
+    copies: the next epoch's READs of pushed files are opens of a new epoch, which end
+    the pass; the next pass pushes them again, rather than leaving each to its reader,
+    one GET at a time."""
     objects, backend = image_folder()
+    start_pushing = backend.start_pushing
+    monkeypatch.setattr(
+        backend, "start_pushing", lambda fd, workers, transfers, keep: start_pushing(fd, workers, transfers)
+    )
 
     async def body(fs):
         await pushed_epoch(fs, backend, objects, seed=5)
@@ -624,6 +629,53 @@ def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_pushes_them_ag
     assert got == objects
     assert second["fetch_ahead.passes"] == 2, second
     assert second["fetch_ahead.push_pushed"] - first["fetch_ahead.push_pushed"] > len(objects) // 2, second
+
+
+def test_after_the_kernel_dropped_the_pushed_files_the_next_epoch_reads_the_kept_copies():
+    """The daemon kept a copy of each pushed file (within its budget): once the page
+    cache is dropped, the next epoch's READs are served from those copies, no GET."""
+    objects, backend = image_folder()
+
+    async def body(fs):
+        await pushed_epoch(fs, backend, objects, seed=5)
+        first = fs.snapshot()
+        backend.kernel_pages.clear()
+        await trio.sleep(2 * fetchahead.SAME_OPEN_S)
+        gets_before = backend.requests["get"]
+        out = {}
+        for path in shuffled(objects, 6):
+            out[path] = await kernel_read(fs, backend, path)
+        return out, first, fs.snapshot(), backend.requests["get"] - gets_before
+
+    got, first, second, gets = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got == objects
+    assert first["fetch_ahead.kept_files"] >= first["fetch_ahead.push_pushed"] > len(objects) // 2, first
+    assert second["fetch_ahead.kept_read"] == first["fetch_ahead.kept_files"], second
+    assert gets == 0, second  # (the files read through the daemon are in its block cache)
+    assert second["fetch_ahead.kept_bytes"] == first["fetch_ahead.kept_bytes"] > 0, second  # (kept for the next)
+
+
+def test_kept_copies_give_way_to_memory_anyone_else_needs():
+    """Kept copies fill what the budget leaves free, and are the first memory a reader
+    or a push takes back: the budget never overflows for them and nothing stays reserved."""
+    objects, backend = image_folder()
+
+    async def body(fs):
+        await pushed_epoch(fs, backend, objects, seed=5)
+        kept_bytes = fs.cache.kept.kept_bytes
+        used_bytes = fs.budget.used_bytes
+        await fs.budget.reserve(fs.budget.capacity_bytes)  # (a demand for all of it)
+        after = fs.snapshot()
+        after["all taken"] = fs.budget.used_bytes == fs.budget.capacity_bytes
+        fs.budget.release(fs.budget.capacity_bytes)
+        return kept_bytes, used_bytes, after
+
+    kept_bytes, used_bytes, after = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=64 * MiB
+    )
+    assert 0 < kept_bytes <= used_bytes, (kept_bytes, used_bytes)
+    assert after["fetch_ahead.kept_bytes"] == 0, after
+    assert after["all taken"], after
 
 
 def test_pushed_files_not_yet_read_stay_about_inside_the_room_though_few_opens_are_told(monkeypatch):

@@ -2,7 +2,7 @@
 their bodies back to the daemon (workerengine.py), so their HTTP work (libcurl, its
 Python callbacks, the MD5 of a whole object) runs on another core, under another GIL.
 
-    python -m bucketfs.backends.http.fetchworker FD PARENT_PID MAX_TRANSFERS CONNECT_S READ_S [CA_BUNDLE [KERNEL_FD]]
+    python -m bucketfs.backends.http.fetchworker FD PARENT_PID MAX_TRANSFERS CONNECT_S READ_S [CA_BUNDLE [KERNEL_FD [ARENA_FD ARENA_BYTES]]]
 
 FD is the worker's end of a Unix stream socket from the daemon; everything it does
 goes through it:
@@ -11,16 +11,21 @@ goes through it:
       kind: RANGED | BODY; signing: None, or what to sign the GET with (SigV4) here
     (ABORT, tid)
     (WANT, tid): the daemon waits for PUSH tid's body after all (a READ came first)
-    (PUSH, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks): a
-      whole object into the kernel's page cache (KERNEL_FD, the mount's /dev/fuse), as
-      "Pushing into the page cache" below says; checks: (the pinned ETag or None, the
-      pinned Last-Modified or None, the MD5 the ETag states or None, the answer
-      headers that say it is no MD5 after all: digests.S3_ETAG_NOT_MD5_HEADERS)
+    (PUSH, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks,
+     tell_open, arena_offset): a whole object into the kernel's page cache (KERNEL_FD,
+      the mount's /dev/fuse), as "Pushing into the page cache" below says; checks: (the
+      pinned ETag or None, the pinned Last-Modified or None, the MD5 the ETag states or
+      None, the answer headers that say it is no MD5 after all:
+      digests.S3_ETAG_NOT_MD5_HEADERS); received at `arena_offset` of the shared
+      memory ARENA_FD (arena.py), or into a buffer of its own when -1
 - worker -> daemon: a FRAME header (type, tid, offset, body_length, meta_length),
   the meta, then the body: bytes at `offset` of the transfer's buffer (BODY: appended)
     DATA: body bytes of a GET still running (no meta)
     DONE: the GET's last bytes, and its meta: marshal (status, headers,
           received_bytes, error_body, error_kind, error_text, md5 or None)
+    RELEASED: (no body, no meta) the worker no longer touches the arena extent of
+          PUSH tid, whose body it sent in a DONE (once WANTed): its write into the
+          kernel, if one had begun, has returned
 
 Invariants:
 - The worker keeps no body: each piece goes to the daemon as it arrives, into a buffer
@@ -31,7 +36,9 @@ Invariants:
   with (its HMACs are then this process's CPU, not the daemon's).
 - A PUSH ends with a DONE and no body: its error kind "" (pushed), "refused" (the
   answer failed a check, or the kernel refused it: the text says which), or a
-  transport error's; or, once WANTed, with the DONE of a GET: the checked body.
+  transport error's; or, once WANTed, with the DONE of a GET: the checked body (then,
+  for a PUSH into the arena, a RELEASED). Its DONE without a body, or its RELEASED, is
+  the last use of its arena extent.
 - It never outlives the daemon: it exits when the socket closes, and the kernel kills
   it when the daemon's thread that started it ends (PR_SET_PDEATHSIG).
 """
@@ -43,6 +50,7 @@ import ctypes
 import errno
 import logging
 import marshal
+import mmap
 import os
 import queue
 import signal
@@ -61,7 +69,7 @@ log = logging.getLogger("bucketfs.fetchworker")
 _Credentials = collections.namedtuple("_Credentials", "access_key secret_key token")
 
 GET, ABORT, PUSH, WANT = 1, 2, 3, 4  # requests
-DATA, DONE = 1, 2  # frames back
+DATA, DONE, RELEASED = 1, 2, 3  # frames back
 RANGED, BODY = 0, 1  # kinds of GET: into a buffer of known length, or a whole answer
 REQUEST_LENGTH = struct.Struct("<I")
 FRAME = struct.Struct("<BIQII")  # type, tid, offset, body length, meta length
@@ -179,6 +187,12 @@ class _Out:
         if len(self._frames) >= IOV_MAX_COUNT:
             self.flush()
 
+    def released(self, tid: int) -> None:
+        """PUSH `tid`'s arena extent is the daemon's again."""
+        self._frames.append(FRAME.pack(RELEASED, tid, 0, 0, 0))
+        if len(self._frames) >= IOV_MAX_COUNT:
+            self.flush()
+
     def flush(self) -> None:
         """Send every frame gathered. A failure is the worker's end (os._exit): the
         pieces of other GETs went with it, and only the daemon's view of a dead worker
@@ -202,8 +216,9 @@ class _Out:
             os._exit(2)
 
 
-def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None) -> None:
-    """Run GETs (and PUSHes, with `kernel_fd`) for the daemon until it closes the socket."""
+def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None, arena=None) -> None:
+    """Run GETs (and PUSHes, with `kernel_fd`) for the daemon until it closes the socket;
+    `arena`: a memoryview of the shared memory PUSHes may be received into."""
     out = _Out(sock)
     running: dict = {}  # tid -> Transfer, and Transfer -> tid
     pusher = _Pusher(out, kernel_fd)
@@ -234,12 +249,14 @@ def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None) 
                 running[tid], running[transfer] = transfer, tid
                 loop.add(transfer)
             elif request[0] == PUSH:
-                _, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks, tell_open = request
+                _, tid, url, header_lines, length_bytes, timeout_s, signing, ino, checks, tell_open, at = request
                 if signing is not None:
                     header_lines = signed_lines(signers, url, signing)
-                transfer = Transfer(url, header_lines, bytearray(length_bytes), 0, timeout_s)
+                in_arena = at >= 0 and arena is not None
+                buffer = arena[at : at + length_bytes] if in_arena else bytearray(length_bytes)
+                transfer = Transfer(url, header_lines, typing.cast(bytearray, buffer), 0, timeout_s)
                 running[tid], running[transfer] = transfer, tid
-                pusher.add(transfer, ino, checks, tell_open)
+                pusher.add(transfer, ino, checks, tell_open, tid if in_arena else None)
                 loop.add(transfer)
             elif request[0] == WANT:
                 pusher.want(request[1], request[1] in running)
@@ -271,22 +288,26 @@ class _Pusher:
     def __init__(self, out: "_Out", kernel_fd: Optional[int]):
         self._out = out
         self._kernel_fd = kernel_fd
-        self._pushes: dict = {}  # Transfer -> (ino, checks), while its GET runs
+        self._pushes: dict = {}  # Transfer -> (ino, checks, tell_open), while its GET runs
         self._wanted: set = set()  # tids whose GET runs and whose body the daemon wants
+        self._in_arena: set = set()  # tids received into the arena whose extent this still uses
         self._writing: dict = {}  # tid -> Transfer being written into the kernel
         self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (tid, ino, body) for the thread
         self._written: queue.SimpleQueue = queue.SimpleQueue()  # (tid, refusal) from the thread
         self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, transfer: Transfer, ino: int, checks: tuple, tell_open: bool) -> None:
+    def add(self, transfer: Transfer, ino: int, checks: tuple, tell_open: bool, arena_tid: Optional[int]) -> None:
         self._pushes[transfer] = (ino, checks, tell_open)
+        if arena_tid is not None:
+            self._in_arena.add(arena_tid)
 
     def want(self, tid: int, running: bool) -> None:
         """The daemon waits for the body of PUSH `tid` (a reader's READ came first)."""
         transfer = self._writing.pop(tid, None)
         if transfer is not None:
-            self._out.done(tid, transfer, transfer.buffer)  # (its write waits for the READ this answers)
+            # (Its write waits for the READ this answers; the extent is released after it.)
+            self._out.done(tid, transfer, transfer.buffer)
         elif running:
             self._wanted.add(tid)
 
@@ -300,10 +321,15 @@ class _Pusher:
         self._wanted.discard(tid)
         refusal = "" if transfer.error is not None else answer_refusal(transfer, checks)
         if transfer.error is not None or refusal:
+            self._in_arena.discard(tid)
             self._out.pushed(tid, transfer, refusal)
         elif wanted:
             self._out.done(tid, transfer, transfer.buffer)
+            if tid in self._in_arena:
+                self._in_arena.discard(tid)
+                self._out.released(tid)
         elif self._kernel_fd is None:
+            self._in_arena.discard(tid)
             self._out.pushed(tid, transfer, "no kernel descriptor")
         else:
             self._writing[tid] = transfer
@@ -332,8 +358,12 @@ class _Pusher:
             except queue.Empty:
                 break
             transfer = self._writing.pop(tid, None)
-            if transfer is not None:  # (else WANT had its body sent)
+            in_arena = tid in self._in_arena
+            self._in_arena.discard(tid)
+            if transfer is not None:
                 self._out.pushed(tid, transfer, refusal)
+            elif in_arena:  # (WANT had its body sent: the extent is the daemon's from now on)
+                self._out.released(tid)
         self._out.flush()
 
 
@@ -419,6 +449,9 @@ def main(argv: Optional[list] = None) -> int:
     connect_timeout_s, read_timeout_s = float(args[3]), float(args[4])
     ca_bundle_path = args[5] if len(args) > 5 and args[5] else None
     kernel_fd = int(args[6]) if len(args) > 6 and args[6] else None
+    arena = None
+    if len(args) > 8 and args[7]:
+        arena = memoryview(mmap.mmap(int(args[7]), int(args[8])))  # (shared, read and write)
     _die_with_parent(parent_pid)
     # Ctrl-C on a foreground mount reaches the whole process group: the daemon decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -426,7 +459,7 @@ def main(argv: Optional[list] = None) -> int:
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
-        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path), kernel_fd)
+        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path), kernel_fd, arena)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the daemon went away mid-frame: nobody to tell
     except Exception:  # noqa: BLE001 - a bug: the daemon sees the socket close, fails and restarts

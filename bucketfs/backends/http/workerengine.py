@@ -39,6 +39,7 @@ from typing import Optional
 import trio
 
 import bucketfs
+from bucketfs.backends.http.arena import PushArena
 from bucketfs.backends.http.curl import BodyTransfer, CurlEngine, Transfer
 from bucketfs.backends.http.fetchworker import (
     ABORT,
@@ -50,6 +51,7 @@ from bucketfs.backends.http.fetchworker import (
     PUSH,
     RANGED,
     REFUSED,
+    RELEASED,
     REQUEST_LENGTH,
     WANT,
     signed_lines,
@@ -103,6 +105,9 @@ class _Worker:
         self.answered = False  # it has ended a GET: it started and serves
         self.pending: dict = {}  # tid -> Transfer
         self.deadlines: dict = {}  # tid -> when (time.monotonic) its DONE is overdue
+        # tid -> its PUSH's arena extent, until the worker is done with it (a DONE
+        # without a body, or a RELEASED): pushes waited on, given up on, or WANTed.
+        self.extents: dict = {}
         self.outbox = bytearray()  # requests not sent yet
         self.outbox_ready = trio.Event()
         self.run_token: Optional[trio.lowlevel.TrioToken] = None  # the run its tasks belong to
@@ -125,10 +130,18 @@ class WorkerEngine:
         read_timeout_s: float,
         ca_bundle_path: Optional[str],
         kernel_fd: Optional[int] = None,
+        arena_bytes: int = 0,
     ):
-        """`kernel_fd`: the mount's /dev/fuse descriptor, for workers that push (push())."""
+        """`kernel_fd`: the mount's /dev/fuse descriptor, for workers that push (push());
+        `arena_bytes`: the shared memory they push from (arena.py), kept for the daemon."""
         self.workers_count = workers_count
         self.kernel_fd = kernel_fd
+        self.arena: Optional[PushArena] = None
+        if kernel_fd is not None and arena_bytes > 0:
+            try:
+                self.arena = PushArena(arena_bytes)
+            except OSError as exc:
+                log.warning("no shared memory for pushed files (%s): the daemon keeps no copy of them", exc)
         self.what = "fetch worker" if kernel_fd is None else "fetch-ahead worker"  # (for the log)
         # Each worker's CurlLoop's, and the fallback thread engine's.
         self._engine_args = (max_transfers_count, connect_timeout_s, read_timeout_s, ca_bundle_path)
@@ -174,14 +187,15 @@ class WorkerEngine:
             ),
         )
 
-    async def push(self, transfer: Transfer, length_bytes: int, ino: int, checks: tuple, request) -> Transfer:
+    async def push(self, transfer: Transfer, length_bytes: int, ino: int, checks: tuple, request) -> tuple:
         """Have a worker GET the whole object `transfer` names (`length_bytes`, from its
         first byte; `transfer.buffer` stays empty: no body comes back) and put it into
         inode `ino`'s page cache after `checks` (fetchworker.answer_refusal). Its error
         when this returns: None (pushed), PushRefused, or a transport error. Never on
         the fallback thread: PushRefused when no worker runs. `request` (a
         base.PushRequest) gets its `want`: the worker sends the body back then (into
-        `transfer.buffer`, a BodyTransfer's) instead of writing it into the kernel."""
+        `transfer.buffer`, a BodyTransfer's) instead of writing it into the kernel.
+        (transfer, the pushed body kept in the arena (an ArenaBody) or None)."""
         if self.kernel_fd is None or self.fallback is not None:
             raise PushRefused("no worker pushes")
         if self._token is not trio.lowlevel.current_trio_token():
@@ -192,22 +206,32 @@ class WorkerEngine:
         request.want = lambda: self._want(worker, transfer)
         if request.wanted:  # (asked before the push was sent: right after it)
             trio.lowlevel.current_trio_token().run_sync_soon(request.want)
-        return await self._run(
-            worker,
-            transfer,
-            lambda tid: (
-                PUSH,
-                tid,
-                transfer.url,
-                transfer.header_lines,
-                length_bytes,
-                transfer.timeout_s,
-                transfer.signing,
-                ino,
-                checks,
-                request.tell_open,
-            ),
-        )
+        arena = self.arena
+        extent = arena.allocate(length_bytes) if arena is not None else None
+
+        def request_of(tid: int) -> tuple:
+            if extent is not None:
+                worker.extents[tid] = extent
+            at = -1 if extent is None else extent.offset
+            fields = (transfer.url, transfer.header_lines, length_bytes, transfer.timeout_s, transfer.signing)
+            return (PUSH, tid, *fields, ino, checks, request.tell_open, at)
+
+        pushed = False
+        try:
+            await self._run(worker, transfer, request_of)
+            pushed = transfer.error is None and not transfer.buffer
+        finally:
+            kept = None
+            # The extent is the daemon's once the worker returned it (else it is freed
+            # when the worker does: a DONE, a RELEASED, its exit).
+            # (Not the daemon's if the worker was lost meanwhile: it went with it.)
+            if arena is not None and extent is not None and extent.returned:
+                if worker.extents.pop(transfer.tid, None) is not None:
+                    if pushed:
+                        kept = arena.keep(extent, length_bytes)
+                    else:
+                        arena.free(extent)
+        return transfer, kept
 
     def _want(self, worker: _Worker, transfer: Transfer) -> None:
         """Ask `worker` for the body of the PUSH `transfer` (if it still runs there)."""
@@ -249,6 +273,8 @@ class WorkerEngine:
             self._lost(worker, "the HTTP engine is closed")
         if self.fallback is not None:
             self.fallback.close()
+        if self.arena is not None:
+            self.arena.close()
 
     # -- workers -----------------------------------------------------------------
     def _attach_run(self) -> None:
@@ -284,6 +310,10 @@ class WorkerEngine:
             pass_fds: tuple = (child.fileno(),)
             if self.kernel_fd is not None:
                 pass_fds += (self.kernel_fd,)
+            arena_args: tuple = ()
+            if self.arena is not None:
+                pass_fds += (self.arena.fd,)
+                arena_args = (str(self.arena.fd), str(self.arena.size_bytes))
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, env.get("PYTHONPATH")]))
             proc = subprocess.Popen(
@@ -297,6 +327,7 @@ class WorkerEngine:
                     str(os.getpid()),
                     *(repr(arg) if isinstance(arg, float) else str(arg or "") for arg in self._engine_args),
                     "" if self.kernel_fd is None else str(self.kernel_fd),
+                    *arena_args,
                 ],
                 pass_fds=pass_fds,
                 stdin=subprocess.DEVNULL,
@@ -319,10 +350,13 @@ class WorkerEngine:
 
     async def _watch(self, token) -> None:
         """Kill workers that are silent past a GET's deadline (curl enforces it in the
-        worker, so a live one has answered by then): their GETs fail and are retried."""
+        worker, so a live one has answered by then): their GETs fail and are retried.
+        And give back the arena's pages that stayed free since the last round."""
         try:
             while self._token is token and not self._closed:
                 await trio.sleep(WORKER_GRACE_S / 2)
+                if self.arena is not None:
+                    self.arena.trim()
                 now_s = time.monotonic()
                 for worker in list(self.workers):
                     if worker.deadlines and min(worker.deadlines.values()) < now_s:
@@ -361,6 +395,10 @@ class WorkerEngine:
         self._fail_pending(worker, f"{self.what} {worker.pid}: {reason}")
         worker.outbox_ready.set()  # (its writer ends)
         code = _end(worker.proc)
+        if self.arena is not None:
+            for extent in worker.extents.values():
+                self.arena.lose(extent, worker.proc)  # (free once it exited: it may still read one)
+            worker.extents.clear()
         if self._closed:
             return
         log.warning("%s %d ended (%s, exit status %s); starting another", self.what, worker.pid, reason, code)
@@ -500,6 +538,10 @@ class WorkerEngine:
             if have - at < FRAME.size:
                 break
             kind, tid, offset, body_bytes, meta_bytes = FRAME.unpack_from(view, at)
+            if kind == RELEASED and not (body_bytes or meta_bytes):
+                at += FRAME.size
+                self._extent_returned(worker, tid, released=True)
+                continue
             if kind not in (DATA, DONE) or (kind == DATA) == bool(meta_bytes):
                 raise ValueError(f"a frame of type {kind} with {meta_bytes} bytes of meta")
             if have - at < FRAME.size + meta_bytes:
@@ -509,6 +551,8 @@ class WorkerEngine:
             meta = marshal.loads(view[at + FRAME.size : at + FRAME.size + meta_bytes]) if meta_bytes else None
             at += FRAME.size + meta_bytes
             transfer = worker.pending.get(tid)
+            if kind == DONE and not body_bytes and worker.extents:
+                self._extent_returned(worker, tid, released=False)
             appended = isinstance(transfer, BodyTransfer)
             if transfer is not None and not appended and offset + body_bytes > len(transfer.buffer):
                 raise ValueError(f"a body past its buffer ({offset + body_bytes} > {len(transfer.buffer)})")
@@ -520,6 +564,18 @@ class WorkerEngine:
             # What is left is at most a frame's start: a small copy, never an overlapping one.
             worker.inbox[: have - at] = bytes(view[at:have])
             worker.inbox_bytes = have - at
+
+    def _extent_returned(self, worker: _Worker, tid: int, released: bool) -> None:
+        """PUSH `tid`'s worker is done with its arena extent: a RELEASED, or a DONE with no
+        body. Freed now unless its push() still waits, which keeps or frees it."""
+        extent = worker.extents.get(tid)
+        if extent is None:
+            return
+        extent.returned = True
+        if released or tid not in worker.pending:
+            del worker.extents[tid]
+            assert self.arena is not None
+            self.arena.free(extent)
 
     def _done(self, worker: _Worker, tid: int, transfer: Transfer, meta: tuple) -> None:
         if not worker.answered:
