@@ -102,11 +102,14 @@ def is_mounted(path: str) -> bool:
 
 
 class RssSampler:
-    """Samples a process's VmRSS every 50 ms in a thread; peak in bytes."""
+    """Samples a process's VmRSS every 50 ms in a thread; peak in bytes. And the memory
+    of it with its children (a daemon and its fetch-ahead workers), `tree_peak_bytes`:
+    tree_memory_bytes."""
 
     def __init__(self, pid: int, interval_s: float = 0.05):
         self.pid, self.interval_s = pid, interval_s
         self.peak_bytes = 0
+        self.tree_peak_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -122,7 +125,30 @@ class RssSampler:
         while not self._stop.is_set():
             with contextlib.suppress(OSError):
                 self.peak_bytes = max(self.peak_bytes, proc_status_kib(self.pid, "VmRSS") * 1024)
+                self.tree_peak_bytes = max(self.tree_peak_bytes, tree_memory_bytes(self.pid))
             self._stop.wait(self.interval_s)
+
+
+def tree_memory_bytes(pid: int) -> int:
+    """The memory of `pid` and its children, each page once: their private and file
+    pages' PSS (shared pages split between the processes that map them), plus the
+    resident pages of the memfds `pid` holds (the fetch-ahead workers' shared arena,
+    counted whole, whoever maps it: not through PSS)."""
+    total_bytes = 0
+    for member in _descendants(pid):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{member}/smaps_rollup") as f:
+                for line in f:
+                    name, _, value = line.partition(":")
+                    if name in ("Pss_Anon", "Pss_File"):
+                        total_bytes += int(value.split()[0]) * 1024
+    fd_dir = f"/proc/{pid}/fd"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fd_dir}/{name}").startswith("/memfd:"):
+                    total_bytes += os.stat(f"{fd_dir}/{name}").st_blocks * 512
+    return total_bytes
 
 
 def parse_cpus(text: str) -> set:

@@ -61,6 +61,7 @@ class Report:
             "W5.rss": lambda: le(val("W5.rss"), self.max_memory_bytes() / MB + 150),
             "W2.hwm": lambda: le(val("W2.hwm"), self.max_memory_bytes() / MB + 150),
             "W5.hwm": lambda: le(val("W5.hwm"), self.max_memory_bytes() / MB + 150),
+            "W5.mem": lambda: le(val("W5.mem"), self.max_memory_bytes() / MB + 150),
             **self.cache_epochs_checks(),
         }
         if not self.backend.absolute_targets:  # speeds of the server, not of bucketfs: compare the ratios

@@ -454,6 +454,7 @@ class Workloads:
         limit_mb = self.max_memory_bytes() / MB + 150
         self.row("W5.rss", "W5 daemon peak RSS (sampled)", "MB", False, f"<= {limit_mb:.0f} MB")
         self.row("W5.hwm", "W5 daemon VmHWM", "MB", False, f"<= {limit_mb:.0f} MB")
+        self.row("W5.mem", "W5 daemon + workers peak memory (PSS, arena)", "MB", False, f"<= {limit_mb:.0f} MB")
         # How long a small-file reader (a DataLoader worker) waits while shards stream.
         self.row("W5.p50", "W5 small file p50 latency", "ms", False, "-")
         self.row("W5.p99", "W5 small file p99 latency", "ms", False, "-")
@@ -498,6 +499,7 @@ class Workloads:
             if system == "bucketfs":
                 self.record("W5.rss", system, run.get("peak_rss_MB"))
                 self.record("W5.hwm", system, run.get("vm_hwm_MB"))
+                self.record("W5.mem", system, run.get("tree_peak_MB"))
 
     def w5_run(self, system: str, small: Callable, stream: Callable, executors: list) -> Callable[[Verifier], dict]:
         """W5's run: W5_SMALL_READERS threads read the ImageFolder files (small(i, rel) ->
@@ -536,6 +538,7 @@ class Workloads:
                 out["p99_ms"] = round(percentiles_s[98] * 1000, 1)
             if system == "bucketfs":
                 out["peak_rss_MB"] = round(sampler.peak_bytes / MB, 1)
+                out["tree_peak_MB"] = round(sampler.tree_peak_bytes / MB, 1)
                 out["vm_hwm_MB"] = round(proc_status_kib(self.mount.pid, "VmHWM") * 1024 / MB, 1)
             return out
 
