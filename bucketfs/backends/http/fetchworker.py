@@ -82,6 +82,7 @@ HELD_MAX_BYTES = 1 << 20
 # Requests are read this much at a time (one is ~1 KB: a URL and signed headers).
 RECEIVE_BYTES = 1 << 20
 _PR_SET_PDEATHSIG = 1
+MADV_POPULATE_WRITE = 23  # (Linux 5.14; Python's mmap module may lack the name)
 
 # Pushing into the page cache. FUSE's notifications are writes to the mount's /dev/fuse
 # descriptor by any process holding it (include/uapi/linux/fuse.h): a fuse_out_header
@@ -216,10 +217,11 @@ class _Out:
             os._exit(2)
 
 
-def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None, arena=None) -> None:
+def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None, arena_map=None) -> None:
     """Run GETs (and PUSHes, with `kernel_fd`) for the daemon until it closes the socket;
-    `arena`: a memoryview of the shared memory PUSHes may be received into."""
+    `arena_map`: the mapping of the shared memory PUSHes may be received into."""
     out = _Out(sock)
+    arena = None if arena_map is None else memoryview(arena_map)
     running: dict = {}  # tid -> Transfer, and Transfer -> tid
     pusher = _Pusher(out, kernel_fd)
     signers: dict = {}  # region -> Signer (each keeps its day's signing key)
@@ -253,7 +255,12 @@ def serve(sock: socket.socket, loop: CurlLoop, kernel_fd: Optional[int] = None, 
                 if signing is not None:
                     header_lines = signed_lines(signers, url, signing)
                 in_arena = at >= 0 and arena is not None
-                buffer = arena[at : at + length_bytes] if in_arena else bytearray(length_bytes)
+                buffer: typing.Any
+                if at >= 0 and arena is not None:
+                    _populate(arena_map, at, length_bytes)
+                    buffer = arena[at : at + length_bytes]
+                else:
+                    buffer = bytearray(length_bytes)
                 transfer = Transfer(url, header_lines, typing.cast(bytearray, buffer), 0, timeout_s)
                 running[tid], running[transfer] = transfer, tid
                 pusher.add(transfer, ino, checks, tell_open, tid if in_arena else None)
@@ -367,6 +374,17 @@ class _Pusher:
         self._out.flush()
 
 
+def _populate(arena_map: mmap.mmap, at: int, length_bytes: int) -> None:
+    """Fault in an extent's pages with one call before the body lands in them: a fresh
+    shared page costs ~3.3 us when a write faults it in, ~2.4 us this way (a 100 KB body:
+    82 against 61 us, ad hoc); pages the ring reuses are already in."""
+    span_bytes = -(-length_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        arena_map.madvise(MADV_POPULATE_WRITE, at, span_bytes)
+    except (OSError, ValueError):  # (before Linux 5.14: the writes fault them in)
+        pass
+
+
 def _error_kind(error: BaseException) -> str:
     return (
         "timeout" if isinstance(error, TimeoutError) else "connection" if isinstance(error, ConnectionError) else "os"
@@ -449,9 +467,9 @@ def main(argv: Optional[list] = None) -> int:
     connect_timeout_s, read_timeout_s = float(args[3]), float(args[4])
     ca_bundle_path = args[5] if len(args) > 5 and args[5] else None
     kernel_fd = int(args[6]) if len(args) > 6 and args[6] else None
-    arena = None
+    arena_map = None
     if len(args) > 8 and args[7]:
-        arena = memoryview(mmap.mmap(int(args[7]), int(args[8])))  # (shared, read and write)
+        arena_map = mmap.mmap(int(args[7]), int(args[8]))  # (shared, read and write)
     _die_with_parent(parent_pid)
     # Ctrl-C on a foreground mount reaches the whole process group: the daemon decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -459,7 +477,7 @@ def main(argv: Optional[list] = None) -> int:
     sock = socket.socket(fileno=fd)
     sock.setblocking(True)
     try:
-        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path), kernel_fd, arena)
+        serve(sock, CurlLoop(max_transfers, connect_timeout_s, read_timeout_s, ca_bundle_path), kernel_fd, arena_map)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the daemon went away mid-frame: nobody to tell
     except Exception:  # noqa: BLE001 - a bug: the daemon sees the socket close, fails and restarts
