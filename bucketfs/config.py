@@ -586,9 +586,9 @@ class Config:
         details="S3 and S3-compatible stores, where pycurl is installed, without --cache-dir; each file is "
         "checked (whole, the pinned version, the ETag's MD5) before the kernel gets it; the memory budget "
         "covers the bodies being fetched, and the files waiting for the loader stay within half of --max-memory. "
-        "The workers receive the files into shared memory the daemon keeps as its copy, within --max-memory (the "
-        "first memory given back to anything else), so an epoch after the kernel dropped its page cache "
-        "(memory pressure) is read from there",
+        "The workers receive the files into shared memory the daemon keeps as its copy, up to half of --max-memory "
+        "(the first memory given back to anything else), so an epoch after the kernel dropped its page cache "
+        "(memory pressure) reads what it kept from there",
     )
     # The kernel's directory cache needs writes into pyfuse3's and libfuse's private
     # memory (fuse/dircache.py, fuse/noopendir.py): "off" makes none.

@@ -155,6 +155,18 @@ _SIMPLE = [
         "Bytes fetched ahead and held until their file is opened",
         "gauge",
     ),
+    (
+        "fetch_ahead.kept_bytes",
+        "bucketfs_fetch_ahead_kept_bytes",
+        "Bytes of pushed files the daemon keeps a copy of (the workers' shared memory), within the budget",
+        "gauge",
+    ),
+    (
+        "fetch_ahead.kept_read",
+        "bucketfs_fetch_ahead_kept_read_files",
+        "Files read from the daemon's copy of a pushed file (the kernel had dropped its pages)",
+        "counter",
+    ),
     ("read.calls", "bucketfs_reads", "FUSE READ requests served", "counter"),
     ("read.bytes", "bucketfs_read_bytes", "Bytes returned to readers", "counter"),
     (
@@ -393,7 +405,8 @@ def format_stats(snapshot: dict) -> str:
         f"fetch-ahead   {get('fetch_ahead.passes', 0)} shuffled passes; {get('fetch_ahead.files', 0)} files "
         f"({get('fetch_ahead.bytes', 0) / mib:.1f} MiB) fetched ahead, {get('fetch_ahead.used_files', 0)} opened, "
         f"{get('fetch_ahead.unused_files', 0)} let go unopened, {get('fetch_ahead.failed', 0)} failed; "
-        f"{get('fetch_ahead.held_bytes', 0) / mib:.1f} MiB held",
+        f"{get('fetch_ahead.held_bytes', 0) / mib:.1f} MiB held; copies of pushed files kept "
+        f"{get('fetch_ahead.kept_bytes', 0) / mib:.1f} MiB, read {get('fetch_ahead.kept_read', 0)}",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "
         f"and {get('memory.listings_bytes', 0) / mib:.1f} MiB of listings"
