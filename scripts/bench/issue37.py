@@ -6,7 +6,10 @@ and kept in --json ("issue37")."""
 
 from __future__ import annotations
 
+import os
+
 from .common import MB
+from .procs import parse_cpus
 from .s3torch import SYSTEM as S3TORCH
 from .threadcpu import DAEMON_MS_PER_FILE, MAIN_MS_PER_FILE, MAIN_S_PER_GB, is_cold_small_files, is_streamed
 
@@ -91,4 +94,61 @@ class Issue37:
         for r in self.issue37_results():
             met = {True: "met", False: "MISSED", None: "-"}[r["met"]]
             lines.append(f"  {r['what']}: {r['figure'] or '-'}; target {r['target']}: {met}")
-        return lines
+        store_cpus = self.args.store_cpus and len(parse_cpus(self.args.store_cpus))
+        return lines + cpu_bounds_lines(self.runs, os.cpu_count() or 1, store_cpus or 0)
+
+
+# The runs whose 1.2x targets the bound lines weigh: (run, unit, the rate's key, units per run).
+BOUND_RUNS = (
+    ("W2 epoch cold 32t", "files/s", "files/s", W2_OVER_S3TORCH),
+    ("W5 mixed", "MB/s", "MB/s", W5_OVER_S3TORCH),
+)
+
+
+def cpu_bounds_lines(runs: list, cpus: int, store_cpus: int) -> list:
+    """What this machine's CPUs allow bucketfs and s3torchconnector in W2's 32-thread cold
+    epoch and W5, from the CPU each run cost (the store's: server + proxy; the client
+    side's: readers, and bucketfs's daemon and workers): the store and the client sharing
+    `cpus` (store_cpus 0) allow at most cpus / (store + client CPU per unit); the store on
+    `store_cpus` of them, min(store_cpus / store's, the others / client's). Where 1.2x
+    s3torchconnector's measured rate is beyond bucketfs's bound, the line says what
+    client-side CPU per unit the target needs, or that the store's CPU alone forbids it."""
+    by = {(r["run"], r["system"]): r for r in runs}
+    lines = []
+    for label, unit, key, target in BOUND_RUNS:
+        per_unit = {}  # system -> (store CPU s, client-side CPU s) per unit
+        for system in ("bucketfs", S3TORCH):
+            r = by.get((label, system))
+            if not r or not r.get(key) or r.get("error_count"):
+                continue
+            units = r[key] * r["wall_s"]
+            store_s = r["server_cpu_s"] + r.get("proxy_cpu_s", 0)
+            per_unit[system] = (store_s / units, (r["client_cpu_s"] + r.get("daemon_cpu_s", 0)) / units)
+        if len(per_unit) < 2:
+            continue
+        if store_cpus:
+            bound = {s: min(store_cpus / a, (cpus - store_cpus) / b) for s, (a, b) in per_unit.items()}
+            how = f"the store on {store_cpus} CPU(s), the client on {cpus - store_cpus}"
+        else:
+            bound = {s: cpus / (a + b) for s, (a, b) in per_unit.items()}
+            how = f"the store and the client sharing {cpus} CPUs"
+        wanted = target * by[(label, S3TORCH)][key]
+        milli = "ms per file" if unit == "files/s" else "ms per MB"
+        costs = ", ".join(f"{s} {1000 * a:.2f} / {1000 * b:.2f}" for s, (a, b) in per_unit.items())
+        line = (
+            f"  {label}: CPU per unit (store / client side, {milli}): {costs}; {how} allow at most "
+            f"{bound['bucketfs']:,.0f} {unit} for bucketfs, {bound[S3TORCH]:,.0f} for s3torchconnector; "
+            f"{target}x s3torchconnector = {wanted:,.0f} {unit}: "
+        )
+        store_bfs, client_bfs = per_unit["bucketfs"]
+        if wanted <= bound["bucketfs"]:
+            line += "within bucketfs's bound"
+        elif store_cpus and wanted > store_cpus / store_bfs:
+            line += (
+                f"beyond what the store's {store_cpus} CPU(s) serve ({store_cpus / store_bfs:,.0f}) whatever the client"
+            )
+        else:
+            room = (cpus - store_cpus) / wanted if store_cpus else cpus / wanted - store_bfs
+            line += f"needs <= {1000 * room:.2f} {milli} of client-side CPU here (bucketfs: {1000 * client_bfs:.2f})"
+        lines.append(line)
+    return lines
