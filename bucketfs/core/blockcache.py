@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 from typing import Callable, Optional
 
 import trio
@@ -58,7 +59,7 @@ PIN_FRESH_S = 2.0
 LRU_POLICY = False
 # A kept copy takes whole pages of shared memory (backends/http/arena.py): a push that
 # may be kept reserves its size rounded up to them.
-KEPT_PAGE_BYTES = 4096
+KEPT_PAGE_BYTES = mmap.PAGESIZE
 
 
 class Flight:
@@ -373,7 +374,7 @@ class BlockCache:
         run = list(range(last + 1))
         if (
             size_bytes <= 0
-            or self.holds(key, version, 0)
+            or (self.kept is not None and (key, version) in self.kept)
             or any((key, version, i) in self._blocks or (key, version, i) in self._flights for i in run)
         ):
             return None

@@ -203,8 +203,7 @@ class Filesystem:
             return False
         # Pushes in flight and the copies kept of pushed files share fetch-ahead's room (half
         # the budget for buffers, as the files it holds itself with 0 workers). Kept copies
-        # filling all of it made shard read-ahead reclaim them (giving back pages the next
-        # pushes faulted in again): W5 136-149 MB/s against 165 (bench, 2026-11-28).
+        # allowed all of it ran W5 at 136-149 MB/s against 165 (bench, 2026-11-28).
         keep_bytes = self.fetch_ahead.room_bytes
         if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count, keep_bytes):
             return False

@@ -271,6 +271,26 @@ def fetch_ahead_workers(daemon_pid: int) -> set:
     return found
 
 
+def epoch_signalling_workers(m, digests: dict, seed: int, at: tuple, sig: int, signalled: list) -> dict:
+    """A shuffled epoch (key -> what was read) that sends `sig` to every fetch-ahead
+    worker as it reaches each read index in `at` (the pass is running by then: it
+    started within the first 32 opens). The pids go into `signalled` as they are sent,
+    for the caller's checks and cleanup even if the epoch fails."""
+    order = list(digests)
+    random.Random(seed).shuffle(order)
+
+    def read_and_signal(i_key):
+        i, key = i_key
+        if i in at:
+            for pid in fetch_ahead_workers(m.proc.pid):
+                os.kill(pid, sig)
+                signalled.append(pid)
+        return read_digest(m, key)
+
+    with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
+        return dict(pool.map(read_and_signal, enumerate(order)))
+
+
 def test_pushed_files_are_read_from_the_page_cache_without_a_read_reaching_the_daemon(
     rclone_server, s3_bucket, mount_factory, proxy
 ):
@@ -318,21 +338,8 @@ def test_a_fetch_ahead_worker_killed_mid_pass_costs_no_reader_a_wrong_byte(rclon
     with counting_proxy(rclone_server.endpoint_url) as slow:
         m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=slow.url)
         assert scan(m) == sorted(digests)
-        order = list(digests)
-        random.Random(11).shuffle(order)
         killed: list = []
-        read: dict = {}
-
-        def read_and_kill(i_key):
-            i, key = i_key
-            if i in (FILES_COUNT // 8, FILES_COUNT // 3):  # (the pass is running: it started in the first 32 opens)
-                for pid in fetch_ahead_workers(m.proc.pid):
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-            return read_digest(m, key)
-
-        with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
-            read.update(pool.map(read_and_kill, enumerate(order)))
+        read = epoch_signalling_workers(m, digests, 11, (FILES_COUNT // 8, FILES_COUNT // 3), signal.SIGKILL, killed)
         assert_bytes_match(read, digests)
         assert killed, "no fetch-ahead worker was running"
         stats = m.stats()
@@ -354,20 +361,8 @@ def test_after_the_page_cache_is_dropped_pushed_files_are_read_from_the_daemons_
     digests = seeded(rclone_server, s3_bucket, image_tree(seed=14))
     m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
     assert scan(m) == sorted(digests)
-    order = list(digests)
-    random.Random(15).shuffle(order)
     killed: list = []
-
-    def read_and_kill(i_key):
-        i, key = i_key
-        if i == FILES_COUNT // 3:  # (the pass is running: it started in the first 32 opens)
-            for pid in fetch_ahead_workers(m.proc.pid):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-        return read_digest(m, key)
-
-    with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
-        assert_bytes_match(dict(pool.map(read_and_kill, enumerate(order))), digests)
+    assert_bytes_match(epoch_signalling_workers(m, digests, 15, (FILES_COUNT // 3,), signal.SIGKILL, killed), digests)
     first = m.stats()
     assert killed, "no fetch-ahead worker was running"
     assert first.get("fetch_ahead.kept_files", 0) >= FILES_COUNT // 3, fetch_ahead_counters(first)
@@ -392,21 +387,9 @@ def test_a_stopped_fetch_ahead_worker_holds_no_reader_forever(rclone_server, s3_
     with counting_proxy(rclone_server.endpoint_url) as proxy:
         m = mount_factory(rclone_server, s3_bucket, "", "--read-timeout", "2", endpoint_url=proxy.url)
         assert scan(m) == sorted(digests)
-        order = list(digests)
-        random.Random(13).shuffle(order)
         stopped: list = []
-
-        def read_and_stop(i_key):
-            i, key = i_key
-            if i == FILES_COUNT // 8:  # (the pass is running: it started in the first 32 opens)
-                for pid in fetch_ahead_workers(m.proc.pid):
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.append(pid)
-            return read_digest(m, key)
-
         try:
-            with concurrent.futures.ThreadPoolExecutor(READER_THREADS) as pool:
-                read = dict(pool.map(read_and_stop, enumerate(order)))
+            read = epoch_signalling_workers(m, digests, 13, (FILES_COUNT // 8,), signal.SIGSTOP, stopped)
             assert_bytes_match(read, digests)
             assert stopped, "no fetch-ahead worker was running"
             stats = m.stats()
