@@ -364,12 +364,16 @@ class BlockCache:
         self.stats["cache.fetched_bytes"] += len(data)
 
     # -- fetched ahead of its reader (core/fetchahead.py) ---------------------------
-    def push_ahead(self, key: str, version: str, size_bytes: int, ino: int, tell_open: bool) -> Optional[Flight]:
+    def push_ahead(
+        self, key: str, version: str, size_bytes: int, ino: int, tell_open: bool, on_done: Callable[[str], None]
+    ) -> Optional[Flight]:
         """fetch_ahead into the kernel's page cache (inode `ino`'s) by a fetch-ahead
         worker (Backend.push_whole): the bytes come here only if a READ waits for them
         (then cached, not held). Its memory is reserved while it runs (the worker's
-        buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's.
-        `tell_open`: PushRequest's."""
+        buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's, which
+        `on_done(outcome)` is called with once it ended, whatever happened (a call, not
+        a task waiting for the flight: one task less per file). `tell_open`:
+        PushRequest's."""
         last = (size_bytes - 1) // self.block_size_bytes
         run = list(range(last + 1))
         if (
@@ -389,10 +393,14 @@ class BlockCache:
         flight.on_wait = request.ask_for_body
         for i in run:
             self._flights[(key, version, i)] = flight
-        self.nursery.start_soon(self._push, key, version, size_bytes, ino, run, flight, request, reserved_bytes)
+        self.nursery.start_soon(
+            self._push, key, version, size_bytes, ino, run, flight, request, reserved_bytes, on_done
+        )
         return flight
 
-    async def _push(self, key, version, size_bytes, ino, run: list, flight: Flight, request, reserved_bytes) -> None:
+    async def _push(
+        self, key, version, size_bytes, ino, run: list, flight: Flight, request, reserved_bytes, on_done
+    ) -> None:
         flight.outcome = PUSH_FAILED
         try:
             flight.outcome, body = await self.backend.push_whole(key, version, size_bytes, ino, request)
@@ -414,6 +422,10 @@ class BlockCache:
             for i in run:
                 self._flights.pop((key, version, i), None)
             flight.done.set()
+            try:
+                on_done(flight.outcome)
+            except Exception:  # noqa: BLE001 - (fetch-ahead's accounting; the flight is done)
+                log.exception("accounting for the push of %r failed", key)
 
     def fetch_ahead(self, key: str, version: str, size_bytes: int) -> Optional[Flight]:
         """Start one speculative GET of the whole object and hold it until `release_hold`;

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import logging
 from typing import Callable, Optional
 
@@ -488,7 +489,14 @@ class FetchAhead:
                 pushing = current.pushing and node.parent.ino in self._listed_to_kernel
                 if pushing:
                     told = current.pushed.next_is_told()
-                    flight = self._cache.push_ahead(key, node.version, node.size_bytes, node.ino, told)
+                    flight = self._cache.push_ahead(
+                        key,
+                        node.version,
+                        node.size_bytes,
+                        node.ino,
+                        told,
+                        functools.partial(self._pushed, current, node),
+                    )
                 else:
                     self._make_room(current, node.size_bytes)
                     flight = self._cache.fetch_ahead(key, node.version, node.size_bytes)
@@ -505,42 +513,38 @@ class FetchAhead:
             current.pushed.add(node.ino, node.size_bytes, told, every)
             if told:
                 self._stats["fetch_ahead.push_told"] += 1
-            self._nursery.start_soon(self._pushed, current, node, flight)
-            return
+            return  # (its outcome: _pushed)
         current.held[key] = (node.version, node.size_bytes)
         self._nursery.start_soon(self._landed, current, key, node.size_bytes, flight)
 
-    async def _pushed(self, current: _Pass, node: Node, flight) -> None:
-        """Wait for `node`'s push (BlockCache.push_ahead) and account for its outcome."""
+    def _pushed(self, current: _Pass, node: Node, outcome: str) -> None:
+        """`node`'s push (BlockCache.push_ahead) ended with `outcome`: account for it."""
         size_bytes = node.size_bytes
-        try:
-            await flight.done.wait()
-        finally:
-            outcome = flight.outcome or PUSH_FAILED
-            self._in_flight_count -= 1
-            self._in_flight_bytes -= size_bytes
-            self._stats[f"fetch_ahead.push_{outcome}"] += 1
-            if outcome in (PUSHED, PUSH_READ):
-                if outcome == PUSHED:
-                    node.served = True  # (the kernel holds it whole, as if a reader had read it)
-                self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
-            else:
-                ours, (counted_files, counted_bytes) = current.pushed.failed(node.ino)
-                if ours:
-                    self._stats["fetch_ahead.failed"] += 1
-                    self._stats["fetch_ahead.used_files"] -= counted_files
-                    self._stats["fetch_ahead.used_bytes"] -= counted_bytes
-                if outcome == PUSH_FAILED:
-                    self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
-            current.push_no_inode.append(outcome == PUSH_NO_INODE)
-            if current.pushing and sum(current.push_no_inode) > PUSH_NO_INODE_MAX:
-                current.pushing = False
-                log.info(
-                    "fetch-ahead: the kernel no longer holds the inodes of most files under /%s; fetching them "
-                    "into memory instead",
-                    current.root.path,
-                )
-            self._wake()
+        outcome = outcome or PUSH_FAILED
+        self._in_flight_count -= 1
+        self._in_flight_bytes -= size_bytes
+        self._stats[f"fetch_ahead.push_{outcome}"] += 1
+        if outcome in (PUSHED, PUSH_READ):
+            if outcome == PUSHED:
+                node.served = True  # (the kernel holds it whole, as if a reader had read it)
+            self._allowed_count = min(self._allowed_count + 1, self.requests_max_count)
+        else:
+            ours, (counted_files, counted_bytes) = current.pushed.failed(node.ino)
+            if ours:
+                self._stats["fetch_ahead.failed"] += 1
+                self._stats["fetch_ahead.used_files"] -= counted_files
+                self._stats["fetch_ahead.used_bytes"] -= counted_bytes
+            if outcome == PUSH_FAILED:
+                self._allowed_count = max(self._allowed_count // 2, min(RAMP_START_COUNT, self.requests_max_count))
+        current.push_no_inode.append(outcome == PUSH_NO_INODE)
+        if current.pushing and sum(current.push_no_inode) > PUSH_NO_INODE_MAX:
+            current.pushing = False
+            log.info(
+                "fetch-ahead: the kernel no longer holds the inodes of most files under /%s; fetching them "
+                "into memory instead",
+                current.root.path,
+            )
+        self._wake()
 
     def _disk_keeps_up(self, size_bytes: int) -> bool:
         """With --cache-dir: this fetch and those in flight fit the disk cache's queue of

@@ -499,15 +499,19 @@ def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body():
         fs.start_pushing(-1)
         fs.note_listed_to_kernel(await resolve(fs, "train/class00"))
         node = await resolve(fs, "train/class00/img0000.jpg")
-        flight = fs.cache.push_ahead(fs.key_prefix + node.path, node.version, node.size_bytes, node.ino, True)
+        outcomes = []
+        flight = fs.cache.push_ahead(
+            fs.key_prefix + node.path, node.version, node.size_bytes, node.ino, True, outcomes.append
+        )
         assert flight is not None
         data = await read_all(fs, "train/class00/img0000.jpg")  # (the push's GET is still running)
         await flight.done.wait()
-        return data, flight.outcome, node.ino
+        return data, flight.outcome, outcomes, node.ino
 
-    data, outcome, ino = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    data, outcome, outcomes, ino = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
     assert data == objects["train/class00/img0000.jpg"]
     assert outcome == "read"
+    assert outcomes == ["read"]  # (told once, with the flight's outcome)
     assert ino not in backend.kernel_pages
     assert backend.requests["get"] == 1
 
