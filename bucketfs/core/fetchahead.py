@@ -140,6 +140,10 @@ SAME_OPEN_S = 1.0
 # unread is told by about TOLD_IN_ROOM_MIN told files (within about 1/8).
 TELL_OPEN_EVERY_MAX = 16
 TOLD_IN_ROOM_MIN = 64
+# A push that ended well frees one request's slot; the walk, waiting for slots, is woken
+# once this many are free (at most; one in 16 of those allowed), not for each: a wake
+# per file costs the serving thread a task switch and a timeout's set-up each.
+WAKE_FREE_SLOTS_MAX = 8
 
 
 class _PassOver(Exception):
@@ -544,7 +548,13 @@ class FetchAhead:
                 "into memory instead",
                 current.root.path,
             )
-        self._wake()
+        free_slots_count = self._allowed_count - self._in_flight_count
+        if (
+            outcome not in (PUSHED, PUSH_READ)
+            or not self._in_flight_count
+            or free_slots_count >= min(WAKE_FREE_SLOTS_MAX, max(1, self._allowed_count // 16))
+        ):
+            self._wake()
 
     def _disk_keeps_up(self, size_bytes: int) -> bool:
         """With --cache-dir: this fetch and those in flight fit the disk cache's queue of
