@@ -590,6 +590,24 @@ class Config:
         "(the first memory given back to anything else), so an epoch after the kernel dropped its page cache "
         "(memory pressure) reads what it kept from there",
     )
+    # A random-order loader finds a file pushed with odds of about the pushed files it has
+    # yet to open over the files it has yet to open: that window, in the kernel's page
+    # cache (not the daemon's memory), is sized by the memory the machine has free.
+    fetch_ahead_window_bytes: int = option(
+        0,
+        flag="--fetch-ahead-window",
+        kind="size",
+        low=0,
+        group=CACHING,
+        default_text="auto",
+        help="how far --fetch-ahead-workers run ahead of the loader: the pushed files it has not opened yet; "
+        "0: a quarter of the memory the kernel reports available when a pass starts, at least half of "
+        "--max-memory",
+        details="those files are the kernel's page cache, which it may drop under memory pressure (a file "
+        "dropped is read from the daemon's kept copy, else fetched again); the daemon's own memory stays within "
+        "--max-memory. Larger, a loader reading a data set many times that size in random order finds more of "
+        "its files pushed",
+    )
     # The kernel's directory cache needs writes into pyfuse3's and libfuse's private
     # memory (fuse/dircache.py, fuse/noopendir.py): "off" makes none.
     kernel_dir_cache: str = option(

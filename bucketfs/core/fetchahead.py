@@ -36,7 +36,11 @@ A pass (`_run_pass`):
 - holds what it fetched (never evicted) until the loader opens it; the held bytes
   stay under ROOM_SHARE of the buffer budget, and fetching waits for opens to free
   room: the loader's reads are what make room, so fetch-ahead never runs further
-  ahead than that;
+  ahead than that. Files pushed into the kernel's page cache (fetch-ahead workers)
+  wait there, not in the daemon: they stay within the pass's window instead
+  (--fetch-ahead-window; by default a share of the memory the kernel reports
+  available, at least the room), since a loader in random order finds a file pushed
+  with odds of about the window over what it has yet to read;
 - with --cache-dir, runs no faster than the disk cache stores (it waits while half
   of the queue of writes is in use): what it fetched past that queue would not be
   stored, and the next epoch would fetch it again;
@@ -93,6 +97,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends.base import PUSH_FAILED, PUSH_NO_INODE, PUSH_READ, PUSHED
+from bucketfs.core.memory import available_memory_bytes
 from bucketfs.core.namespace import Node
 from bucketfs.core.pushed import PushedFiles
 
@@ -110,6 +115,10 @@ OUT_OF_ORDER_MIN = 24
 # Fetched-ahead files held unread may take this share of the memory for buffers; the
 # rest stays for readers, read-ahead and the disk cache's queued writes.
 ROOM_SHARE = 0.5
+# Pushed files not yet opened (the kernel's page cache) may take this share of the
+# memory the kernel reports available when a pass starts (--fetch-ahead-window 0), and
+# never less than the room: the rest stays for everything else on the machine.
+WINDOW_SHARE_OF_AVAILABLE = 0.25
 # A pass none of whose files is opened for this long is over (the loader stopped, or
 # moved on): what it holds is let go.
 PASS_IDLE_S = 30.0
@@ -166,9 +175,10 @@ class _Pass:
         "pushed_opened",
         "push_no_inode",
         "pushing",
+        "window_bytes",
     )
 
-    def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool, pushing: bool):
+    def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool, pushing: bool, window_bytes: int):
         self.root = root
         self.kernel_keeps_served = kernel_keeps_served  # files served whole before are skipped
         self.opened: set = set()  # inos of files opened in this pass
@@ -180,6 +190,7 @@ class _Pass:
         self.cancel_scope = trio.CancelScope()
         self.fetched_count = 0
         self.pushing = pushing
+        self.window_bytes = window_bytes  # what its pushed files not yet opened may take
         self.pushed = PushedFiles()  # pushed (or being pushed), not yet opened
         self.pushed_opened: dict = {}  # told ino -> when it was opened after it was pushed (a GETATTR told)
         self.push_no_inode: collections.deque = collections.deque(maxlen=PUSH_OUTCOMES_KEPT)  # refused: no inode
@@ -213,6 +224,7 @@ class FetchAhead:
         self.key_prefix = config.url.prefix
         self.small_file_bytes = config.small_file_bytes
         self.requests_max_count = config.fetch_ahead_requests_count
+        self.window_option_bytes = config.fetch_ahead_window_bytes  # (0: _window_bytes decides)
         self._ns = namespace
         self._cache = cache
         self._disk_cache = disk_cache
@@ -251,6 +263,15 @@ class FetchAhead:
     @property
     def room_bytes(self) -> int:
         return int(self._budget.capacity_bytes * ROOM_SHARE)
+
+    def _window_bytes(self) -> int:
+        """How much a pass may push ahead of its loader (--fetch-ahead-window)."""
+        if self.window_option_bytes:
+            return self.window_option_bytes
+        available_bytes = available_memory_bytes()
+        if available_bytes is None:
+            return self.room_bytes
+        return max(self.room_bytes, int(available_bytes * WINDOW_SHARE_OF_AVAILABLE))
 
     # -- what Filesystem tells it ---------------------------------------------------
     def note_open(self, node: Node, key: str) -> None:
@@ -353,7 +374,9 @@ class FetchAhead:
 
     # -- a pass -----------------------------------------------------------------------
     def _start_pass(self, root: Node) -> None:
-        current = self._pass = _Pass(root, trio.current_time(), self._kernel_keeps_served(), pushing=self._pushes)
+        current = self._pass = _Pass(
+            root, trio.current_time(), self._kernel_keeps_served(), self._pushes, self._window_bytes()
+        )
         self._window.clear()
         self._stats["fetch_ahead.passes"] += 1
         # The opens that revealed the pass count as opened in it.
@@ -482,15 +505,19 @@ class FetchAhead:
             await trio.lowlevel.checkpoint_if_cancelled()
             if node.ino in current.opened or self._cache.holds(key, node.version, 0):
                 return  # opened while this waited for room: its reader fetched it
-            held_bytes = self._cache.held_bytes + current.pushed.held_bytes
-            fits = held_bytes + node.size_bytes <= self.room_bytes or not (current.held or current.pushed)
+            # Pushed files wait in the kernel's page cache (the window); files fetched
+            # into the daemon's memory, in its budget (the room).
+            pushing = current.pushing and node.parent.ino in self._listed_to_kernel
+            if pushing:
+                fits = current.pushed.held_bytes + node.size_bytes <= current.window_bytes or not current.pushed
+            else:
+                fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
             if fits and not self._disk_keeps_up(node.size_bytes):
                 # No faster than the disk cache stores: past its queue a file is not
                 # stored, and the next epoch would fetch it again.
                 self._stats["fetch_ahead.disk_waits"] += 1
                 fits = False
             if fits and self._in_flight_count < self._allowed_count:
-                pushing = current.pushing and node.parent.ino in self._listed_to_kernel
                 if pushing:
                     told = current.pushed.next_is_told()
                     flight = self._cache.push_ahead(
@@ -513,7 +540,9 @@ class FetchAhead:
         self._stats["fetch_ahead.files"] += 1
         self._stats["fetch_ahead.bytes"] += node.size_bytes
         if pushing:
-            every = max(1, min(TELL_OPEN_EVERY_MAX, self.room_bytes // max(node.size_bytes, 1) // TOLD_IN_ROOM_MIN))
+            every = max(
+                1, min(TELL_OPEN_EVERY_MAX, current.window_bytes // max(node.size_bytes, 1) // TOLD_IN_ROOM_MIN)
+            )
             current.pushed.add(node.ino, node.size_bytes, told, every)
             if told:
                 self._stats["fetch_ahead.push_told"] += 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import trio
 
@@ -45,6 +45,19 @@ RECLAIM_RETRY_S = 1.0
 # Listings and the disk cache's index may take up to this share of the budget; the
 # rest always stays for buffers.
 LISTINGS_SHARE_MAX = 0.75
+
+
+def available_memory_bytes(meminfo_path: str = "/proc/meminfo") -> Optional[int]:
+    """The memory the kernel reports available for new work (MemAvailable: free, and the
+    page cache it can reclaim), or None where it says nothing."""
+    try:
+        with open(meminfo_path) as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # (kB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class _Waiter:
