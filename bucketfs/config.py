@@ -601,8 +601,8 @@ class Config:
         group=CACHING,
         default_text="auto",
         help="how far --fetch-ahead-workers run ahead of the loader: the pushed files it has not opened yet; "
-        "0: a quarter of the memory the kernel reports available when a pass starts, at least half of "
-        "--max-memory",
+        "0: a quarter of the memory the kernel reports available when a pass starts (less under a container's "
+        "memory limit), at least half of --max-memory",
         details="those files are the kernel's page cache, which it may drop under memory pressure (a file "
         "dropped is read from the daemon's kept copy, else fetched again); the daemon's own memory stays within "
         "--max-memory. Larger, a loader reading a data set many times that size in random order finds more of "
