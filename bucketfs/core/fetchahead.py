@@ -119,12 +119,6 @@ ROOM_SHARE = 0.5
 # memory the kernel reports available when a pass starts (--fetch-ahead-window 0), and
 # never less than the room: the rest stays for everything else on the machine.
 WINDOW_SHARE_OF_AVAILABLE = 0.25
-# ... and grows there from the room as the loader opens what was pushed: up to this
-# many times the bytes of the pass's pushed files opened. A loader reading one node's
-# share of the tree (a DistributedSampler) opens about 1/N of what is pushed, so for
-# four nodes or more its unread pushes stay within the room, as they did before the
-# window: what a node's first epoch fetches of files it never reads.
-WINDOW_PER_OPENED = 2
 # A pass none of whose files is opened for this long is over (the loader stopped, or
 # moved on): what it holds is let go.
 PASS_IDLE_S = 30.0
@@ -182,7 +176,6 @@ class _Pass:
         "push_no_inode",
         "pushing",
         "window_bytes",
-        "opened_pushed_bytes",
     )
 
     def __init__(self, root: Node, now_s: float, kernel_keeps_served: bool, pushing: bool, window_bytes: int):
@@ -197,8 +190,7 @@ class _Pass:
         self.cancel_scope = trio.CancelScope()
         self.fetched_count = 0
         self.pushing = pushing
-        self.window_bytes = window_bytes  # the most its pushed files not yet opened may take
-        self.opened_pushed_bytes = 0  # of its pushed files, those counted opened
+        self.window_bytes = window_bytes  # what its pushed files not yet opened may take
         self.pushed = PushedFiles()  # pushed (or being pushed), not yet opened
         self.pushed_opened: dict = {}  # told ino -> when it was opened after it was pushed (a GETATTR told)
         self.push_no_inode: collections.deque = collections.deque(maxlen=PUSH_OUTCOMES_KEPT)  # refused: no inode
@@ -297,7 +289,6 @@ class FetchAhead:
                 current.pushed_opened[node.ino] = now_s
                 self._stats["fetch_ahead.push_told_opened"] += 1
             if pushed_files:
-                current.opened_pushed_bytes += pushed_bytes
                 self._stats["fetch_ahead.used_files"] += pushed_files
                 self._stats["fetch_ahead.used_bytes"] += pushed_bytes
                 self._wake()
@@ -518,10 +509,7 @@ class FetchAhead:
             # into the daemon's memory, in its budget (the room).
             pushing = current.pushing and node.parent.ino in self._listed_to_kernel
             if pushing:
-                window_bytes = min(
-                    current.window_bytes, max(self.room_bytes, WINDOW_PER_OPENED * current.opened_pushed_bytes)
-                )
-                fits = current.pushed.held_bytes + node.size_bytes <= window_bytes or not current.pushed
+                fits = current.pushed.held_bytes + node.size_bytes <= current.window_bytes or not current.pushed
             else:
                 fits = self._cache.held_bytes + node.size_bytes <= self.room_bytes or not current.held
             if fits and not self._disk_keeps_up(node.size_bytes):
