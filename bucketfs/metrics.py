@@ -156,6 +156,12 @@ _SIMPLE = [
         "gauge",
     ),
     (
+        "fetch_ahead.window_bytes",
+        "bucketfs_fetch_ahead_window_bytes",
+        "How far the latest pass may push ahead of its loader (--fetch-ahead-window)",
+        "gauge",
+    ),
+    (
         "fetch_ahead.kept_bytes",
         "bucketfs_fetch_ahead_kept_bytes",
         "Bytes of pushed files the daemon keeps a copy of (the workers' shared memory), within the budget",
@@ -405,7 +411,8 @@ def format_stats(snapshot: dict) -> str:
         f"fetch-ahead   {get('fetch_ahead.passes', 0)} shuffled passes; {get('fetch_ahead.files', 0)} files "
         f"({get('fetch_ahead.bytes', 0) / mib:.1f} MiB) fetched ahead, {get('fetch_ahead.used_files', 0)} opened, "
         f"{get('fetch_ahead.unused_files', 0)} let go unopened, {get('fetch_ahead.failed', 0)} failed; "
-        f"{get('fetch_ahead.held_bytes', 0) / mib:.1f} MiB held; copies of pushed files kept "
+        f"{get('fetch_ahead.held_bytes', 0) / mib:.1f} MiB held; pushes within "
+        f"{get('fetch_ahead.window_bytes', 0) / mib:.1f} MiB ahead; copies of pushed files kept "
         f"{get('fetch_ahead.kept_bytes', 0) / mib:.1f} MiB, read {get('fetch_ahead.kept_read', 0)}",
         f"connections   {get('backend.calls_queued', 0)} requests waited for a free one; {get('backend.urgent_overtakes', 0)} went ahead of read-ahead",
         f"memory        {get('memory.used_bytes', 0) / mib:.1f} MiB of buffers (peak {get('memory.peak_bytes', 0) / mib:.1f} MiB) "

@@ -379,6 +379,7 @@ class FetchAhead:
         )
         self._window.clear()
         self._stats["fetch_ahead.passes"] += 1
+        self._stats["fetch_ahead.window_bytes"] = current.window_bytes if current.pushing else 0
         # The opens that revealed the pass count as opened in it.
         current.opened.update(ino for ino in self._recent_set)
         log.info("fetch-ahead: files under /%s are opened in random order; fetching the rest ahead", root.path)

@@ -759,6 +759,7 @@ def _unread_pushed_peak(objects, backend, paths, monkeypatch, available_bytes):
                 assert await kernel_read(fs, backend, path) == objects[path]
                 await trio.sleep(0.004)
             nursery.cancel_scope.cancel()
+        assert fs.snapshot()["fetch_ahead.window_bytes"] == fs.fetch_ahead._window_bytes()  # (the stats say it)
         return fs.fetch_ahead.room_bytes, fs.fetch_ahead._window_bytes()
 
     room_bytes, window_bytes = run_fs(
