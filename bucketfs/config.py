@@ -585,7 +585,7 @@ class Config:
         "{range}; 0: into the daemon's memory",
         details="S3 and S3-compatible stores, where pycurl is installed, without --cache-dir; each file is "
         "checked (whole, the pinned version, the ETag's MD5) before the kernel gets it; the memory budget "
-        "covers the bodies being fetched, and the files waiting for the loader stay within half of --max-memory. "
+        "covers the bodies being fetched, and the files waiting for the loader stay within --fetch-ahead-window. "
         "The workers receive the files into shared memory the daemon keeps as its copy, up to half of --max-memory "
         "(the first memory given back to anything else), so an epoch after the kernel dropped its page cache "
         "(memory pressure) reads what it kept from there",
