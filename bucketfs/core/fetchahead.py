@@ -97,9 +97,9 @@ import trio
 
 from bucketfs import errors
 from bucketfs.backends.base import PUSH_FAILED, PUSH_NO_INODE, PUSH_READ, PUSHED
-from bucketfs.core.memory import available_memory_bytes
 from bucketfs.core.namespace import Node
 from bucketfs.core.pushed import PushedFiles
+from bucketfs.diskcache.pagecache import available_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -554,7 +554,6 @@ class FetchAhead:
     def _pushed(self, current: _Pass, node: Node, outcome: str) -> None:
         """`node`'s push (BlockCache.push_ahead) ended with `outcome`: account for it."""
         size_bytes = node.size_bytes
-        outcome = outcome or PUSH_FAILED
         self._in_flight_count -= 1
         self._in_flight_bytes -= size_bytes
         self._stats[f"fetch_ahead.push_{outcome}"] += 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import trio
 
@@ -45,64 +45,6 @@ RECLAIM_RETRY_S = 1.0
 # Listings and the disk cache's index may take up to this share of the budget; the
 # rest always stays for buffers.
 LISTINGS_SHARE_MAX = 0.75
-
-
-def available_memory_bytes(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """The memory the kernel reports available for new work (MemAvailable: free, and the
-    page cache it can reclaim), or less where this process's memory cgroup or one above
-    it has a limit: the room left under the tightest (a container's page cache counts
-    against its limit, and the kernel reclaims it there first). None where the kernel
-    says nothing."""
-    available = _meminfo_available_bytes(f"{proc_root}/meminfo")
-    for limit_bytes, usage_bytes in _cgroup_limits(proc_root, cgroup_root):
-        room_bytes = max(limit_bytes - usage_bytes, 0)
-        available = room_bytes if available is None else min(available, room_bytes)
-    return available
-
-
-def _meminfo_available_bytes(path: str) -> Optional[int]:
-    try:
-        with open(path) as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # (kB)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _cgroup_limits(proc_root: str, cgroup_root: str) -> list:
-    """[(limit, usage) in bytes] of this process's memory cgroup and those above it that
-    have a limit: cgroup v2 (memory.max, memory.current), else v1's memory controller
-    (memory.limit_in_bytes, memory.usage_in_bytes; its "no limit" is a huge number)."""
-    found: list = []
-    try:
-        with open(f"{proc_root}/self/cgroup") as cgroups:
-            lines = cgroups.read().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and not controllers:
-            base, limit_name, usage_name = cgroup_root, "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):
-            base, limit_name, usage_name = f"{cgroup_root}/memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        parts = [part for part in path.split("/") if part]
-        for depth in range(len(parts), -1, -1):
-            directory = "/".join([base, *parts[:depth]])
-            try:
-                with open(f"{directory}/{limit_name}") as limit_file:
-                    limit_text = limit_file.read().strip()
-                with open(f"{directory}/{usage_name}") as usage_file:
-                    usage_bytes = int(usage_file.read().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text != "max" and int(limit_text) < 2**60:
-                found.append((int(limit_text), usage_bytes))
-    return found
 
 
 class _Waiter:

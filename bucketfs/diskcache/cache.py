@@ -416,7 +416,7 @@ class DiskCache:
             return
         budget_bytes = min(
             sum(e.stored_bytes for e in self._entries.values()),
-            int(pagecache.available_memory_bytes() * READ_AHEAD_MEMORY_FRACTION),
+            int((pagecache.available_memory_bytes() or 0) * READ_AHEAD_MEMORY_FRACTION),
         )
         names, total_bytes = [], 0
         for entry in self._entries.most_kept_first():

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from bucketfs.core.memory import DEMAND_WAIT_MAX_S, MemoryBudget, available_memory_bytes
+from bucketfs.core.memory import DEMAND_WAIT_MAX_S, MemoryBudget
 
 MiB = 1024 * 1024
 CAPACITY_BYTES = 8 * MiB
@@ -154,55 +154,3 @@ def test_a_cancelled_waiter_leaves_only_its_own_place(cancelled):
     granted, budget = run(body)
     survivor = "younger" if cancelled == "older" else "older"
     assert granted == [survivor] and budget.stats["memory.overcommits"] == 0
-
-
-def _system(tmp_path, cgroup_lines, files, available_kb=8 * 1024 * 1024):
-    """A /proc and a /sys/fs/cgroup of this process's, written under tmp_path."""
-    proc = tmp_path / "proc"
-    (proc / "self").mkdir(parents=True)
-    (proc / "meminfo").write_text(f"MemTotal: 16000000 kB\nMemAvailable: {available_kb} kB\n")
-    (proc / "self" / "cgroup").write_text("".join(line + "\n" for line in cgroup_lines))
-    for path, text in files.items():
-        target = tmp_path / "cgroup" / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-    return str(proc), str(tmp_path / "cgroup")
-
-
-def test_available_memory_is_memavailable_or_the_room_left_under_the_tightest_cgroup_limit(tmp_path):
-    """Fetch-ahead's default window is a share of this: a container's page cache counts
-    against its memory limit, so the host's MemAvailable alone would overshoot it."""
-    GiB = 1 << 30
-    # No limit anywhere (cgroup v2 "max"): the kernel's MemAvailable.
-    unlimited = _system(
-        tmp_path / "a", ["0::/pod/daemon"], {"pod/daemon/memory.max": "max", "pod/daemon/memory.current": "5"}
-    )
-    assert available_memory_bytes(*unlimited) == 8 * GiB
-    # cgroup v2: the pod's limit, a level above the process's own cgroup, leaves 1 GiB.
-    v2 = _system(
-        tmp_path / "b",
-        ["0::/pod/daemon"],
-        {
-            "pod/memory.max": str(3 * GiB),
-            "pod/memory.current": str(2 * GiB),
-            "pod/daemon/memory.max": "max",
-            "pod/daemon/memory.current": str(2 * GiB),
-        },
-    )
-    assert available_memory_bytes(*v2) == 1 * GiB
-    # cgroup v1's memory controller; its "no limit" is a huge number.
-    v1 = _system(
-        tmp_path / "c",
-        ["4:memory:/job", "3:cpuset:/"],
-        {
-            "memory/job/memory.limit_in_bytes": str(6 * GiB),
-            "memory/job/memory.usage_in_bytes": str(2 * GiB),
-            "memory/memory.limit_in_bytes": "9223372036854771712",
-            "memory/memory.usage_in_bytes": str(9 * GiB),
-        },
-    )
-    assert available_memory_bytes(*v1) == 4 * GiB
-    # A limit already exceeded leaves nothing; a kernel that says nothing, None.
-    over = _system(tmp_path / "d", ["0::/"], {"memory.max": str(GiB), "memory.current": str(2 * GiB)})
-    assert available_memory_bytes(*over) == 0
-    assert available_memory_bytes(str(tmp_path / "nowhere"), str(tmp_path / "nowhere")) is None
