@@ -536,11 +536,14 @@ def test_a_run_that_ends_mid_frame_leaves_the_stream_for_the_next_run(spawned):
             trio.lowlevel.spawn_system_task(engine.get, first)  # (cancelled as the run ends)
             await trio.to_thread.run_sync(request_in.wait, 10)
             [worker] = engine.workers
-            # On the trio thread: the worker sends its first frame until the socket is full.
+            # On the trio thread: the worker sends its first frame until the socket is full,
+            # and is stopped there, so the frame's rest (more than a socket holds) cannot
+            # arrive while the run ends (its reader takes a receive or two more).
             send_body.set()
             _wait_until(lambda: _fionread(worker.raw) >= 64 * 1024, 10, "a frame on its way")
-            # One scheduling batch at a time until the engine has taken in part of the
-            # frame, then the run ends at once (its tasks receive nothing more).
+            os.kill(worker.pid, signal.SIGSTOP)
+            stopped.append(worker.pid)
+            _wait_until(lambda: _status_field(worker.pid, "State").startswith("T"), 10, "stopped")
             deadline_s = time.monotonic() + 10
             while worker.body is None:
                 assert time.monotonic() < deadline_s, "no frame half received"
@@ -555,14 +558,18 @@ def test_a_run_that_ends_mid_frame_leaves_the_stream_for_the_next_run(spawned):
                 assert transfer.error is None, transfer.error
                 assert bytes(transfer.buffer) == b"0123456789"
 
+        stopped: list = []
         try:
             worker = trio.run(first_run)
             assert worker.body is not None, "the run did not end mid-frame"
+            os.kill(stopped.pop(), signal.SIGCONT)
             trio.run(second_run)
             # The same worker, its stream intact: no protocol error, no restart.
             assert engine.workers == [worker] and engine.restarts_count == 0
             assert len(answered) == 4
         finally:
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
             engine.close()
     _assert_all_reaped(spawned)
 
