@@ -104,6 +104,14 @@ class Backend(abc.ABC):
         and, where `start_pushing` was given `keep_bytes`, a KeptBody for PUSHED."""
         return PUSH_REFUSED, None
 
+    def push_soon(
+        self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest, on_end: Callable
+    ) -> bool:
+        """push_whole with no task waiting on it, where the backend can start it now:
+        `on_end(outcome, body)` is called once it ended (push_whole's result), from the
+        backend's own tasks. False, and nothing started, where it cannot: push_whole."""
+        return False
+
     @abc.abstractmethod
     async def list_page(self, prefix: str, token: Optional[str] = None) -> ListPage:
         """One page (<= 1000 entries) of the listing of `prefix` with delimiter '/'."""

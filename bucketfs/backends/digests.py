@@ -61,7 +61,7 @@ def s3_etag_digest(etag: str, encryption: Optional[str], customer_algorithm: Opt
     SSE-C objects (AWS: their ETag is not the MD5 of the data: S3_ETAG_NOT_MD5_HEADERS),
     and ETags of another shape (stores that do not use MD5)."""
     values = (encryption, customer_algorithm)
-    if any(
+    if (encryption or customer_algorithm) and any(
         (value or "").lower().startswith(start) and value for value, (_, start) in zip(values, S3_ETAG_NOT_MD5_HEADERS)
     ):
         return None

@@ -194,6 +194,26 @@ class MemoryBackend(Backend):
         self.kernel_inodes: Optional[set] = None
         return True
 
+    # Whether push_soon starts pushes (as the workers' engine does once a worker runs);
+    # False: every push waits in a task of the caller's (push_whole).
+    pushes_soon = True
+
+    def push_soon(self, key: str, version: str, size_bytes: int, ino: int, request, on_end) -> bool:
+        """push_whole in a task of the backend's own (a system task: cancelled as the run
+        ends, a failure then), `on_end(outcome, body)` once it ended."""
+        if not self.pushes_soon:
+            return False
+
+        async def push() -> None:
+            outcome, body = PUSH_FAILED, None
+            try:
+                outcome, body = await self.push_whole(key, version, size_bytes, ino, request)
+            finally:
+                on_end(outcome, body)
+
+        trio.lowlevel.spawn_system_task(push, name=f"push of {key}")
+        return True
+
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:
         """As a worker would: the GET (fail_hook, delay), the checks, then the bytes into
         `kernel_pages`, or back to the caller if `request` asked for them meanwhile."""

@@ -38,7 +38,7 @@ import itertools
 import logging
 import re
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import boto3
 import botocore.config
@@ -511,21 +511,51 @@ class S3Backend(Backend):
         engine = self.push_engine
         if engine is None or self.transport is self.sdk:
             return PUSH_REFUSED, None
-        transfer = self.lean.push_transfer(key, size_bytes, version)
-        if transfer is None:
+        started = self._push_started(key, version, size_bytes)
+        if started is None:
             return PUSH_REFUSED, None
-        pinned_etag = version if versions.kind(version) == versions.ETAG else None
-        digest = s3_etag_digest(version, None, None) if pinned_etag and self.etag_checks.enabled else None
-        md5 = None if digest is None else digest.expected
-        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS)
-        self.requests["get"] += 1
-        self.get_paths["push"] += 1
+        transfer, checks = started
         try:
             transfer, kept = await engine.push(transfer, size_bytes, ino, checks, request)
         except PushRefused:
             return PUSH_REFUSED, None
         except ConnectionError:  # (no worker could start)
             return PUSH_FAILED, None
+        return self._push_outcome(key, size_bytes, transfer, kept)
+
+    def push_soon(
+        self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest, on_end: Callable
+    ) -> bool:
+        engine = self.push_engine
+        if engine is None or self.transport is self.sdk or not engine.pushes_now:
+            return False
+        started = self._push_started(key, version, size_bytes)
+        if started is None:
+            return False
+        transfer, checks = started
+
+        def ended(transfer, kept) -> None:
+            on_end(*self._push_outcome(key, size_bytes, transfer, kept))
+
+        engine.push_soon(transfer, size_bytes, ino, checks, request, ended)
+        return True
+
+    def _push_started(self, key: str, version: str, size_bytes: int) -> Optional[tuple]:
+        """(the push's transfer, its checks), counted as a GET; None if the lean path
+        cannot serve the bucket."""
+        transfer = self.lean.push_transfer(key, size_bytes, version)
+        if transfer is None:
+            return None
+        pinned_etag = version if versions.kind(version) == versions.ETAG else None
+        digest = s3_etag_digest(version, None, None) if pinned_etag and self.etag_checks.enabled else None
+        md5 = None if digest is None else digest.expected
+        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS)
+        self.requests["get"] += 1
+        self.get_paths["push"] += 1
+        return transfer, checks
+
+    def _push_outcome(self, key: str, size_bytes: int, transfer, kept) -> tuple:
+        """push_whole's (outcome, body) of the push `transfer` that ended."""
         error = transfer.error
         if error is None:
             self.bytes_fetched += size_bytes

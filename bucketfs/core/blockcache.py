@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import mmap
@@ -393,29 +394,41 @@ class BlockCache:
         flight.on_wait = request.ask_for_body
         for i in run:
             self._flights[(key, version, i)] = flight
-        self.nursery.start_soon(
-            self._push, key, version, size_bytes, ino, run, flight, request, reserved_bytes, on_done
-        )
+        ended = functools.partial(self._pushed, key, version, size_bytes, run, flight, reserved_bytes, on_done)
+        # Most pushes start here with no task of their own (push_soon); the first ones,
+        # while the backend's workers start, wait in one.
+        if not self.backend.push_soon(key, version, size_bytes, ino, request, ended):
+            self.nursery.start_soon(self._push, key, version, size_bytes, ino, request, ended)
         return flight
 
-    async def _push(
-        self, key, version, size_bytes, ino, run: list, flight: Flight, request, reserved_bytes, on_done
-    ) -> None:
-        flight.outcome = PUSH_FAILED
+    async def _push(self, key, version, size_bytes, ino, request, ended) -> None:
+        outcome, body = PUSH_FAILED, None
         try:
-            flight.outcome, body = await self.backend.push_whole(key, version, size_bytes, ino, request)
-            if flight.outcome == PUSH_READ and body is not None and len(body) == size_bytes:
+            outcome, body = await self.backend.push_whole(key, version, size_bytes, ino, request)
+        except Exception:  # noqa: BLE001 - its waiters fetch the file themselves, never hang
+            log.exception("unexpected error pushing %r", key)
+        finally:
+            ended(outcome, body)
+
+    def _pushed(
+        self, key, version, size_bytes, run: list, flight: Flight, reserved_bytes, on_done, outcome: str, body
+    ) -> None:
+        """A push ended with `outcome` and `body` (push_whole's): land or keep what it
+        brought, let go of its flight and memory, and tell `on_done(outcome)`."""
+        flight.outcome = outcome
+        try:
+            if outcome == PUSH_READ and body is not None and len(body) == size_bytes:
                 self._land(key, version, run, flight, memoryview(body).toreadonly())
                 self.budget.release(reserved_bytes - size_bytes)
                 reserved_bytes = 0
-            elif flight.outcome == PUSHED and body is not None:
+            elif outcome == PUSHED and body is not None:
                 if self.kept is not None and body.length_bytes <= reserved_bytes:
                     self.kept.keep(key, version, body, reserved_bytes)
                     reserved_bytes = 0
                 else:
                     body.discard(give_back=True)
         except Exception:  # noqa: BLE001 - its waiters fetch the file themselves, never hang
-            log.exception("unexpected error pushing %r", key)
+            log.exception("unexpected error ending the push of %r", key)
         finally:
             if reserved_bytes:
                 self.budget.release(reserved_bytes)
@@ -423,7 +436,7 @@ class BlockCache:
                 self._flights.pop((key, version, i), None)
             flight.done.set()
             try:
-                on_done(flight.outcome)
+                on_done(outcome)
             except Exception:  # noqa: BLE001 - (fetch-ahead's accounting; the flight is done)
                 log.exception("accounting for the push of %r failed", key)
 

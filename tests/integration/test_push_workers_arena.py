@@ -6,6 +6,8 @@ Checked: a pushed body reaches the "kernel" and the daemon's kept copy byte for 
 a body WANTed back comes back and its extent is freed once the worker says so
 (RELEASED); a push given up on mid-GET has its extent freed when the worker ends it,
 never before; a worker killed mid-GET has its extent reused only once it exited.
+Pushes started with no task (push_soon) end by their call the same ways: DONE, a
+worker killed, the trio run ending.
 """
 
 from __future__ import annotations
@@ -141,6 +143,19 @@ def push(engine, server, name: str, ino: int, request=None):
     return engine.push(transfer, len(body), ino, checks, request or PushRequest(tell_open=False))
 
 
+def push_soon(engine, server, name: str, ino: int, ended: dict) -> None:
+    """push() with no task: `ended[name]` = (transfer, kept) once it ended."""
+    body = OBJECTS[name]
+    transfer = BodyTransfer(f"http://127.0.0.1:{server.server_address[1]}/{name}", [], bytearray(), 0, 10.0)
+    checks = (hashlib.md5(body).hexdigest(), None, hashlib.md5(body).digest(), ())
+
+    def on_end(transfer, kept) -> None:
+        assert name not in ended, "ended twice"
+        ended[name] = (transfer, kept)
+
+    engine.push_soon(transfer, len(body), ino, checks, PushRequest(tell_open=False), on_end)
+
+
 async def until(condition, what: str) -> None:
     """Wait for `condition()` (state the engine's tasks change as frames arrive)."""
     with trio.fail_after(WAIT_S):
@@ -232,3 +247,63 @@ def test_a_killed_workers_extent_is_reused_only_once_it_exited(server, kernel):
         trio.run(main)
     finally:
         engine.close()
+
+
+def test_pushes_with_no_task_reach_the_kernel_and_the_kept_copy_byte_for_byte(engine, server, kernel):
+    async def main():
+        assert not engine.pushes_now  # (no worker before the first push: push() waits for one)
+        await push(engine, server, "obj0", 50)
+        assert engine.pushes_now
+        ended: dict = {}
+        for ino, name in enumerate(OBJECTS, start=60):
+            push_soon(engine, server, name, ino, ended)
+        await until(lambda: len(ended) == len(OBJECTS), "every push's end")
+        for name, (transfer, body) in ended.items():
+            assert transfer.error is None and not transfer.buffer
+            assert body.read(0, 1 << 30) == OBJECTS[name]
+            body.discard(give_back=False)
+        await until(lambda: engine.arena.live_bytes == pages(len(OBJECTS["obj0"])), "the arena's extents back")
+        await until(lambda: len(kernel.stored) == len(OBJECTS) + 1, "the notifications")
+
+    trio.run(main)
+    assert {ino: kernel.stored[ino] for ino in range(60, 60 + len(OBJECTS))} == {
+        ino: OBJECTS[name] for ino, name in enumerate(OBJECTS, start=60)
+    }
+
+
+def test_a_push_with_no_task_ends_with_an_error_when_its_worker_is_killed(engine, server, kernel):
+    server.holds["obj3"] = threading.Event()
+
+    async def main():
+        await push(engine, server, "obj0", 70)
+        ended: dict = {}
+        push_soon(engine, server, "obj3", 71, ended)
+        await trio.to_thread.run_sync(server.started.wait, WAIT_S)
+        (pid,) = engine.pids()
+        os.kill(pid, signal.SIGKILL)
+        server.holds.pop("obj3").set()
+        await until(lambda: "obj3" in ended, "the push's end")
+        transfer, body = ended["obj3"]
+        assert isinstance(transfer.error, ConnectionError) and body is None
+        await until(lambda: engine.pushes_now and engine.pids()[0] != pid, "the replacement")
+        push_soon(engine, server, "obj2", 72, ended)
+        await until(lambda: "obj2" in ended, "the next push's end")
+        transfer, body = ended["obj2"]
+        assert transfer.error is None and body.read(0, 1 << 30) == OBJECTS["obj2"]
+
+    trio.run(main)
+
+
+def test_a_push_with_no_task_ends_with_an_error_when_the_trio_run_ends(engine, server, kernel):
+    server.holds["obj3"] = threading.Event()
+    ended: dict = {}
+
+    async def main():
+        await push(engine, server, "obj0", 80)
+        push_soon(engine, server, "obj3", 81, ended)
+        await trio.to_thread.run_sync(server.started.wait, WAIT_S)
+
+    trio.run(main)
+    transfer, body = ended["obj3"]
+    assert isinstance(transfer.error, ConnectionError) and body is None
+    server.holds.pop("obj3").set()

@@ -3,6 +3,7 @@ in-memory backend with its request counters."""
 
 import random
 
+import pytest
 import trio
 import trio.testing
 
@@ -455,8 +456,10 @@ async def end_the_pass(fs, objects) -> None:
         await read_all(fs, path)
 
 
-def test_a_pushed_pass_puts_most_files_into_the_page_cache_each_fetched_once():
+@pytest.mark.parametrize("pushes_soon", [True, False], ids=["no-task-per-push", "a-task-per-push"])
+def test_a_pushed_pass_puts_most_files_into_the_page_cache_each_fetched_once(pushes_soon):
     objects, backend = image_folder()
+    backend.pushes_soon = pushes_soon  # (False: the backend's workers are not running yet)
     getattrs = []
 
     async def body(fs):
@@ -492,8 +495,10 @@ def test_a_pushed_pass_puts_most_files_into_the_page_cache_each_fetched_once():
     assert ended.get("fetch_ahead.unused_files", 0) == 0, ended
 
 
-def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body():
+@pytest.mark.parametrize("pushes_soon", [True, False], ids=["no-task-per-push", "a-task-per-push"])
+def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body(pushes_soon):
     objects, backend = image_folder(delay_s=0.05)
+    backend.pushes_soon = pushes_soon
 
     async def body(fs):
         fs.start_pushing(-1)

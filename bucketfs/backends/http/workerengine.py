@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
@@ -108,6 +108,7 @@ class _Worker:
         # tid -> its PUSH's arena extent, until the worker is done with it (a DONE
         # without a body, or a RELEASED): pushes waited on, given up on, or WANTed.
         self.extents: dict = {}
+        self.on_end: dict = {}  # tid -> what push_soon calls once the PUSH ended
         self.outbox = bytearray()  # requests not sent yet
         self.outbox_ready = trio.Event()
         self.run_token: Optional[trio.lowlevel.TrioToken] = None  # the run its tasks belong to
@@ -203,6 +204,38 @@ class WorkerEngine:
         worker = await self._worker_for(transfer.timeout_s)
         if worker is None:
             raise PushRefused("no worker pushes")
+        extent, request_of = self._push_request(worker, transfer, length_bytes, ino, checks, request)
+        ended = False
+        try:
+            await self._run(worker, transfer, request_of)
+            ended = True
+        finally:
+            kept = self._push_ended(worker, transfer, extent, length_bytes, ended)
+        return transfer, kept
+
+    @property
+    def pushes_now(self) -> bool:
+        """Whether push_soon may be called: a worker that pushes runs."""
+        return self.kernel_fd is not None and self.fallback is None and bool(self.workers)
+
+    def push_soon(self, transfer: Transfer, length_bytes: int, ino: int, checks: tuple, request, on_end) -> None:
+        """push() with no task waiting, where `pushes_now`: `on_end(transfer, kept)` is
+        called once it ended, whatever happened (its DONE, its worker lost, the trio
+        run ended), from this engine's tasks. A task per push (its start, wake and
+        exit) cost the daemon about a third of a push's CPU."""
+        assert self.pushes_now
+        if self._token is not trio.lowlevel.current_trio_token():
+            self._attach_run()
+        worker = min(self.workers, key=_load)
+        extent, request_of = self._push_request(worker, transfer, length_bytes, ino, checks, request)
+
+        def ended() -> None:
+            on_end(transfer, self._push_ended(worker, transfer, extent, length_bytes, True))
+
+        worker.on_end[self._start(worker, transfer, request_of)] = ended
+
+    def _push_request(self, worker: _Worker, transfer: Transfer, length_bytes: int, ino: int, checks, request):
+        """(The arena extent the push's body goes into or None, its request_of)."""
         request.want = lambda: self._want(worker, transfer)
         if request.wanted:  # (asked before the push was sent: right after it)
             trio.lowlevel.current_trio_token().run_sync_soon(request.want)
@@ -216,22 +249,22 @@ class WorkerEngine:
             fields = (transfer.url, transfer.header_lines, length_bytes, transfer.timeout_s, transfer.signing)
             return (PUSH, tid, *fields, ino, checks, request.tell_open, at)
 
-        pushed = False
-        try:
-            await self._run(worker, transfer, request_of)
-            pushed = transfer.error is None and not transfer.buffer
-        finally:
-            kept = None
-            # The extent is the daemon's once the worker returned it (else it is freed
-            # when the worker does: a DONE, a RELEASED, its exit).
-            # (Not the daemon's if the worker was lost meanwhile: it went with it.)
-            if arena is not None and extent is not None and extent.returned:
-                if worker.extents.pop(transfer.tid, None) is not None:
-                    if pushed:
-                        kept = arena.keep(extent, length_bytes)
-                    else:
-                        arena.free(extent)
-        return transfer, kept
+        return extent, request_of
+
+    def _push_ended(self, worker: _Worker, transfer: Transfer, extent, length_bytes: int, ended: bool):
+        """The pushed body kept in the arena (an ArenaBody), or None. `ended`: the push
+        was not given up on (cancelled)."""
+        arena = self.arena
+        pushed = ended and transfer.error is None and not transfer.buffer
+        # The extent is the daemon's once the worker returned it (else it is freed
+        # when the worker does: a DONE, a RELEASED, its exit).
+        # (Not the daemon's if the worker was lost meanwhile: it went with it.)
+        if arena is not None and extent is not None and extent.returned:
+            if worker.extents.pop(transfer.tid, None) is not None:
+                if pushed:
+                    return arena.keep(extent, length_bytes)
+                arena.free(extent)
+        return None
 
     def _want(self, worker: _Worker, transfer: Transfer) -> None:
         """Ask `worker` for the body of the PUSH `transfer` (if it still runs there)."""
@@ -240,14 +273,19 @@ class WorkerEngine:
             want = marshal.dumps((WANT, tid))
             self._send(worker, REQUEST_LENGTH.pack(len(want)) + want)
 
-    async def _run(self, worker: _Worker, transfer: Transfer, request_of) -> Transfer:
-        """Send `worker` the request `request_of(tid)` for `transfer` and wait for its DONE."""
+    def _start(self, worker: _Worker, transfer: Transfer, request_of) -> int:
+        """Send `worker` the request `request_of(tid)` for `transfer`; its tid."""
         tid = transfer.tid = self._next_tid = (self._next_tid + 1) & 0xFFFFFFFF
         request = marshal.dumps(request_of(tid))
         worker.pending[tid] = transfer
         worker.gets_count += 1
         worker.deadlines[tid] = time.monotonic() + transfer.timeout_s + WORKER_GRACE_S
         self._send(worker, REQUEST_LENGTH.pack(len(request)) + request)
+        return tid
+
+    async def _run(self, worker: _Worker, transfer: Transfer, request_of) -> Transfer:
+        """Send `worker` the request `request_of(tid)` for `transfer` and wait for its DONE."""
+        tid = self._start(worker, transfer, request_of)
         try:
             await transfer.done.wait()
         except BaseException:
@@ -392,13 +430,13 @@ class WorkerEngine:
             worker.sock.close()  # (wakes its tasks, in the run they wait in)
         except RuntimeError:  # outside a trio run: no task waits on it
             worker.raw.close()
-        self._fail_pending(worker, f"{self.what} {worker.pid}: {reason}")
         worker.outbox_ready.set()  # (its writer ends)
         code = _end(worker.proc)
         if self.arena is not None:
             for extent in worker.extents.values():
                 self.arena.lose(extent, worker.proc)  # (free once it exited: it may still read one)
             worker.extents.clear()
+        self._fail_pending(worker, f"{self.what} {worker.pid}: {reason}")
         if self._closed:
             return
         log.warning("%s %d ended (%s, exit status %s); starting another", self.what, worker.pid, reason, code)
@@ -461,6 +499,9 @@ class WorkerEngine:
             transfer.done.set()
         worker.pending.clear()
         worker.deadlines.clear()
+        on_end, worker.on_end = worker.on_end, {}
+        for call in on_end.values():
+            _call(call)
 
     def _run_ended(self, worker: _Worker) -> None:
         """The trio run of `worker`'s tasks is ending: its GETs fail (nobody waits for
@@ -584,10 +625,21 @@ class WorkerEngine:
         del worker.pending[tid]
         del worker.deadlines[tid]
         _finish(transfer, meta)
+        on_end = worker.on_end.pop(tid, None)
+        if on_end is not None:
+            _call(on_end)
 
 
 def _load(worker: _Worker) -> int:
     return len(worker.pending)
+
+
+def _call(on_end: Callable[[], None]) -> None:
+    """A push_soon caller's end: its failure is logged, never the engine's."""
+    try:
+        on_end()
+    except Exception:  # noqa: BLE001 - (the receiving task goes on with the other GETs)
+        log.exception("ending a push failed")
 
 
 def _abort_request(tid: int) -> bytes:
