@@ -366,7 +366,14 @@ class BlockCache:
 
     # -- fetched ahead of its reader (core/fetchahead.py) ---------------------------
     def push_ahead(
-        self, key: str, version: str, size_bytes: int, ino: int, tell_open: bool, on_done: Callable[[str], None]
+        self,
+        key: str,
+        version: str,
+        size_bytes: int,
+        ino: int,
+        tell_open: bool,
+        on_done: Callable[[str], None],
+        for_reader: bool = False,
     ) -> Optional[Flight]:
         """fetch_ahead into the kernel's page cache (inode `ino`'s) by a fetch-ahead
         worker (Backend.push_whole): the bytes come here only if a READ waits for them
@@ -374,7 +381,8 @@ class BlockCache:
         buffer). None as for fetch_ahead. The flight's `outcome` is push_whole's, which
         `on_done(outcome)` is called with once it ended, whatever happened (a call, not
         a task waiting for the flight: one task less per file). `tell_open`:
-        PushRequest's."""
+        PushRequest's. `for_reader`: a reader's READs are about to wait for it, so the
+        body comes back from the start (it never goes into the kernel)."""
         last = (size_bytes - 1) // self.block_size_bytes
         run = list(range(last + 1))
         if (
@@ -392,6 +400,8 @@ class BlockCache:
         flight = Flight(speculative=True)
         request = PushRequest(tell_open)
         flight.on_wait = request.ask_for_body
+        if for_reader:
+            request.ask_for_body()
         for i in run:
             self._flights[(key, version, i)] = flight
         ended = functools.partial(self._pushed, key, version, size_bytes, run, flight, reserved_bytes, on_done)

@@ -477,6 +477,9 @@ class DiskCache:
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:
         return PUSH_REFUSED, None
 
+    def push_soon(self, key: str, version: str, size_bytes: int, ino: int, request, on_end) -> bool:
+        return False
+
     @property
     def caller(self):
         """The store's BlockingCaller (retries, slots, failures), which the stats read;
