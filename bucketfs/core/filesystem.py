@@ -206,7 +206,11 @@ class Filesystem:
         # the budget for buffers, as the files it holds itself with 0 workers). Kept copies
         # allowed all of it ran W5 at 136-149 MB/s against 165 (bench, 2026-11-28).
         keep_bytes = self.fetch_ahead.room_bytes
-        if not self.backend.start_pushing(kernel_fd, workers_count, self.config.fetch_ahead_requests_count, keep_bytes):
+        # The workers' connections: a pass's GETs, and as many again as the daemon's own
+        # for the files readers open (_push_for_reader): past its pool, each GET would
+        # open a connection and close it after (the proxy's CPU doubled in a W2 run).
+        transfers_count = self.config.fetch_ahead_requests_count + self.config.max_connections_count
+        if not self.backend.start_pushing(kernel_fd, workers_count, transfers_count, keep_bytes):
             return False
         if self.cache.kept is None:
             self.cache.kept = KeptCopies(self.budget, self.stats)

@@ -521,6 +521,53 @@ def test_a_read_that_comes_while_its_file_is_pushed_gets_the_pushed_body(pushes_
     assert backend.requests["get"] == 1
 
 
+@pytest.mark.parametrize("outcome", ["read", "refused", "failed"])
+def test_a_small_file_opened_where_workers_push_is_fetched_through_one_and_not_pushed(outcome):
+    """No pass runs: the open's fetch goes to a worker whose body comes back for the
+    READs (never into the kernel); a push refused or failed leaves the READs to fetch it."""
+    objects, backend = image_folder()
+    path = "train/class01/img0003.jpg"
+    pushed_by_the_store = backend.push_whole
+    wanted = []
+
+    async def push_whole(key, version, size_bytes, ino, request):
+        wanted.append(request.wanted)
+        if outcome != "read":
+            await trio.sleep(backend.delay_s)
+            return outcome, None
+        return await pushed_by_the_store(key, version, size_bytes, ino, request)
+
+    backend.push_whole = push_whole
+
+    async def body(fs):
+        fs.start_pushing(-1)
+        fs.note_listed_to_kernel(await resolve(fs, "train/class01"))
+        data = await read_all(fs, path)
+        return data, fs.snapshot(), (await resolve(fs, path)).ino
+
+    data, stats, ino = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert data == objects[path]
+    assert wanted == [True]  # (asked for the body before the worker had it)
+    assert stats[f"open.worker_{outcome}"] == 1
+    assert ino not in backend.kernel_pages
+    assert stats.get("fetch_ahead.passes", 0) == 0
+    # Fetched once: by the worker, or (this fake's refused and failed pushes GET nothing) by the READs.
+    assert backend.requests["get"] == 1
+
+
+def test_without_workers_an_opened_small_file_is_fetched_by_the_daemon():
+    objects, backend = image_folder()
+    path = "train/class01/img0003.jpg"
+
+    async def body(fs):
+        return await read_all(fs, path), fs.snapshot()
+
+    data, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert data == objects[path]
+    assert not [name for name in stats if name.startswith("open.worker_")]
+    assert backend.requests["get"] == 1
+
+
 def test_a_refused_or_failed_push_leaves_the_file_to_its_reader():
     objects, backend = image_folder()
     unlucky = sorted(objects)[::3]
