@@ -14,7 +14,8 @@ Invariants:
   splits its READs. Not when the kernel was already given the whole file (the
   page cache is kept across opens, and a node is one version): a second epoch is
   served from the page cache and must not cost a GET. If the kernel did evict it,
-  the first READ fetches it whole.
+  the first READ fetches it whole. Where fetch-ahead workers push (start_pushing),
+  that GET is a worker's, its body sent back for the READs (_push_for_reader).
 - Small files opened are told to `FetchAhead` (fetchahead.py), which fetches the
   rest of a tree ahead of a shuffled pass over it.
 - Shard-like files are read through a `HandleReader` whose read-ahead window warms
@@ -299,9 +300,10 @@ class Filesystem:
         """Where fetch-ahead workers push: fetch a small file being opened through one of
         them, its body sent back for the READs about to come (not pushed), rather than
         with a GET of the daemon's own: the worker signs, receives and checks it, off
-        the serving thread (a file read so cost that thread about a third of a GET of its
-        own). False if none took it (cached or on its way already, no memory now): the
-        caller reads it as usual."""
+        the serving thread, and no GET wakes the daemon's curl thread (which takes the
+        GIL for its callbacks). False if none took it (cached or on its way already, no
+        memory now): the caller reads it as usual. A push refused or failed leaves the
+        READs to fetch it, with every retry."""
         if not self.pushing:
             return False
         flight = self.cache.push_ahead(

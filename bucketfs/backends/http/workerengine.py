@@ -221,8 +221,9 @@ class WorkerEngine:
     def push_soon(self, transfer: Transfer, length_bytes: int, ino: int, checks: tuple, request, on_end) -> None:
         """push() with no task waiting, where `pushes_now`: `on_end(transfer, kept)` is
         called once it ended, whatever happened (its DONE, its worker lost, the trio
-        run ended), from this engine's tasks. A task per push (its start, wake and
-        exit) cost the daemon about a third of a push's CPU."""
+        run ended), from this engine's tasks: no task per push (its start, wake and
+        exit were half of the serving thread's CPU per push in an ad hoc bench of this
+        engine: 50-57 against 107-151 us)."""
         assert self.pushes_now
         if self._token is not trio.lowlevel.current_trio_token():
             self._attach_run()
