@@ -256,9 +256,11 @@ class Filesystem:
         self._dir_handles.pop(dh, None)
 
     # -- data --------------------------------------------------------------------
-    async def open(self, ino: int, flags: int, pin: bool = True) -> int:
+    async def open(self, ino: int, flags: int, pin: bool = True, reading: bool = False) -> int:
         """A handle of `ino`; `pin`: a small file's bytes are kept until it was read
-        through (not for reads by inode: no RELEASE would undo a pin)."""
+        through (not for reads by inode: no RELEASE would undo a pin). `reading`: a
+        READ waits (a read by inode), so the kernel lacks the file's pages even if it
+        was served whole before."""
         if flags & WRITE_FLAGS:
             raise errors.ReadOnly("read-only mount")
         node = self.ns.node(ino)
@@ -277,8 +279,11 @@ class Filesystem:
         # is read as a shard, from that head: as a small file it would be fetched again.
         if node.size_bytes <= self.config.small_file_bytes and not self.prefetcher.is_warming(key, node.version):
             reader = None
-            if not node.served and not self._push_for_reader(node, key):
-                self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
+            # A file served whole before is in the page cache, unless a READ of it waits
+            # (the kernel dropped its pages): that READ fetches it, if a worker does not.
+            if (not node.served or reading) and not self._push_for_reader(node, key):
+                if not node.served:
+                    self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
             self.stats["open.small"] += 1
         else:
             shard = self.shards.is_shard(node.name)
@@ -303,8 +308,9 @@ class Filesystem:
         the serving thread, and no GET wakes the daemon's curl thread (which takes the
         GIL for its callbacks). False if none took it (cached or on its way already, no
         memory now): the caller reads it as usual. A push refused or failed leaves the
-        READs to fetch it, with every retry."""
-        if not self.pushing:
+        READs to fetch it, with every retry. Not with --fetch-workers: the daemon's own
+        GETs run in worker processes then."""
+        if not self.pushing or self.config.fetch_workers_count:
             return False
         flight = self.cache.push_ahead(
             key, node.version, node.size_bytes, node.ino, False, self._pushed_for_reader, for_reader=True
@@ -382,7 +388,7 @@ class Filesystem:
             # A READ sent before the one that reached the end, answered after it (the
             # kernel's read-ahead): through a handle of its own, let go of at once, so
             # that it leaves none behind that no later READ would end.
-            fh = await self.open(ino, os.O_RDONLY, pin=False)
+            fh = await self.open(ino, os.O_RDONLY, pin=False, reading=True)
             try:
                 return await self._read(fh, off, size)
             finally:
@@ -390,7 +396,7 @@ class Filesystem:
         if fh is None:
             # Not pinned: nothing releases a file a reader read in part and left (killed,
             # or done with its header), and pinned bytes are never evicted.
-            fh = await self.open(ino, os.O_RDONLY, pin=False)
+            fh = await self.open(ino, os.O_RDONLY, pin=False, reading=True)
             if ino in self._inode_handles:  # (another READ opened one meanwhile: a --metadata-ttl refresh)
                 self.release(fh)
                 fh = self._inode_handles[ino]

@@ -555,14 +555,47 @@ def test_a_small_file_opened_where_workers_push_is_fetched_through_one_and_not_p
     assert backend.requests["get"] == 1
 
 
-def test_without_workers_an_opened_small_file_is_fetched_by_the_daemon():
+def test_a_read_by_inode_of_a_file_the_kernel_dropped_is_fetched_through_a_worker():
+    """Served whole before (the kernel held it), READ again (it dropped the pages), no
+    kept copy: the READ's file comes through a worker, not a GET of the daemon's."""
     objects, backend = image_folder()
     path = "train/class01/img0003.jpg"
 
     async def body(fs):
+        fs.start_pushing(-1)
+        backend.keeps = False
+        first = await read_all(fs, path)
+        node = await resolve(fs, path)
+        assert node.served
+        # (Nor does the daemon hold it any more.)
+        assert fs.cache.drop_read(fs.key_prefix + node.path, node.version, node.size_bytes) is not None
+        gets_before = backend.requests["get"]
+        data, off = bytearray(), 0
+        while chunk := await fs.read_inode(node.ino, off, 64 * KiB):
+            data += chunk
+            off += len(chunk)
+        return first, bytes(data), fs.snapshot(), backend.requests["get"] - gets_before
+
+    first, data, stats, gets = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert first == data == objects[path]
+    assert stats["open.worker_read"] == 2
+    assert gets == 1
+
+
+@pytest.mark.parametrize("pushing", [False, True], ids=["no-fetch-ahead-workers", "with-fetch-workers"])
+def test_without_workers_or_with_fetch_workers_an_opened_small_file_is_fetched_by_the_daemon(pushing):
+    """No fetch-ahead workers: the daemon's GET. --fetch-workers: the daemon's GET too,
+    which runs in those workers."""
+    objects, backend = image_folder()
+    path = "train/class01/img0003.jpg"
+
+    async def body(fs):
+        if pushing:
+            fs.start_pushing(-1)
         return await read_all(fs, path), fs.snapshot()
 
-    data, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    overrides = {"fetch_workers_count": 2} if pushing else {}
+    data, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0), **overrides)
     assert data == objects[path]
     assert not [name for name in stats if name.startswith("open.worker_")]
     assert backend.requests["get"] == 1
