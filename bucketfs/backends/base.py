@@ -94,6 +94,12 @@ class Backend(abc.ABC):
         take together; 0: nothing kept."""
         return False
 
+    @property
+    def pushes(self) -> bool:
+        """Whether a push may succeed now: start_pushing's workers run, and the store
+        gave no reason to stop (an S3 store that answers GETs with redirects)."""
+        return False
+
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest) -> tuple:
         """Fetch object `key` of `version` (`size_bytes`) whole, check it, and put it into
         inode `ino`'s page cache, in a worker (start_pushing): (outcome, body). PUSHED;

@@ -192,7 +192,12 @@ class MemoryBackend(Backend):
         self.kernel_pages: dict = {}
         self.attributes_ended: set = set()
         self.kernel_inodes: Optional[set] = None
+        self._pushing = True
         return True
+
+    @property
+    def pushes(self) -> bool:
+        return getattr(self, "_pushing", False)
 
     # Whether push_soon starts pushes (as the workers' engine does once a worker runs);
     # False: every push waits in a task of the caller's (push_whole).

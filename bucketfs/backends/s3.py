@@ -70,7 +70,7 @@ from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check
 from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.http.fetchworker import DAMAGED, NO_INODE
 from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine
-from bucketfs.backends.s3_lean import LeanS3, ca_bundle
+from bucketfs.backends.s3_lean import REDIRECT_STATUSES, LeanS3, ca_bundle
 from bucketfs.backends.s3_transport import CurlLean, S3Transport, Sdk, UrllibLean
 from bucketfs.backends.s3_transport import mtime_ns as _mtime_ns
 from bucketfs.backends.slots import fetch_ahead_slots
@@ -234,6 +234,9 @@ class S3Backend(Backend):
         )
         self.lean.sign_in_engine = getattr(self.curl, "signs_requests", False)
         self.push_engine: Optional[WorkerEngine] = None  # start_pushing's
+        # A push refused because the store answered with a redirect (AIStore's gateways):
+        # every push would be, its GET wasted; none is sent from then on.
+        self.pushes_redirected = False
         self.etag_checks = EtagChecks()
         self.answer_checks = versions.AnswerChecks(f"s3://{self.bucket}")
         self.caller = BlockingCaller(
@@ -507,9 +510,13 @@ class S3Backend(Backend):
         )
         return True
 
+    @property
+    def pushes(self) -> bool:
+        return self.push_engine is not None and self.transport is not self.sdk and not self.pushes_redirected
+
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest) -> tuple:
         engine = self.push_engine
-        if engine is None or self.transport is self.sdk:
+        if engine is None or not self.pushes:
             return PUSH_REFUSED, None
         started = self._push_started(key, version, size_bytes)
         if started is None:
@@ -527,7 +534,7 @@ class S3Backend(Backend):
         self, key: str, version: str, size_bytes: int, ino: int, request: PushRequest, on_end: Callable
     ) -> bool:
         engine = self.push_engine
-        if engine is None or self.transport is self.sdk or not engine.pushes_now:
+        if engine is None or not self.pushes or not engine.pushes_now:
             return False
         started = self._push_started(key, version, size_bytes)
         if started is None:
@@ -565,6 +572,11 @@ class S3Backend(Backend):
         log.debug("push of %r: %s", key, error)
         if not isinstance(error, PushRefused):
             return PUSH_FAILED, None
+        if transfer.status in REDIRECT_STATUSES:
+            self.lean.redirects_count += 1  # (the store answered one more: counted as the daemon's are)
+            if not self.pushes_redirected:
+                self.pushes_redirected = True
+                log.info("the store answers GETs with redirects: fetch-ahead workers push nothing more")
         if str(error) == DAMAGED:
             self.caller.corrupt_bodies_count += 1  # (as a damaged answer to the daemon's own GET is)
         return (PUSH_NO_INODE if str(error) == NO_INODE else PUSH_REFUSED), None

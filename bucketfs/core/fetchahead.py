@@ -508,7 +508,7 @@ class FetchAhead:
                 return  # opened while this waited for room: its reader fetched it
             # Pushed files wait in the kernel's page cache (the window); files fetched
             # into the daemon's memory, in its budget (the room).
-            pushing = current.pushing and node.parent.ino in self._listed_to_kernel
+            pushing = current.pushing and node.parent.ino in self._listed_to_kernel and self._cache.backend.pushes
             if pushing:
                 fits = current.pushed.held_bytes + node.size_bytes <= current.window_bytes or not current.pushed
             else:

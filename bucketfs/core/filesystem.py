@@ -310,7 +310,7 @@ class Filesystem:
         memory now): the caller reads it as usual. A push refused or failed leaves the
         READs to fetch it, with every retry. Not with --fetch-workers: the daemon's own
         GETs run in worker processes then."""
-        if not self.pushing or self.config.fetch_workers_count:
+        if not self.pushing or self.config.fetch_workers_count or not self.backend.pushes:
             return False
         flight = self.cache.push_ahead(
             key, node.version, node.size_bytes, node.ino, False, self._pushed_for_reader, for_reader=True

@@ -474,6 +474,10 @@ class DiskCache:
     def start_pushing(self, kernel_fd: int, workers_count: int, transfers_count: int, keep_bytes: int = 0) -> bool:
         return False  # (fetch-ahead's files must reach the disk cache: into memory, then onto disk)
 
+    @property
+    def pushes(self) -> bool:
+        return False
+
     async def push_whole(self, key: str, version: str, size_bytes: int, ino: int, request) -> tuple:
         return PUSH_REFUSED, None
 

@@ -103,6 +103,9 @@ def test_redirected_gets_are_followed_and_counted(rclone_server, mount_factory):
         stats = mount.stats()
         assert stats["backend.redirects"] == front.redirects_sent > 0
         assert stats.get("backend.retries", 0) == 0
+        # One push to a fetch-ahead worker learns that the store redirects; none after
+        # (each would be refused, its GET wasted).
+        assert stats.get("open.worker_refused", 0) + stats.get("fetch_ahead.push_refused", 0) <= 1
 
 
 def test_a_redirect_loop_is_eio_within_the_retry_budget(rclone_server, mount_factory):
