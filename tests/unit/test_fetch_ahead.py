@@ -767,6 +767,47 @@ def test_kept_copies_give_way_to_memory_anyone_else_needs():
     assert after["all taken"], after
 
 
+def test_a_readers_push_takes_free_memory_only_never_a_kept_copy():
+    """After the page cache was dropped the loader reads the kept copies next: a file
+    fetched for a reader through a worker must not drop them (a pass's push may)."""
+    objects, backend = image_folder(file_bytes=256 * KiB)  # (more than the memory keeps)
+
+    async def body(fs):
+        await pushed_epoch(fs, backend, objects, seed=6)
+        kept = fs.cache.kept
+        nodes = [await resolve(fs, path) for path in sorted(objects)]
+        lacking = [
+            node
+            for node in nodes
+            if (fs.key_prefix + node.path, node.version) not in kept
+            and not fs.cache.holds(fs.key_prefix + node.path, node.version, 0)
+        ]
+        assert len(kept) and len(lacking) >= 2, (len(kept), len(lacking))
+        room_bytes = fs.budget.prefetch_room_bytes
+        assert fs.budget.try_reserve(room_bytes)  # (no free memory left)
+        kept_before = len(kept)
+        reader, walker = lacking[:2]
+        for_reader = fs.cache.push_ahead(
+            fs.key_prefix + reader.path, reader.version, reader.size_bytes, reader.ino, False, lambda _: None, True
+        )
+        kept_after_reader = len(kept)
+        for_pass = fs.cache.push_ahead(
+            fs.key_prefix + walker.path, walker.version, walker.size_bytes, walker.ino, False, lambda _: None
+        )
+        kept_after_pass = len(kept)
+        if for_pass is not None:
+            await for_pass.done.wait()
+        fs.budget.release(room_bytes)
+        return for_reader, kept_before, kept_after_reader, for_pass, kept_after_pass, fs.snapshot()
+
+    for_reader, before, after_reader, for_pass, after_pass, stats = run_fs(
+        backend, body, clock=trio.testing.MockClock(autojump_threshold=0), max_memory_bytes=64 * MiB
+    )
+    assert for_reader is None and after_reader == before  # (its READ fetches it instead)
+    assert stats["open.worker_memory_refused"] == 1
+    assert for_pass is not None and after_pass < before
+
+
 def test_pushed_files_not_yet_read_stay_about_inside_the_window_though_few_opens_are_told(monkeypatch):
     """The pass hears of one pushed file's open in several (TELL_OPEN_EVERY_MAX): its
     estimate of what the kernel holds unread keeps the real amount near the window
