@@ -187,15 +187,49 @@ def test_pushed_bodies_reach_the_kernel_and_the_kept_copy_byte_for_byte(engine, 
 
 
 def test_a_body_wanted_back_comes_back_and_its_extent_is_freed_once_released(engine, server, kernel):
+    server.holds["obj2"] = threading.Event()
+
     async def main():
         request = PushRequest(tell_open=False)
-        request.ask_for_body()  # (a READ came before the push was even sent)
-        transfer, body = await push(engine, server, "obj2", 20, request)
+        async with trio.open_nursery() as nursery:
+            results = []
+
+            async def pushing():
+                results.append(await push(engine, server, "obj2", 20, request))
+
+            nursery.start_soon(pushing)
+            await trio.to_thread.run_sync(server.started.wait, WAIT_S)
+            assert engine.arena.live_bytes == pages(len(OBJECTS["obj2"]))
+            request.ask_for_body()  # (a READ came while the push ran)
+            server.holds["obj2"].set()
+        ((transfer, body),) = results
         assert body is None and bytes(transfer.buffer) == OBJECTS["obj2"]
         await until(lambda: engine.arena.live_bytes == 0, "the RELEASED")
 
     trio.run(main)
     assert 20 not in kernel.stored
+
+
+def test_a_body_wanted_before_the_push_is_sent_takes_no_extent(server, kernel):
+    """A reader's file (Filesystem._push_for_reader) comes back through the socket: the
+    ring's oldest kept copies stay (the loader may read them next). The arena holds
+    one 300 KiB body: an extent for the second would take the first's kept copy."""
+    engine = WorkerEngine(1, 8, 5.0, 10.0, None, kernel_fd=kernel.fd, arena_bytes=512 * KiB)
+
+    async def main():
+        _, kept = await push(engine, server, "obj3", 24)
+        request = PushRequest(tell_open=False)
+        request.ask_for_body()
+        transfer, body = await push(engine, server, "obj3", 25, request)
+        assert body is None and bytes(transfer.buffer) == OBJECTS["obj3"]
+        assert kept.read(0, 1 << 30) == OBJECTS["obj3"]
+        assert engine.arena.live_bytes == pages(len(OBJECTS["obj3"]))
+
+    try:
+        trio.run(main)
+    finally:
+        engine.close()
+    assert 25 not in kernel.stored
 
 
 def test_a_push_given_up_mid_get_frees_its_extent_only_when_the_worker_ends_it(engine, server, kernel):

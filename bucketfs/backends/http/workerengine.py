@@ -241,7 +241,10 @@ class WorkerEngine:
         if request.wanted:  # (asked before the push was sent: right after it)
             trio.lowlevel.current_trio_token().run_sync_soon(request.want)
         arena = self.arena
-        extent = arena.allocate(length_bytes) if arena is not None else None
+        # A body asked for before the push was sent comes back through the socket: no
+        # extent of the ring, whose oldest kept copies it would take (after the page
+        # cache was dropped, the very files the loader reads next).
+        extent = arena.allocate(length_bytes) if arena is not None and not request.wanted else None
 
         def request_of(tid: int) -> tuple:
             if extent is not None:
