@@ -393,9 +393,9 @@ class BlockCache:
             return None
         reserved_bytes = size_bytes
         # A pass's push makes its room from the oldest kept copies; a reader's takes free
-        # memory only, else its READ fetches as usual: dropping kept copies for it (the
-        # files the loader reads next, after the page cache was dropped) cost such an
-        # epoch most of its kept reads (1,918 against 4,587-5,164, bench, 2026-11-28).
+        # memory only, else its READ fetches as usual: after the page cache was dropped
+        # the kept copies are the files the loader reads next (its body does not take
+        # their arena extents either: workerengine._push_request).
         reclaim_priority = KeptCopies.RECLAIM_PRIORITY - 1 if for_reader else KeptCopies.RECLAIM_PRIORITY
         if self.kept is not None:
             reserved_bytes = -(-size_bytes // KEPT_PAGE_BYTES) * KEPT_PAGE_BYTES  # (kept: whole pages)
