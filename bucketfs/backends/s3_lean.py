@@ -49,7 +49,7 @@ from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
 from bucketfs.backends.digests import s3_etag_digest
-from bucketfs.backends.http.body import body_deadline_s, copy_into, read_body
+from bucketfs.backends.http.body import body_deadline_s, read_body, receive_into
 from bucketfs.backends.http.curl import BodyTransfer, Transfer
 from bucketfs.backends.http.sigv4 import Signer, host_of
 
@@ -117,36 +117,6 @@ def ca_bundle(session) -> str:
     botocore_session = getattr(session, "_session", session)  # boto3 Session -> botocore's
     configured = botocore_session.get_config_variable("ca_bundle") or os.environ.get("REQUESTS_CA_BUNDLE")
     return configured or botocore.httpsession.get_cert_path(True)
-
-
-def _receive_into(response, buffer: bytearray, deadline_s: float) -> int:
-    """A response body received straight into `buffer`; its length. urllib3's own
-    readinto reads into a temporary bytes object and copies it; the socket reader
-    under http.client's response receives into the buffer itself, one receive at a
-    time (readinto1) so that a body trickling in meets `deadline_s` (body.read_body)."""
-    raw: Any = getattr(response, "_fp", None)  # http.client's response
-    stream: Any = getattr(raw, "fp", None)  # its socket's buffered reader
-    length = getattr(response, "length_remaining", None)
-    if length is None or length > len(buffer) or getattr(raw, "chunked", True) or not hasattr(stream, "readinto1"):
-        data = read_body(response, deadline_s)
-        if len(data) > len(buffer):
-            raise urllib3.exceptions.ProtocolError(f"a {len(data)}-byte body for a {len(buffer)}-byte range")
-        return copy_into(buffer, data)
-    view = memoryview(buffer)
-    got = 0
-    try:
-        while got < length:
-            n = stream.readinto1(view[got:length])
-            if not n:
-                raise urllib3.exceptions.IncompleteRead(got, length - got)
-            got += n
-            if got < length and time.monotonic() > deadline_s:
-                raise TimeoutError(f"body still arriving at its deadline ({got} of {length} bytes)")
-    except BaseException:
-        response.close()  # never hand a half-read connection back to the pool
-        raise
-    raw.close()  # (what http.client does at a body's end: its connection may serve the next request)
-    return got
 
 
 _UTC_SECOND_RE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.(\d{1,9}))?Z\Z")
@@ -562,7 +532,7 @@ class LeanS3:
         body: Any  # the bytes, or with `buffer` how many of them it received
         try:
             if buffer is not None and response.status in (200, 206) and "Content-Range" in response.headers:
-                body = _receive_into(response, buffer, deadline_s)
+                body = receive_into(response, buffer, deadline_s, self.read_timeout_s)
             elif byte_range is not None and response.status == 200 and "Content-Range" not in response.headers:
                 body = read_body(response, deadline_s, *byte_range)
             else:

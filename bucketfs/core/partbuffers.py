@@ -9,10 +9,12 @@ the kernel zeroing fresh pages was still 15% of it after, over 8 shards).
 A part's buffer is its size rounded up to a power of two (at most the part size),
 and reserves all of it, so the pool holds a few sizes that later parts fit, never
 the odd sizes of shard ends.
-A buffer goes back to the pool only when nothing else refers to it (no memoryview
-handed to a reply or held by a waiter), so a reused buffer never changes bytes
-someone still reads, and only while no reader is waiting for memory (then it is
-released to that reader).
+A buffer is reused only once nothing else refers to it (no memoryview handed to a
+reply or held by a waiter), so a reused buffer never changes bytes someone still
+reads. One freed while a reply thread still sends from it waits in the pool until
+that view is gone (streaming shards, about a quarter of the parts end so), rather
+than being unmapped and replaced by fresh memory the kernel must zero. Nothing is
+pooled while a reader is waiting for memory (it is released to that reader).
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class BufferPool:
     def __init__(self, budget, stats, buffer_bytes: int, max_bytes: int = POOLED_BYTES_MAX):
         self.budget, self.stats, self.max_bytes = budget, stats, max_bytes
         self.buffer_bytes = buffer_bytes
-        self.pooled_bytes = 0
+        self.pooled_bytes = 0  # free and viewed buffers, all still reserved
         self._free: dict = {}  # buffer size in bytes -> [buffer]
+        self._viewed: list = []  # pooled buffers a view still refers to: not reusable yet
         budget.add_reclaimer(self.RECLAIM_PRIORITY, self.shed)
 
     def held_bytes(self, size_bytes: int) -> int:
@@ -76,7 +79,11 @@ class BufferPool:
 
     def take(self, size_bytes: int) -> Optional[bytearray | mmap.mmap]:
         """A free buffer for a part of this size, its budget reservation passing to the caller."""
-        free = self._free.get(self.held_bytes(size_bytes))
+        size_bytes = self.held_bytes(size_bytes)
+        free = self._free.get(size_bytes)
+        if not free and self._viewed:
+            self._settle()
+            free = self._free.get(size_bytes)
         if not free:
             return None
         buf = free.pop()
@@ -90,18 +97,31 @@ class BufferPool:
         memoryview or a waiter still reading it, and writing into it would change their bytes."""
         if self.budget.demand_pending:
             return False  # a reader is waiting for memory: release it to them
-        if sys.getrefcount(buf) > 3:  # the caller's name, this argument, getrefcount's argument
-            self.stats["prefetch.buffers_still_viewed"] += 1
-            return False
         if self.pooled_bytes + len(buf) > self.max_bytes:
             return False
-        self._free.setdefault(len(buf), []).append(buf)
+        if sys.getrefcount(buf) > 3:  # the caller's name, this argument, getrefcount's argument
+            self.stats["prefetch.buffers_still_viewed"] += 1
+            self._viewed.append(buf)
+        else:
+            self._free.setdefault(len(buf), []).append(buf)
         self.pooled_bytes += len(buf)
         return True
 
+    def _settle(self) -> None:
+        """Viewed buffers whose views are gone become free for reuse."""
+        still = []
+        for buf in self._viewed:
+            if sys.getrefcount(buf) > 3:  # self._viewed, the loop's name, getrefcount's argument
+                still.append(buf)
+            else:
+                self._free.setdefault(len(buf), []).append(buf)
+        self._viewed = still
+
     def shed(self, wanted_bytes: int) -> int:
+        """Release pooled buffers' reservations, the viewed ones first (their memory
+        goes when their last view does, as an unpooled buffer's would)."""
         freed_bytes = 0
-        for free in self._free.values():
+        for free in (self._viewed, *self._free.values()):
             while free and freed_bytes < wanted_bytes:
                 size_bytes = len(free.pop())
                 self.pooled_bytes -= size_bytes

@@ -331,6 +331,52 @@ def test_requests_go_through_the_http_proxy_botocore_uses(rclone_server, s3_buck
 
 
 @pytest.mark.timeout(60)
+def test_a_part_received_a_mib_at_a_time_leaves_its_connection_as_it_found_it(rclone_server, s3_bucket):
+    """A part's receives wait for up to 1 MiB each (SO_RCVLOWAT); the connection then
+    goes back to the pool waking for every byte again, or the next answer on it (a
+    small file's, a listing's) would wait for a MiB that never comes, until the read
+    timeout. Every byte lands where it belongs, the short last stretch included. A
+    receive never waits for more than can still come through the socket: the body's
+    first bytes arrive with its head, in the socket reader's own buffer (a 100 KiB
+    body, read again and again on kept connections, waited out the read timeout)."""
+    import socket
+
+    data = bytes(range(256)) * ((5 << 20) // 256 + 1000)  # 5 MiB and an odd tail: not whole low-water marks
+    mid = bytes(range(256)) * 400  # 100 KiB
+    rclone_server.write_files(s3_bucket, {"lw/big.bin": data, "lw/mid.bin": mid, "lw/small.bin": b"s" * 100})
+    backend = without_curl(
+        S3Backend(rclone_server.config(s3_bucket, read_timeout_s=5.0), session=rclone_server.session())
+    )
+
+    async def body():
+        objects = {info.key: info for info in (await backend.list_page("lw/")).objects}
+        big, small, middle = objects["lw/big.bin"], objects["lw/small.bin"], objects["lw/mid.bin"]
+        with trio.fail_after(3):
+            for _ in range(6):
+                buffer = bytearray(len(mid))
+                assert await backend.read_range_into(middle.key, 0, len(mid), middle.version, buffer) == len(mid)
+                assert buffer == mid
+        for start, end in ((0, big.size_bytes), (1000, big.size_bytes - 3)):
+            buffer = bytearray(end - start)
+            assert await backend.read_range_into(
+                big.key, start, end, big.version, buffer, object_bytes=big.size_bytes
+            ) == len(buffer)
+            assert buffer == data[start:end]
+        pooled = [
+            conn for conn in list(backend.lean._host_pool.pool.queue) if conn is not None and conn.sock is not None
+        ]
+        assert pooled and all(conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1 for conn in pooled)
+        with trio.fail_after(3):  # well inside the 5 s read timeout a stuck low-water mark would cost
+            for _ in range(4):
+                assert await backend.read_range(small.key, 0, 100, small.version, object_bytes=100) == b"s" * 100
+
+    try:
+        trio.run(body)
+    finally:
+        trio.run(backend.aclose)
+
+
+@pytest.mark.timeout(60)
 def test_an_object_stored_gzip_encoded_reads_as_its_stored_bytes(moto_server):
     """Listed size, ranges and ETag are those of the stored bytes; urllib3 decoding the
     body by default made every read of such an object ESTALE or EIO."""

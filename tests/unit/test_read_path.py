@@ -1034,6 +1034,47 @@ def test_a_buffer_still_viewed_is_never_reused():
     assert a_bytes == files["a.bin"]
 
 
+def test_a_buffer_freed_while_viewed_is_reused_once_its_view_is_gone():
+    """A part freed while a reply thread still sends from its buffer waits in the pool
+    (still in the budget): not reused while that view lives, reused after it, instead
+    of being unmapped and replaced by fresh memory the kernel must fault in and zero.
+    A reader's demand takes its reservation back like any pooled buffer's."""
+    from bucketfs.core.partbuffers import new_part_buffer
+
+    async def body(fs):
+        pool = fs.prefetcher.pool
+        await fs.budget.reserve(8 * MiB)
+        buf = new_part_buffer(8 * MiB)
+        buf_id = id(buf)
+        view = memoryview(buf)[4096:8192]  # a reply's slice, still being sent
+        assert pool.give(buf)
+        del buf  # (the freed part's own name goes)
+        taken_while_viewed = pool.take(8 * MiB)
+        pooled_while_viewed = pool.pooled_bytes
+        view.release()
+        del view
+        taken_after = pool.take(8 * MiB)
+        same_buffer = id(taken_after) == buf_id
+        assert pool.give(taken_after)  # back, free
+        del taken_after
+        assert pool.shed(8 * MiB) == 8 * MiB
+        await fs.budget.reserve(8 * MiB)
+        buf = new_part_buffer(8 * MiB)
+        view = memoryview(buf)[:1]
+        assert pool.give(buf)
+        del buf
+        used_before_shed = fs.budget.used_bytes
+        shed_bytes = pool.shed(8 * MiB)  # a demand takes a viewed buffer's reservation too
+        view.release()
+        return taken_while_viewed, pooled_while_viewed, same_buffer, shed_bytes, used_before_shed - fs.budget.used_bytes
+
+    taken_while_viewed, pooled_while_viewed, same_buffer, shed_bytes, released_bytes = run_fs(MemoryBackend({}), body)
+    assert taken_while_viewed is None
+    assert pooled_while_viewed == 8 * MiB
+    assert same_buffer
+    assert shed_bytes == released_bytes == 8 * MiB
+
+
 def test_memory_freed_while_a_reader_waits_goes_to_that_reader_not_the_pool():
     """A part freed while a demand waits for memory is released to it: kept as a
     pooled buffer instead, it would leave the reader waiting until the overcommit
