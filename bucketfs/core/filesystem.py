@@ -176,7 +176,6 @@ class Filesystem:
         self._opened_before: dict = {}  # fh -> ino of handles the kernel will not RELEASE (release_all_open_handles)
         self._dir_handles: dict = {}
         self._fh_counter = itertools.count(1)
-        self.pushing = False  # start_pushing's: fetch-ahead workers run
         # Directory inode -> (its listing, its children in order), for readdir_inode.
         # A few: the kernel reads one directory's READDIRs in a row and then keeps them.
         self._dir_children: cachetools.LRUCache = cachetools.LRUCache(maxsize=DIR_CHILDREN_KEPT_COUNT)
@@ -216,7 +215,6 @@ class Filesystem:
         if self.cache.kept is None:
             self.cache.kept = KeptCopies(self.budget, self.stats)
         self.fetch_ahead.start_pushing(list_to_kernel)
-        self.pushing = True
         return True
 
     async def opendir(self, ino: int) -> int:
@@ -310,7 +308,7 @@ class Filesystem:
         memory now): the caller reads it as usual. A push refused or failed leaves the
         READs to fetch it, with every retry. Not with --fetch-workers: the daemon's own
         GETs run in worker processes then."""
-        if not self.pushing or self.config.fetch_workers_count or not self.backend.pushes:
+        if self.config.fetch_workers_count or not self.backend.pushes:  # (workers run: start_pushing)
             return False
         flight = self.cache.push_ahead(
             key, node.version, node.size_bytes, node.ino, False, self._pushed_for_reader, for_reader=True
