@@ -181,7 +181,7 @@ class Report:
         return text_table(header, lines)
 
 
-def emulation_ceilings(runs: list, cpus: int) -> list:
+def emulation_ceilings(runs: list, cpus: int, fresh_memory=None) -> list:
     """What this machine allows any client of the emulated store, from the CPU the store
     itself (server + proxy) used in this run: lines for the W1 rows. On a real
     deployment that CPU is the store's and the network's, not the training machine's;
@@ -191,6 +191,7 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
       fetch workers'), on `cpus` cores: a reader side that cheap cannot pass cpus / (that
       sum) MB/s. The local disk's readers are the least any reader side spends: no
       client passes that one.
+    - W1 bucketfs: what its fresh part buffers cost (fresh_buffer_lines).
     - webdataset: the local loop keeps the cores busy (its busy CPU is ~cpus x its
       seconds), so a mount's run needs at least (the local loop's busy CPU + the store's
       CPU) / cpus seconds even if its daemon cost nothing: a ceiling on mount / local."""
@@ -219,6 +220,7 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
             f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
             f"({' / '.join(client_s_per_mb)})"
         )
+    lines += fresh_buffer_lines(runs, fresh_memory)
     local, mount = by.get(("W1 webdataset", "local")), by.get(("W1 webdataset", "bucketfs"))
     if local and mount and local.get("loop_busy_cpu_s") and local.get("samples/s"):
         store_s = mount["server_cpu_s"] + mount.get("proxy_cpu_s", 0)
@@ -227,6 +229,33 @@ def emulation_ceilings(runs: list, cpus: int) -> list:
             f"  W1 webdataset: the local loop kept {local['loop_busy_cpu_s']:.1f} CPU s busy and the store used "
             f"{store_s:.1f} CPU s for the mount's run: with a daemon that cost nothing, a mount reaches at most "
             f"{ratio:.2f}x local here ({ratio * local['samples/s']:,.0f} samples/s)"
+        )
+    return lines
+
+
+def fresh_buffer_lines(runs: list, fresh_memory, part_mib: int = 8) -> list:
+    """For each bucketfs W1 run: how many of its read-ahead parts were received into
+    fresh buffers rather than pooled ones (each a `part_mib` MiB mapping the kernel
+    faults in and zeroes), and what that memory costs on this machine by the probe
+    (`fresh_memory`: procs.fresh_memory_ms_per_mib's (first, again)). A stream that
+    runs ~1 s from a new mount pays for its whole window's memory: the process reading
+    directly reuses its own heap."""
+    if not fresh_memory:
+        return []
+    first_ms, again_ms = fresh_memory
+    lines = []
+    for r in runs:
+        stats = r.get("daemon_stats") or {}
+        if r["system"] != "bucketfs" or not r["run"].startswith("W1 ") or "backend.get_path.threads" not in stats:
+            continue
+        parts = stats["backend.get_path.threads"]
+        fresh = max(parts - stats.get("prefetch.buffers_reused", 0), 0)
+        cost_s = fresh * part_mib * first_ms / 1000
+        lines.append(
+            f"  {r['run']}: bucketfs received {fresh} of its {parts} read-ahead parts into fresh buffers "
+            f"({fresh * part_mib} MiB); fresh memory cost {first_ms:.2f} ms of CPU per MiB to fault in right after "
+            f"the page cache was dropped ({again_ms:.2f} once reused; probe after W1): ~{cost_s:.2f} CPU s of the "
+            f"daemon's {r.get('daemon_cpu_s', 0):.2f}"
         )
     return lines
 
@@ -312,7 +341,7 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     # (With --store-cpus the store has cores of its own: it caps no client by its CPU.)
-    ceilings = [] if args.store_cpus else emulation_ceilings(bench.runs, os.cpu_count() or 1)
+    ceilings = [] if args.store_cpus else emulation_ceilings(bench.runs, os.cpu_count() or 1, bench.fresh_memory)
     if ceilings:
         print("\nWhat the emulated store leaves this machine (its CPU is on the same cores as the client's):")
         print("\n".join(ceilings))
@@ -350,6 +379,7 @@ def print_report(bench, args, backend_cls, started: float) -> int:
                     "cpu_per_unit": bench.cpu_per_unit_rows(),
                     "fetch_workers_variant": bench.fetch_workers_results(),
                     "issue37": bench.issue37_results(),
+                    "fresh_memory_ms_per_mib": bench.fresh_memory,
                     "runs": bench.runs,
                     "failures": bench.failures,
                 },

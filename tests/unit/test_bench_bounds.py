@@ -48,3 +48,18 @@ def test_with_the_store_on_its_own_cpu_a_target_beyond_the_stores_rate_is_beyond
 
 def test_without_both_runs_there_is_no_line():
     assert cpu_bounds_lines([run("bucketfs", 500, 2.0, 1.0, 1.0)], 2, 0) == []
+
+
+def test_a_w1_runs_fresh_part_buffers_are_priced_at_the_probes_first_touch():
+    from scripts.bench.report import fresh_buffer_lines
+
+    stats = {"backend.get_path.threads": 64, "prefetch.buffers_reused": 34}
+    runs = [
+        {"run": "W1 4 reader(s)", "system": "bucketfs", "daemon_stats": stats, "daemon_cpu_s": 1.3},
+        {"run": "W1 4 reader(s)", "system": "direct"},
+        {"run": "W2 epoch cold 8t", "system": "bucketfs", "daemon_stats": stats},
+    ]
+    (line,) = fresh_buffer_lines(runs, (2.0, 0.1))
+    assert "30 of its 64 read-ahead parts into fresh buffers (240 MiB)" in line
+    assert "~0.48 CPU s of the daemon's 1.30" in line
+    assert fresh_buffer_lines(runs, None) == []
