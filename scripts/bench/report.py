@@ -253,9 +253,10 @@ def fresh_buffer_lines(runs: list, fresh_memory, part_mib: int = 8) -> list:
         cost_s = fresh * part_mib * first_ms / 1000
         lines.append(
             f"  {r['run']}: bucketfs received {fresh} of its {parts} read-ahead parts into fresh buffers "
-            f"({fresh * part_mib} MiB); fresh memory cost {first_ms:.2f} ms of CPU per MiB to fault in right after "
-            f"the page cache was dropped ({again_ms:.2f} once reused; probe after W1): ~{cost_s:.2f} CPU s of the "
-            f"daemon's {r.get('daemon_cpu_s', 0):.2f}"
+            f"({fresh * part_mib} MiB); fresh memory cost a new process {first_ms:.2f} ms of CPU per MiB to fault "
+            f"in after the page cache was dropped ({again_ms:.2f} once reused; one probe after W1's streams, a "
+            f"figure that moves with what the host still backs): ~{cost_s:.2f} CPU s of the daemon's "
+            f"{r.get('daemon_cpu_s', 0):.2f} at that price"
         )
     return lines
 

@@ -61,5 +61,5 @@ def test_a_w1_runs_fresh_part_buffers_are_priced_at_the_probes_first_touch():
     ]
     (line,) = fresh_buffer_lines(runs, (2.0, 0.1))
     assert "30 of its 64 read-ahead parts into fresh buffers (240 MiB)" in line
-    assert "~0.48 CPU s of the daemon's 1.30" in line
+    assert "~0.48 CPU s of the daemon's 1.30 at that price" in line
     assert fresh_buffer_lines(runs, None) == []
