@@ -288,6 +288,12 @@ _SIMPLE = [
         "gauge",
     ),
     (
+        "process.serving_thread_cpu_s",
+        "bucketfs_serving_thread_cpu_seconds",
+        "CPU seconds of the thread that serves every FUSE request: near 1 per second, the mount's ceiling",
+        "counter",
+    ),
+    (
         "handles.open",
         "bucketfs_open_files",
         "Open file handles (with the kernel opening files: those read in part)",

@@ -319,7 +319,8 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     cpu_per_unit = bench.cpu_per_unit_table()
     if cpu_per_unit:
         print(
-            "bucketfs's CPU per unit by thread and process (issue 37; threadcpu.py): main = trio and FUSE, curl = the\n"
+            "bucketfs's CPU per unit by thread and process (issue 37; threadcpu.py): main = trio and FUSE (by the daemon's\n"
+            "own clock of that thread; user+sys in 10 ms ticks), curl = the\n"
             "libcurl thread, workers = trio's thread cache (and threads that exited), fetch workers = the daemon's fetch\n"
             "worker processes (--fetch-workers; and those reaped); bucketfs total = the daemon and its fetch workers.\n"
             "Ceiling = 1 / main-thread CPU per unit (no extra core lifts it); bound on N free cores = min(ceiling,\n"

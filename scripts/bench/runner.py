@@ -143,6 +143,7 @@ class Bench(
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
         threads_before = self.thread_census.start(self.mount.pid) if system == "bucketfs" else None
+        serving_before_s = self._serving_thread_cpu_s() if system == "bucketfs" else None
         alt = self.alt_mounts.get(system)
         alt_before = None
         if alt is not None:
@@ -182,7 +183,9 @@ class Bench(
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             # By thread and process: main (trio, FUSE), curl, workers, fetch workers (threadcpu.py); after the
             # client's CPU was read.
-            threads = run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before)
+            serving_after_s = self._serving_thread_cpu_s()
+            exact_s = None if None in (serving_before_s, serving_after_s) else serving_after_s - serving_before_s
+            threads = run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before, exact_s)
             # The mount's CPU (the "mount CPU" of the tables, the per-MB figures): all of bucketfs, the daemon
             # and its fetch workers (--fetch-workers), not the daemon process alone. The key keeps its name,
             # for --json files of earlier runs, as threadcpu's "daemon_*" keys do.
@@ -235,6 +238,14 @@ class Bench(
             print(flush=True)
             run["failed"] = True
         return run
+
+    def _serving_thread_cpu_s(self) -> Optional[float]:
+        """The daemon's serving thread's CPU s so far, exact (its stats), or None."""
+        from bucketfs.testing.mounting import daemon_stats
+
+        with contextlib.suppress(OSError, ValueError):
+            return daemon_stats(self.mountpoint).get("process.serving_thread_cpu_s")
+        return None
 
     def _start_profiler(self, label: str) -> Optional[subprocess.Popen]:
         """py-spy on the daemon for one run: collapsed stacks (flamegraph.pl input) in --py-spy DIR."""

@@ -231,11 +231,18 @@ def test_stats_and_metrics_from_a_running_mount(rclone_server, s3_bucket, tmp_pa
     assert raw["backend.requests.get"] == 1 and raw["read.bytes"] == 50_000
     # A small file's GET goes to a fetch-ahead worker, its body sent back (libcurl there).
     assert raw["backend.get_path.push"] == 1 and raw["open.worker_read"] == 1
+    # The serving thread's own CPU, exactly: some, and never more than the whole daemon's.
+    with open(f"/proc/{m.proc.pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    daemon_cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    assert 0 < raw["process.serving_thread_cpu_s"] <= daemon_cpu_s + 0.02
     assert os.listdir(m.mountpoint) == ["c"]  # the stats channel adds nothing to the tree
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'bucketfs_backend_requests_total{type="get"} 1.0' in body
     assert 'bucketfs_backend_gets_total{path="push"} 1.0' in body
     assert "bucketfs_errors_total{" not in body  # (reads, listings and the stats file: no error)
+    (serving,) = [line for line in body.splitlines() if line.startswith("bucketfs_serving_thread_cpu_seconds_total ")]
+    assert float(serving.split()[1]) >= raw["process.serving_thread_cpu_s"]
     stats_path = os.path.join(m.mountpoint, ".bucketfs-stats")
     assert (
         os.path.isfile(stats_path) and json.load(open(stats_path))["backend.requests.get"] == 1

@@ -29,3 +29,23 @@ def test_a_worker_started_and_reaped_during_the_run_counts_whole():
 def test_a_reused_pid_is_a_new_worker():
     # Worker 10 (started at tick 5) was reaped having spent 2.0 s; a new worker got pid 10.
     assert fetch_workers_delta_s({(10, 5): 1.5}, {(10, 80): 0.25}, 2.0) == pytest.approx(0.75)
+
+
+def test_the_serving_threads_exact_cpu_replaces_its_ticks_and_moves_the_total(monkeypatch):
+    from scripts.bench import threadcpu
+
+    # One daemon (pid 10): its main thread 0.20 s of ticks more over the run, trio's thread 0.30 s more.
+    readings = iter(
+        [{10: ("d", 1.0, 0.0), 11: ("Trio thread 0", 2.0, 0.0)}, {10: ("d", 1.2, 0.0), 11: ("Trio thread 0", 2.3, 0.0)}]
+        * 2
+    )
+    totals = iter([3.0, 3.5] * 2)
+    monkeypatch.setattr(threadcpu, "task_cpu", lambda pid: next(readings))
+    monkeypatch.setattr(threadcpu, "proc_cpu_s", lambda pid: next(totals))
+    monkeypatch.setattr(threadcpu, "fetch_workers_snapshot", lambda pid: ({}, 0.0))
+    census = threadcpu.ThreadCensus()
+    ticks = census.finish(census.start(10))
+    exact = census.finish(census.start(10), 0.2345)
+    assert (ticks["main"], ticks["total"], "main_ticks" in ticks) == (0.2, 0.5, False)
+    assert (exact["main"], exact["main_ticks"], exact["total"]) == (0.2345, 0.2, 0.534)
+    assert exact["workers"] == ticks["workers"] == 0.3
