@@ -100,7 +100,8 @@ def assert_at_most_one_get_per_file(proxy: CountingProxy, bucket: str, stats: di
     twice = {key: n for key, n in per_key.items() if n > 1}
     assert sum(n - 1 for n in twice.values()) <= dropped, (
         f"{len(twice)} objects fetched more than once in one epoch, e.g. {list(twice.items())[:5]}; "
-        f"{dropped} files dropped by the kernel"
+        f"{dropped} files dropped by the kernel; the GETs' paths and who read what: "
+        f"{ {k: v for k, v in sorted(stats.items()) if k.startswith(('open.', 'backend.get_path', 'fetch_ahead.push', 'fetch_ahead.kept', 'read.', 'fuse.'))} }"
     )
     assert sum(per_key.values()) <= files_count + dropped
     assert stats.get("backend.requests.get", 0) <= files_count + dropped, fetch_ahead_counters(stats)
