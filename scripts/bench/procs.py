@@ -29,8 +29,7 @@ for _ in range(2):
     for _ in range(mib // 8):
         b = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         b.madvise(mmap.MADV_HUGEPAGE)
-        for off in range(0, 8 << 20, 4096):
-            b[off] = 1
+        b[::4096] = bytes(2048)  # a write per 4 KiB page in one C loop: the faults are measured, not Python
         bufs.append(b)
     print(1000 * (time.process_time() - t0) / mib)
     for b in bufs:

@@ -44,6 +44,10 @@ class Row:
     met: Optional[bool] = None
 
 
+# The daemon's stat of its serving thread's CPU, exact (threadcpu.ThreadCensus.finish).
+SERVING_THREAD_CPU = "process.serving_thread_cpu_s"
+
+
 class Bench(
     Workloads,
     CopyThenRead,
@@ -143,7 +147,7 @@ class Bench(
         self.backend.mark(f"start {label} [{system}]")
         before = self.backend.stats() if remote else None
         threads_before = self.thread_census.start(self.mount.pid) if system == "bucketfs" else None
-        serving_before_s = self._serving_thread_cpu_s() if system == "bucketfs" else None
+        serving_before_s = (self._daemon_stats() or {}).get(SERVING_THREAD_CPU) if system == "bucketfs" else None
         alt = self.alt_mounts.get(system)
         alt_before = None
         if alt is not None:
@@ -183,17 +187,16 @@ class Bench(
         if system == "bucketfs" and self.mount.proc is not None and self.mount.proc.poll() is None:
             # By thread and process: main (trio, FUSE), curl, workers, fetch workers (threadcpu.py); after the
             # client's CPU was read.
-            serving_after_s = self._serving_thread_cpu_s()
+            stats = self._daemon_stats()  # (--json: counters since the mount)
+            if stats is not None:
+                run["daemon_stats"] = stats
+            serving_after_s = None if stats is None else stats.get(SERVING_THREAD_CPU)
             exact_s = None if None in (serving_before_s, serving_after_s) else serving_after_s - serving_before_s
             threads = run["daemon_threads_cpu_s"] = self.thread_census.finish(threads_before, exact_s)
             # The mount's CPU (the "mount CPU" of the tables, the per-MB figures): all of bucketfs, the daemon
             # and its fetch workers (--fetch-workers), not the daemon process alone. The key keeps its name,
             # for --json files of earlier runs, as threadcpu's "daemon_*" keys do.
             run["daemon_cpu_s"] = threads["total"]
-            from bucketfs.testing.mounting import daemon_stats
-
-            with contextlib.suppress(OSError, ValueError):
-                run["daemon_stats"] = daemon_stats(self.mountpoint)  # (--json only: counters since the mount)
         elif system == "bucketfs":
             verifier.fail(
                 f"the bucketfs daemon died during the run (exit {self.mount.proc.returncode if self.mount.proc else '?'}): {self.mount._tail(800)}"
@@ -239,12 +242,12 @@ class Bench(
             run["failed"] = True
         return run
 
-    def _serving_thread_cpu_s(self) -> Optional[float]:
-        """The daemon's serving thread's CPU s so far, exact (its stats), or None."""
+    def _daemon_stats(self) -> Optional[dict]:
+        """The daemon's counters (its stats file), or None."""
         from bucketfs.testing.mounting import daemon_stats
 
         with contextlib.suppress(OSError, ValueError):
-            return daemon_stats(self.mountpoint).get("process.serving_thread_cpu_s")
+            return daemon_stats(self.mountpoint)
         return None
 
     def _start_profiler(self, label: str) -> Optional[subprocess.Popen]:
