@@ -288,6 +288,13 @@ _SIMPLE = [
         "gauge",
     ),
     (
+        "fuse.max_read_bytes",
+        "bucketfs_fuse_max_read_bytes",
+        "The largest READ the kernel sends this mount: 4 MiB where libfuse's session was found and "
+        "fs.fuse.max_pages_limit allows it (absent: libfuse's 1 MiB)",
+        "gauge",
+    ),
+    (
         "process.serving_thread_cpu_s",
         "bucketfs_serving_thread_cpu_seconds",
         "CPU seconds of the thread that serves every FUSE request: near 1 per second, the mount's ceiling",

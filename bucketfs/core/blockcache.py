@@ -48,6 +48,7 @@ from bucketfs.backends.base import PUSH_FAILED, PUSH_READ, PUSHED, PushRequest
 from bucketfs.backends.slots import mark_speculative
 from bucketfs.core.blockpolicy import Run, RunResidency
 from bucketfs.core.kept import KeptCopies
+from bucketfs.core.pieces import Pieces
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,8 @@ class BlockCache:
         return run.size
 
     async def read(self, key: str, version: str, size_bytes: int, start: int, end: int):
-        """Bytes [start, end) of the object (end clipped to its size), as a bytes-like object."""
+        """Bytes [start, end) of the object (end clipped to its size): a bytes-like object,
+        or Pieces where they lie in the buffers of several fetches."""
         end = min(end, size_bytes)
         if start >= end:
             return b""
@@ -223,8 +225,8 @@ class BlockCache:
             read_bytes[block.entry] = read_bytes.get(block.entry, 0) + n_bytes
         for entry, n_bytes in read_bytes.items():
             self._index.note_read(entry, n_bytes)
-        # Blocks of several fetches: one copy, into the reply.
-        return b"".join(
+        # Blocks of several fetches: a slice of each (joined by a caller that needs one buffer).
+        return Pieces(
             block.run[block.lo + max(start - i * bs, 0) : block.lo + min(end - i * bs, len(block))]
             for i, block in zip(range(first, last + 1), pieces)
         )

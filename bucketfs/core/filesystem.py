@@ -46,6 +46,7 @@ from bucketfs import errors
 from bucketfs.core.components import build_components
 from bucketfs.core.kept import KeptCopies
 from bucketfs.core.namespace import ROOT_INO, Node
+from bucketfs.core.pieces import Pieces, nbytes_of, one_buffer
 from bucketfs.core.prefetch import HandleReader
 
 log = logging.getLogger(__name__)
@@ -318,17 +319,19 @@ class Filesystem:
     def _pushed_for_reader(self, outcome: str) -> None:
         self.stats[f"open.worker_{outcome}"] += 1
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int, pieces: bool = False):
+        """Bytes [off, off + size) of handle `fh` (fewer at its end): one buffer, or with
+        `pieces` a Pieces where they lie in several (pieces.py)."""
         ino = self._opened_before.get(fh)
         if ino is not None:  # (opened before the kernel opened files itself: by its inode now)
-            return await self.read_inode(ino, off, size)
+            return await self.read_inode(ino, off, size, pieces)
         data = await self._read(fh, off, size)
         ino = self._opened_before.get(fh)
-        if ino is not None and off + len(data) >= self._handle_bytes(fh):
+        if ino is not None and off + nbytes_of(data) >= self._handle_bytes(fh):
             self._release_inode(ino, fh)  # (its inode's since this READ began, and now read to its end)
-        return data
+        return data if pieces else one_buffer(data)
 
-    async def _read(self, fh: int, off: int, size: int) -> bytes:
+    async def _read(self, fh: int, off: int, size: int):
         handle = self._handles.get(fh)
         if handle is None:
             raise errors.NotFound(f"file handle {fh}")
@@ -378,9 +381,9 @@ class Filesystem:
                 self.cache.unpin(handle.key, handle.version)
         return data
 
-    async def read_inode(self, ino: int, off: int, size: int) -> bytes:
+    async def read_inode(self, ino: int, off: int, size: int, pieces: bool = False):
         """A READ of `ino` with no handle (the kernel opened the file itself): through
-        the inode's own handle (see the module's invariants)."""
+        the inode's own handle (see the module's invariants). `pieces`: as read's."""
         fh = self._inode_handles.get(ino)
         if fh is None and trio.current_time() < self._inode_ended.get(ino, -1.0):
             # A READ sent before the one that reached the end, answered after it (the
@@ -388,9 +391,10 @@ class Filesystem:
             # that it leaves none behind that no later READ would end.
             fh = await self.open(ino, os.O_RDONLY, pin=False, reading=True)
             try:
-                return await self._read(fh, off, size)
+                data = await self._read(fh, off, size)
             finally:
                 self.release(fh)
+            return data if pieces else one_buffer(data)
         if fh is None:
             # Not pinned: nothing releases a file a reader read in part and left (killed,
             # or done with its header), and pinned bytes are never evicted.
@@ -409,12 +413,12 @@ class Filesystem:
         except BaseException:
             self._release_inode(ino, fh)  # (the next READ opens afresh: a replaced object gives ESTALE there)
             raise
-        if off + len(data) >= self._handle_bytes(fh):
+        if off + nbytes_of(data) >= self._handle_bytes(fh):
             self._release_inode(ino, fh)  # (read to its end: the kernel keeps its pages)
             self._inode_ended[ino] = trio.current_time() + LATE_READ_WINDOW_S
             if len(self._inode_ended) > INODE_HANDLES_MAX:
                 self._inode_ended.popitem(last=False)
-        return data
+        return data if pieces else one_buffer(data)
 
     def release_all_open_handles(self) -> None:
         """The kernel has stopped sending RELEASE (it opens files itself from now on,
@@ -595,4 +599,4 @@ class Filesystem:
         return stats
 
 
-__all__ = ["Filesystem", "ROOT_INO"]
+__all__ = ["Filesystem", "Pieces", "ROOT_INO"]

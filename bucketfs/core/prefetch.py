@@ -34,6 +34,7 @@ import trio
 from bucketfs import errors
 from bucketfs.backends.slots import mark_speculative
 from bucketfs.core.partbuffers import POOLED_BUFFER_MIN_BYTES, BufferPool, new_part_buffer
+from bucketfs.core.pieces import Pieces
 
 log = logging.getLogger(__name__)
 
@@ -346,6 +347,7 @@ class SequentialStream:
                 self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end
             )
         self.read_end = max(self.read_end, end)
+        self._drop_behind()  # (first: the parts it issues then take the buffers of those passed)
         self._top_up()
         if self.ramp_end is None:
             self.ramp_end = self.fetch_end
@@ -366,7 +368,7 @@ class SequentialStream:
         self.pf.budget.reclaimable_grew()  # the parts just read are sheddable now
         self._top_up()
         self.pf.stats["prefetch.bytes_used"] += end - off
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        return pieces[0] if len(pieces) == 1 else Pieces(pieces)
 
     def _grow_if_starved(self) -> None:
         """Double the window, up to its cap, if a read had to wait for a part issued

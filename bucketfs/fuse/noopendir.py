@@ -143,7 +143,7 @@ _READDIRPLUS_PY = ctypes.PYFUNCTYPE(
 )
 
 
-def _mappings():
+def mappings():
     """(start, end, permissions, path) of every mapping of this process."""
     with open("/proc/self/maps") as maps:
         for line in maps:
@@ -157,7 +157,7 @@ def code_ranges(path: str) -> list:
     real = os.path.realpath(path)
     return [
         (start, end)
-        for start, end, perms, mapped in _mappings()
+        for start, end, perms, mapped in mappings()
         if perms[2] == "x" and mapped.startswith("/") and os.path.realpath(mapped) == real
     ]
 
@@ -166,7 +166,7 @@ def readable(address: int, size_bytes: int) -> bool:
     """Whether [address, address + size_bytes) lies in one readable mapping: a pointer
     that is not what it should be is refused here instead of crashing the daemon."""
     return any(
-        start <= address and address + size_bytes <= end and perms[0] == "r" for start, end, perms, _path in _mappings()
+        start <= address and address + size_bytes <= end and perms[0] == "r" for start, end, perms, _path in mappings()
     )
 
 

@@ -27,6 +27,7 @@ from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.fuse.replies import REPLY_THREAD_MIN_BYTES, ReplyThread
+from bucketfs.fuse.requestsize import ask_for_large_reads
 from bucketfs.fuse.session import session_fd
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
@@ -168,6 +169,8 @@ class FuseOperations(pyfuse3.Operations):
             )
         if self._dir_cache is not None:
             self._dir_cache.install()
+        if self._replies is not None and self._replies.available:
+            ask_for_large_reads(kernel_fd, self.fs.stats)
         self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
 
@@ -399,19 +402,20 @@ class FuseOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @fuse_errors
-    async def read(self, fh, off, size):
+    async def read(self, fh, off, size, pieces=False):
+        """pyfuse3's READ (one buffer); `pieces` for the reply thread (Filesystem.read's)."""
         if fh & INODE_FH:  # (the kernel opened the file itself: noopen.py)
             ino = fh ^ INODE_FH
             if ino >= STATS_INODE_FIRST:
                 self._uncount("read")
                 return self._stats_snapshot(ino)[0][off : off + size]
-            return await self.fs.read_inode(ino, off, size)
+            return await self.fs.read_inode(ino, off, size, pieces)
         if fh >= STATS_FH_FIRST:
             self._uncount("read")
             return self._stats_reads[fh][off : off + size]
         if self._kernel_opens_files is not None:
             self._kernel_opens_files.saw_handle(fh)
-        return await self.fs.read(fh, off, size)
+        return await self.fs.read(fh, off, size, pieces)
 
     def _serve_read(self, req: int, fh: int, off: int, size: int) -> bool:
         """Whether this READ is taken from pyfuse3's handler (noopen.py) and served by a
@@ -431,7 +435,7 @@ class FuseOperations(pyfuse3.Operations):
         if self._reads_in_flight == 1:
             self._reads_idle = trio.Event()
         try:
-            data = await self.read(fh, off, size)
+            data = await self.read(fh, off, size, True)
         except pyfuse3.FUSEError as exc:
             self._replies.error(req, exc.errno)
             return

@@ -28,6 +28,8 @@ import queue
 import threading
 from typing import Optional
 
+from bucketfs.core.filesystem import Pieces
+
 log = logging.getLogger(__name__)
 
 # READs this large or larger are replied from the thread. The kernel asks for up to 1 MiB
@@ -61,6 +63,9 @@ class ReplyThread:
             self._reply_buf = lib.fuse_reply_buf
             self._reply_buf.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
             self._reply_buf.restype = ctypes.c_int
+            self._reply_iov = lib.fuse_reply_iov
+            self._reply_iov.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+            self._reply_iov.restype = ctypes.c_int
             self._reply_err = lib.fuse_reply_err
             self._reply_err.argtypes = (ctypes.c_void_p, ctypes.c_int)
             self._reply_err.restype = ctypes.c_int
@@ -68,7 +73,7 @@ class ReplyThread:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, req: int, data) -> None:
-        """Reply to `req` with `data` (any contiguous buffer) from the thread."""
+        """Reply to `req` with `data` (any contiguous buffer, or Pieces) from the thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="bucketfs-replies", daemon=True)
             self._thread.start()
@@ -94,13 +99,11 @@ class ReplyThread:
             try:
                 if isinstance(data, bytes):
                     ret = reply_buf(req, data, len(data))
+                elif isinstance(data, Pieces):
+                    ret = self._reply_pieces(req, data)
                 else:
                     view = memoryview(data)
-                    pointer: object
-                    try:
-                        pointer = (ctypes.c_char * view.nbytes).from_buffer(view)
-                    except TypeError:  # (read-only: a copy, which bytes can hand over as it is)
-                        pointer = bytes(view)
+                    pointer = _addressable(view)
                     ret = reply_buf(req, pointer, view.nbytes)
                     del pointer, view
                 if ret != 0:  # (the connection is gone: an unmount)
@@ -113,3 +116,37 @@ class ReplyThread:
                 item = get_nowait()
             except queue.Empty:
                 item = get()
+
+    def _reply_pieces(self, req: int, pieces: Pieces) -> int:
+        """One reply of every piece's bytes in order (one writev): no copy to join them."""
+        vectors = (_IoVec * len(pieces))()
+        # The pieces' buffers, referenced until the call returns. (Not through
+        # ctypes.cast: its result and its argument refer to each other, so a part's
+        # buffer would stay viewed, never reused, until the garbage collector ran.)
+        arrays = []
+        for vector, piece in zip(vectors, pieces):
+            view = memoryview(piece)
+            try:
+                array = (ctypes.c_char * view.nbytes).from_buffer(view)
+            except TypeError:  # (read-only: a copy)
+                array = (ctypes.c_char * view.nbytes).from_buffer_copy(view)
+            arrays.append(array)
+            vector.iov_base = ctypes.addressof(array)
+            vector.iov_len = view.nbytes
+            del view
+        ret = self._reply_iov(req, vectors, len(pieces))
+        del arrays
+        return ret
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = (("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t))
+
+
+def _addressable(view: memoryview):
+    """What ctypes can pass as a pointer to `view`'s bytes: the buffer itself, or for a
+    read-only one a copy (which bytes can hand over as it is)."""
+    try:
+        return (ctypes.c_char * view.nbytes).from_buffer(view)
+    except TypeError:
+        return bytes(view)

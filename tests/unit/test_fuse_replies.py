@@ -8,10 +8,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import gc
+import mmap
+import sys
 import threading
 
 import pytest
 
+from bucketfs.core.pieces import Pieces
 from bucketfs.fuse.replies import ReplyThread
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,6 +39,7 @@ class FakeLibfuse:
         self.threads: set = set()
         self.block = block
         self.fuse_reply_buf = FakeCall(self._reply_buf)
+        self.fuse_reply_iov = FakeCall(self._reply_iov)
         self.fuse_reply_err = FakeCall(lambda req, code: self.errors.append((req, code)) or 0)
 
     def _reply_buf(self, req, pointer, size):
@@ -44,6 +49,12 @@ class FakeLibfuse:
             raise ctypes.ArgumentError("a buffer ctypes cannot pass")
         data = pointer if isinstance(pointer, bytes) else bytes(pointer)
         self.replies.append((req, data[:size]))
+        self.threads.add(threading.current_thread().name)
+        return 0
+
+    def _reply_iov(self, req, vectors, count):
+        data = b"".join(ctypes.string_at(vector.iov_base, vector.iov_len) for vector in vectors[:count])
+        self.replies.append((req, data))
         self.threads.add(threading.current_thread().name)
         return 0
 
@@ -87,3 +98,25 @@ def test_stop_writes_what_is_queued_and_a_failed_reply_gets_eio():
     assert not stopper.is_alive()
     assert [req for req, _ in lib.replies] == [*range(10, 20), 21]
     assert lib.errors == [(666, errno.EIO)]
+
+
+def test_a_reply_in_pieces_is_one_write_of_their_bytes_that_lets_go_of_their_buffers():
+    """A READ over two read-ahead parts: one reply (fuse_reply_iov) of both parts' bytes,
+    and once written nothing refers to the parts' buffers any more, without waiting for
+    the garbage collector: the pool reuses a buffer only when nothing does
+    (partbuffers.py), so a reference cycle would leave every such part's buffer unused."""
+    lib = FakeLibfuse()
+    replies = ReplyThread(collections.Counter(), lib)
+    part_a = bytearray(b"a" * 4096)
+    part_b = mmap.mmap(-1, 8192)
+    part_b[:] = b"b" * 8192
+    baseline = sys.getrefcount(part_a), sys.getrefcount(part_b)
+    gc.disable()
+    try:
+        replies.submit(7, Pieces((memoryview(part_a)[96:], memoryview(part_b)[:5000], memoryview(b"read-only")[5:])))
+        replies.stop()
+        assert (sys.getrefcount(part_a), sys.getrefcount(part_b)) == baseline
+    finally:
+        gc.enable()
+    assert lib.replies == [(7, b"a" * 4000 + b"b" * 5000 + b"only")]
+    assert lib.threads == {"bucketfs-replies"}

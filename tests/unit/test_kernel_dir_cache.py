@@ -1,6 +1,6 @@
 """--kernel-dir-cache off, or a pyfuse3 outside the tested releases, writes nothing into
 pyfuse3's or libfuse's private memory: every access that could write there (ctypes in
-fuse/dircache.py and fuse/noopendir.py, the wrapper of pyfuse3's OPENDIR handler) is
+fuse/dircache.py, fuse/noopendir.py and fuse/requestsize.py, the wrapper of pyfuse3's OPENDIR handler) is
 made to fail the test, and a whole directory walk through the FUSE adapter still works."""
 
 import logging
@@ -14,7 +14,7 @@ import trio
 
 from bucketfs.app import cli, fstab
 from bucketfs.backends.memory import MemoryBackend
-from bucketfs.fuse import dircache, noopendir
+from bucketfs.fuse import dircache, noopendir, requestsize
 from bucketfs.fuse.ops import FuseOperations
 from tests.unit.helpers import resolve, run_fs
 
@@ -37,11 +37,12 @@ class Forbidden:
 
 @pytest.fixture
 def guarded(monkeypatch):
-    """ctypes unusable in both private-layout modules; pyfuse3's OPENDIR handler and
+    """ctypes unusable in the private-layout modules; pyfuse3's OPENDIR handler and
     its readdir_reply restored after the test (readdir_reply records the entries)."""
     forbidden = Forbidden()
     monkeypatch.setattr(dircache, "ctypes", forbidden)
     monkeypatch.setattr(noopendir, "ctypes", forbidden)
+    monkeypatch.setattr(requestsize, "ctypes", forbidden)
     monkeypatch.setattr(pyfuse3, "fuse_opendir_async", pyfuse3.fuse_opendir_async)  # (restored if replaced)
     replies = []
     monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attrs, next_id: replies.append(name) or True)

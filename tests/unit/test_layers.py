@@ -128,7 +128,7 @@ def test_scripts_import_no_tests():
 # (lookup, open, read, note_lookup, forget, watch_vanished, count, ...), never the
 # components behind it, and imports from the core only these names.
 CORE_PARTS = {"ns", "cache", "prefetcher", "budget", "shards", "backend", "disk_cache"}
-CORE_NAMES_FOR_FUSE = {"bucketfs.core.filesystem": {"Filesystem", "DOT_NAMES", "ROOT_INO"}}
+CORE_NAMES_FOR_FUSE = {"bucketfs.core.filesystem": {"Filesystem", "DOT_NAMES", "ROOT_INO", "Pieces"}}
 
 
 def adapter_problems(source: str):

@@ -12,6 +12,7 @@ from bucketfs import errors
 from bucketfs.backends.memory import MemoryBackend
 from bucketfs.core import blockcache, memory, prefetch
 from bucketfs.core.namespace import LISTED_ENTRY_BYTES
+from bucketfs.core.pieces import Pieces, one_buffer
 from tests.unit.helpers import read_all, resolve, run_fs
 
 MiB = 1024 * 1024
@@ -244,6 +245,46 @@ def test_a_read_across_two_fetches_joins_their_blocks():
     first, across = run_fs(backend, body, small_file_bytes=64 * 1024, block_size_bytes=64 * 1024, list_ahead_count=0)
     assert bytes(first) == data[64 * 1024 : 64 * 1024 + 1000]
     assert bytes(across) == data[: 3 * 64 * 1024]
+
+
+def test_reads_across_buffers_come_in_pieces_only_to_a_caller_that_asks():
+    """The reply thread sends Pieces as they are (one writev): a READ over two
+    read-ahead parts, or blocks of two fetches, is not copied into one buffer for it;
+    every other caller still gets one buffer."""
+    data = blob(40 * MiB, 11)
+    backend = MemoryBackend({"big.bin": data, "r.bin": data[: 3 * 64 * 1024]})
+    read_bytes = 3 * MiB  # (not a divisor of the 8 MiB parts: some READs span two)
+
+    async def body(fs):
+        node = await resolve(fs, "big.bin")
+        fh = await fs.open(node.ino, 0)
+        results = []
+        for off in range(0, len(data), read_bytes):
+            results.append((off, await fs.read(fh, off, read_bytes, pieces=off % (2 * read_bytes) == 0)))
+        fs.release(fh)
+        small = await resolve(fs, "r.bin")
+        fh = await fs.open(small.ino, 0)
+        await fs.read(fh, 64 * 1024, 1000)  # block 1 alone: the next read spans three fetches
+        across = await fs.read(fh, 0, 3 * 64 * 1024, pieces=True)
+        fs.release(fh)
+        return results, across
+
+    results, across = run_fs(
+        backend,
+        body,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+        small_file_bytes=64 * 1024,
+        block_size_bytes=64 * 1024,
+        list_ahead_count=0,
+    )
+    assert b"".join(bytes(one_buffer(data_)) for _, data_ in results) == data
+    asked = [data_ for off, data_ in results if off % (2 * read_bytes) == 0]
+    not_asked = [data_ for off, data_ in results if off % (2 * read_bytes)]
+    assert any(isinstance(data_, Pieces) for data_ in asked)
+    assert all(isinstance(piece, memoryview) for data_ in asked if isinstance(data_, Pieces) for piece in data_)
+    assert not any(isinstance(data_, Pieces) for data_ in not_asked)
+    assert isinstance(across, Pieces) and len(across) > 1 and across.joined() == data[: 3 * 64 * 1024]
+    assert across.nbytes == 3 * 64 * 1024
 
 
 def test_a_fetch_is_evicted_whole_so_the_budget_counts_the_buffers_alive():
