@@ -280,8 +280,11 @@ class Filesystem:
             reader = None
             # A file served whole before is in the page cache, unless a READ of it waits
             # (the kernel dropped its pages): that READ fetches it, if a worker does not.
-            if (not node.served or reading) and not self._push_for_reader(node, key):
-                if not node.served:
+            if not node.served or reading:
+                if self._push_for_reader(node, key):
+                    if node.served:  # (what _read counts when the READ fetches it itself)
+                        self._note_kernel_dropped(node)
+                elif not node.served:
                     self.cache.start_read(key, node.version, node.size_bytes, 0, node.size_bytes)
             self.stats["open.small"] += 1
         else:
@@ -315,6 +318,13 @@ class Filesystem:
             key, node.version, node.size_bytes, node.ino, False, self._pushed_for_reader, for_reader=True
         )
         return flight is not None
+
+    def _note_kernel_dropped(self, node: Node) -> None:
+        """A READ of a file given to the kernel whole (read through, or pushed) is fetched
+        again: the kernel dropped its pages (memory pressure, or a host's proactive
+        reclaim, DAMON, of pages not read yet)."""
+        self.stats["read.kernel_dropped_gets"] += 1
+        self.fetch_ahead.note_kernel_miss(node)
 
     def _pushed_for_reader(self, outcome: str) -> None:
         self.stats[f"open.worker_{outcome}"] += 1
@@ -352,10 +362,7 @@ class Filesystem:
                 if not self.cache.holds(handle.key, handle.version, off):
                     # A miss (evicted, or the kernel dropped its pages): the whole object in one GET.
                     if handle.node.served:
-                        # Given to the kernel whole (read through, or pushed) and dropped since:
-                        # memory pressure, or a host's proactive reclaim (DAMON) of pages not read yet.
-                        self.stats["read.kernel_dropped_gets"] += 1
-                        self.fetch_ahead.note_kernel_miss(handle.node)
+                        self._note_kernel_dropped(handle.node)
                     self.cache.start_read(handle.key, handle.version, handle.size_bytes, 0, handle.size_bytes)
                 data = await self.cache.read(handle.key, handle.version, handle.size_bytes, off, end)
             else:

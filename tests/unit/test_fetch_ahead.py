@@ -557,7 +557,9 @@ def test_a_small_file_opened_where_workers_push_is_fetched_through_one_and_not_p
 
 def test_a_read_by_inode_of_a_file_the_kernel_dropped_is_fetched_through_a_worker():
     """Served whole before (the kernel held it), READ again (it dropped the pages), no
-    kept copy: the READ's file comes through a worker, not a GET of the daemon's."""
+    kept copy: the READ's file comes through a worker, not a GET of the daemon's, and
+    counts as a file the kernel dropped (as the daemon's own GET of it would: the
+    tests that allow such GETs, and fetch-ahead's note_kernel_miss, go by it)."""
     objects, backend = image_folder()
     path = "train/class01/img0003.jpg"
 
@@ -580,6 +582,7 @@ def test_a_read_by_inode_of_a_file_the_kernel_dropped_is_fetched_through_a_worke
     assert first == data == objects[path]
     assert stats["open.worker_read"] == 2
     assert gets == 1
+    assert stats["read.kernel_dropped_gets"] == 1
 
 
 @pytest.mark.parametrize("pushing", [False, True], ids=["no-fetch-ahead-workers", "with-fetch-workers"])
