@@ -2,10 +2,11 @@
 
 A READ that spans two read-ahead parts (or two cached runs) has its bytes in two
 buffers. Joining them is a copy on the serving thread: with 4 MiB READs over 8 MiB
-parts, 2 READs in 5 spanned one, and the joins were most of that thread's CPU. The
+parts, 2 READs in 5 spanned two, and the joins were over half of that thread's CPU
+(ad hoc, streaming 516 MB of shards: 0.19 s, 0.08 s without them). The
 reply thread sends several buffers in one write (fuse_reply_iov), so a reader that
 replies from there asks for `Pieces` (Filesystem.read's `pieces`); every other caller
-gets one buffer, as before.
+gets one buffer.
 """
 
 from __future__ import annotations
