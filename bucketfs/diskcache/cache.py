@@ -635,7 +635,11 @@ class DiskCache:
         got = await self.inner.read_range_into(key, start, end, version, buffer, object_bytes=object_bytes)
         if object_bytes is not None:
             # The buffer is reused once we return: store it now (into the page cache: ~ms per part).
-            await self._store(eid, key, version, start, memoryview(buffer)[:got], object_bytes)
+            # Shielded: a part dropped once its bytes are here (a warmed head let go, a
+            # stream closed) still stores them; cancelled at the store's first checkpoint,
+            # they were fetched and never written, and the next mount fetched them again.
+            with trio.CancelScope(shield=True):
+                await self._store(eid, key, version, start, memoryview(buffer)[:got], object_bytes)
         return got
 
     # -- writes ------------------------------------------------------------------

@@ -1101,3 +1101,36 @@ def test_available_memory_is_memavailable_or_the_room_left_under_the_tightest_cg
     over = _system(tmp_path / "d", ["0::/"], {"memory.max": str(GiB), "memory.current": str(2 * GiB)})
     assert pagecache.available_memory_bytes(*over) == 0
     assert pagecache.available_memory_bytes(str(tmp_path / "nowhere"), str(tmp_path / "nowhere")) is None
+
+
+def test_a_part_dropped_once_its_bytes_are_here_still_stores_them(tmp_path):
+    """The read-ahead part whose GET returns just as it is dropped (a warmed head let go,
+    a stream closed): trio hands back the GET's bytes, and the store that follows runs
+    though its scope is cancelled: the bytes were fetched, and a later mount finds them
+    on disk instead of fetching them again."""
+    data = blob(200_000, 8)
+    backend = MemoryBackend({"k": data})
+    inner_read_into = backend.read_range_into
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            stats = Stats()
+            cache = DiskCache(backend, str(tmp_path), 1 << 30, 64 * 1024, stats, nursery)
+            version = backend._info["k"].version
+            buffer = bytearray(200_000)
+            with trio.CancelScope() as scope:
+
+                async def dropped_as_it_returns(*args, **kwargs):
+                    got = await inner_read_into(*args, **kwargs)
+                    scope.cancel()  # (the part's drop, with no checkpoint before the store)
+                    return got
+
+                backend.read_range_into = dropped_as_it_returns
+                await cache.read_range_into("k", 0, 200_000, version, buffer, object_bytes=200_000)
+            held = cache.holds("k", version, 0, 200_000)
+            nursery.cancel_scope.cancel()
+        return held, stats
+
+    held, stats = trio.run(main)
+    assert held
+    assert stats["disk_cache.written_bytes"] == 200_000
