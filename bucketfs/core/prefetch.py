@@ -44,7 +44,7 @@ MiB = 1024 * 1024
 REORDER_TOLERANCE_BYTES = 8 * MiB
 # A stream starts after this many contiguous bytes in at least 2 reads: a random
 # reader rarely chains 1 MiB, while the kernel's own read-ahead of a sequential
-# reader sends 1 MiB READs, so the second READ already starts a stream.
+# reader sends READs of 1 MiB or more, so the second READ already starts a stream.
 SEQUENTIAL_BYTES_TO_START = 1 * MiB
 SEQUENTIAL_READS_TO_START = 2
 # A part a reader is already waiting for is kept small: its first byte comes sooner.

@@ -27,6 +27,7 @@ change may be kept this way, so a --metadata-ttl mount never uses it; nor does a
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import os
@@ -162,12 +163,25 @@ def code_ranges(path: str) -> list:
     ]
 
 
+def readable_now(maps=None) -> Callable[[int, int], bool]:
+    """readable(), against one reading of this process's mappings (`maps`: mappings()'s,
+    already read): for checking many pointers at once."""
+    ranges = sorted(
+        (start, end) for start, end, perms, _path in (maps if maps is not None else mappings()) if perms[0] == "r"
+    )
+    starts = [start for start, _ in ranges]
+
+    def check(address: int, size_bytes: int) -> bool:
+        i = bisect.bisect_right(starts, address) - 1
+        return i >= 0 and address + size_bytes <= ranges[i][1]
+
+    return check
+
+
 def readable(address: int, size_bytes: int) -> bool:
     """Whether [address, address + size_bytes) lies in one readable mapping: a pointer
     that is not what it should be is refused here instead of crashing the daemon."""
-    return any(
-        start <= address and address + size_bytes <= end and perms[0] == "r" for start, end, perms, _path in mappings()
-    )
+    return readable_now()(address, size_bytes)
 
 
 def find_ops_table(session: int, code: list) -> Optional[int]:

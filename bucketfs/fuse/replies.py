@@ -32,8 +32,8 @@ from bucketfs.core.filesystem import Pieces
 
 log = logging.getLogger(__name__)
 
-# READs this large or larger are replied from the thread. The kernel asks for up to 1 MiB
-# at a time when streaming a file (4 readers of shards: all 1 MiB), and for about the
+# READs this large or larger are replied from the thread. The kernel asks for up to 4 MiB
+# at a time when streaming a file (requestsize.py; 1 MiB where that is not in force), and for about the
 # whole file when a loader reads a small one in one call (100 KB files: 90-110 KB). A
 # reply from the thread costs a task and a hand-off of the GIL to the thread and back,
 # more than the copy of a small file's bytes (W2, 100 KB files: 15% fewer files/s).
@@ -126,10 +126,7 @@ class ReplyThread:
         arrays = []
         for vector, piece in zip(vectors, pieces):
             view = memoryview(piece)
-            try:
-                array = (ctypes.c_char * view.nbytes).from_buffer(view)
-            except TypeError:  # (read-only: a copy)
-                array = (ctypes.c_char * view.nbytes).from_buffer_copy(view)
+            array = _addressable(view)
             arrays.append(array)
             vector.iov_base = ctypes.addressof(array)
             vector.iov_len = view.nbytes
@@ -143,10 +140,10 @@ class _IoVec(ctypes.Structure):
     _fields_ = (("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t))
 
 
-def _addressable(view: memoryview):
-    """What ctypes can pass as a pointer to `view`'s bytes: the buffer itself, or for a
-    read-only one a copy (which bytes can hand over as it is)."""
+def _addressable(view: memoryview) -> ctypes.Array:
+    """A ctypes array over `view`'s bytes: the buffer itself, or for a read-only one
+    (ctypes cannot point into it) a copy."""
     try:
         return (ctypes.c_char * view.nbytes).from_buffer(view)
     except TypeError:
-        return bytes(view)
+        return (ctypes.c_char * view.nbytes).from_buffer_copy(view)

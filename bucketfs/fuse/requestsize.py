@@ -25,7 +25,6 @@ doubt, and nothing is written: READs stay at 1 MiB.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import logging
 import mmap
@@ -41,6 +40,7 @@ from bucketfs.fuse.noopendir import (
     code_ranges,
     find_ops_table,
     mappings,
+    readable_now,
 )
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,7 @@ def find_session(fuse_fd: int, code: list) -> Optional[int]:
     its descriptor and pyfuse3's table of operations. `code`: pyfuse3's code ranges."""
     so_path = os.path.realpath(pyfuse3.__file__)
     maps = list(mappings())
-    readable = sorted((start, end) for start, end, perms, _ in maps if perms[0] == "r")
-    starts = [start for start, _ in readable]
-
-    def readable_at(address: int, size_bytes: int) -> bool:
-        i = bisect.bisect_right(starts, address) - 1
-        return i >= 0 and address + size_bytes <= readable[i][1]
+    readable_at = readable_now(maps)
 
     # pyfuse3's data: its writable mappings, and the anonymous one right after (.bss).
     words: set = set()
