@@ -144,6 +144,34 @@ def test_large_reads_are_replied_from_the_reply_thread_every_byte_right(rclone_s
         assert m.stats().get("errors.ESTALE", 0) >= 1
 
 
+def test_a_shard_read_again_at_once_streams_and_costs_its_bytes_once(rclone_server, s3_bucket, mount_factory):
+    """A shard read again right after it was read to its end (the next epoch of a small
+    data set whose pages were evicted, or a second reader): its READs from the start
+    are the file read again, not the late read-ahead of the first pass; they stream
+    through a handle of their own, fetching the shard once, not READ by READ through
+    the block cache."""
+    files = dataset()
+    rclone_server.write_files(s3_bucket, files)
+    m = mount_factory(rclone_server, s3_bucket)
+    list(os.walk(m.path("")))
+    small = {key: data for key, data in files.items() if key.startswith("train/")}
+    assert read_all(m, small) == small  # (the kernel opens files from here on)
+    shard_key = "shards/shard-000000.tar"
+    shard = {shard_key: files[shard_key]}
+    if not drop_page_cache():
+        pytest.skip("dropping the page cache needs root")
+    for _ in range(3):
+        before = m.stats()
+        assert read_all(m, shard, threads=1) == shard
+        drop_page_cache()
+        after = m.stats()
+        fetched = after["backend.bytes_fetched"] - before.get("backend.bytes_fetched", 0)
+        assert fetched <= len(files[shard_key]) + 2 * MiB
+        assert after.get("cache.misses", 0) - before.get("cache.misses", 0) <= 8
+        assert after["prefetch.streams"] - before.get("prefetch.streams", 0) == 1
+    assert "errors.EIO" not in m.stats()
+
+
 def test_a_stop_while_large_reads_wait_on_a_frozen_store_replies_to_them_and_exits(tmp_path, empty_dir, mount_factory):
     """READs served by the daemon's own tasks (replies.py) blocked on a store that
     stopped answering: a second SIGTERM still ends the daemon at once, cleanly, and the

@@ -103,6 +103,48 @@ def test_reads_by_inode_return_every_byte_and_leave_no_handle_once_read_to_the_e
     assert stats["open.small"] == len(FILES) - 1 and stats["open.large"] == 1
 
 
+def test_a_file_read_again_from_its_start_streams_while_reads_sent_before_its_end_go_at_once():
+    """Within a moment of the READ that read a shard to its end, a READ near that end
+    was sent before it (the kernel's read-ahead): a handle let go of at once. A READ
+    from the start is the file read again (another reader, or the next epoch with its
+    pages evicted): a handle of its own that streams, not a block-cache miss per READ."""
+    import trio
+
+    from bucketfs.core import filesystem
+
+    path, MiB = "shards/a.tar", 1024 * 1024
+    data = FILES[path]
+    assert len(data) > filesystem.LATE_READ_SPAN_BYTES + 2 * MiB
+    backend = MemoryBackend(FILES)
+
+    async def read_through(fs, ino) -> bytes:
+        got = bytearray()
+        while len(got) < len(data):
+            got += await fs.read_inode(ino, len(got), MiB)
+        return bytes(got)
+
+    async def body(fs):
+        start_s = trio.current_time()
+        ino = (await resolve(fs, path)).ino
+        assert await read_through(fs, ino) == data
+        before = fs.stats.snapshot()
+        fetched_before = backend.bytes_fetched
+        late_off = len(data) - 3 * MiB
+        assert await fs.read_inode(ino, late_off, MiB) == data[late_off : late_off + MiB]
+        late_left = len(fs._inode_handles)
+        again = await read_through(fs, ino)
+        within_window_s = trio.current_time() - start_s < filesystem.LATE_READ_WINDOW_S
+        fetched = backend.bytes_fetched - fetched_before
+        return late_left, again, within_window_s, len(fs._handles), before, fs.stats.snapshot(), fetched
+
+    late_left, again, within_window_s, handles, before, after, fetched = run_fs(backend, body)
+    assert within_window_s  # (else every READ above was an ordinary one)
+    assert late_left == 0 and again == data and handles == 0
+    assert after["open.large"] - before["open.large"] == 2  # the late READ's, then the second pass's
+    assert after["prefetch.streams"] - before["prefetch.streams"] == 1
+    assert fetched <= len(data) + 2 * MiB  # (the late READ's, then the file once)
+
+
 def test_files_read_in_part_keep_at_most_inode_handles_max_open(monkeypatch):
     from bucketfs.core import filesystem
 
@@ -216,10 +258,13 @@ def test_handles_opened_before_the_kernel_opens_files_become_their_inodes_and_go
             rest += chunk
             off += len(chunk)
         streams_after = fs.stats["prefetch.streams"]
-        late = bytes(await fs.read(second, 0, 10))  # (a late READ of the released second handle: by inode)
-        return first + rest, late, open_after_switch, len(fs._handles), streams_before, streams_after
+        open_at_end = len(fs._handles)
+        # A READ by the released second handle: by inode. From the file's start, it is a
+        # reader starting over, not one sent before the end: the inode's own handle.
+        late = bytes(await fs.read(second, 0, 10))
+        return first + rest, late, open_after_switch, open_at_end, len(fs._inode_handles), streams_before, streams_after
 
-    data, late, open_after_switch, open_at_end, streams_before, streams_after = run_fs(backend, body)
+    data, late, open_after_switch, open_at_end, inode_handles, streams_before, streams_after = run_fs(backend, body)
     assert data == FILES[path] and late == FILES[path][:10]
-    assert open_after_switch == 1 and open_at_end == 0
+    assert open_after_switch == 1 and open_at_end == 0 and inode_handles == 1
     assert streams_before >= 1 and streams_after == streams_before  # (no second stream of the file)
