@@ -44,10 +44,10 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.components import build_components
+from bucketfs.core.handlereader import HandleReader
 from bucketfs.core.kept import KeptCopies
 from bucketfs.core.namespace import ROOT_INO, Node
 from bucketfs.core.pieces import Pieces, nbytes_of, one_buffer
-from bucketfs.core.prefetch import HandleReader
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ class Filesystem:
             return await self.read_inode(ino, off, size, pieces)
         data = await self._read(fh, off, size)
         ino = self._opened_before.get(fh)
-        if ino is not None and off + nbytes_of(data) >= self._handle_bytes(fh):
+        if ino is not None and self._read_through(fh, off + nbytes_of(data)):
             self._release_inode(ino, fh)  # (its inode's since this READ began, and now read to its end)
         return data if pieces else one_buffer(data)
 
@@ -428,12 +428,21 @@ class Filesystem:
         except BaseException:
             self._release_inode(ino, fh)  # (the next READ opens afresh: a replaced object gives ESTALE there)
             raise
-        if off + nbytes_of(data) >= self._handle_bytes(fh):
+        if self._read_through(fh, off + nbytes_of(data)):
             self._release_inode(ino, fh)  # (read to its end: the kernel keeps its pages)
             self._inode_ended[ino] = (trio.current_time() + LATE_READ_WINDOW_S, off - LATE_READ_SPAN_BYTES)
             if len(self._inode_ended) > INODE_HANDLES_MAX:
                 self._inode_ended.popitem(last=False)
         return data if pieces else one_buffer(data)
+
+    def _read_through(self, fh: int, end: int) -> bool:
+        """After a READ of `fh` up to `end`: whether the file has been read to its end
+        and no reader of it is still reading (readers of its other slices keep the
+        handle: handlereader.py)."""
+        handle = self._handles.get(fh)
+        if handle is None or handle.reader is None:
+            return end >= self._handle_bytes(fh)
+        return handle.reader.finished()
 
     def _is_late_read(self, ino: int, off: int) -> bool:
         """Whether a READ of `ino` at `off` was sent before the one that read the file
@@ -478,6 +487,8 @@ class Filesystem:
             elif not handle.reads_in_progress and now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S:
                 self._release_inode(ino, fh)
                 self.stats["read.idle_handles_released"] += 1
+            elif not handle.reads_in_progress and handle.reader is not None and handle.reader.finished():
+                self._release_inode(ino, fh)  # (read to its end, its other readers done with their slices)
 
     async def release_idle_inode_handles_periodically(self) -> None:
         """Until cancelled."""

@@ -1,16 +1,15 @@
-"""Sequential read-ahead per open handle, and warm heads of the next shard.
+"""Sequential read-ahead per reader of a file, and warm heads of the next shard.
 
-How a handle's reads are served (`HandleReader`):
+How a handle's reads are served (`HandleReader`, handlereader.py):
 - Random reads go to the block cache: only the blocks they touch are fetched.
-- Once reads look sequential (a shard read from offset 0, or three reads in a row
-  that continue each other within the kernel's small reordering), a
+- Once a reader's reads look sequential (a shard read from offset 0, or reads in a
+  row that continue each other within the kernel's small reordering), a
   `SequentialStream` takes over. It keeps `window_bytes` ahead of the reader as
   parallel ranged GETs ("parts" of at most `part_size_bytes`), so one reader uses
   several connections. The window starts small (wide for shards) and doubles, up to
   a cap, each time the reader consumes a part after having had to wait for one
   issued ahead of it: it grows while the reader keeps up with the fetches. A read
-  outside the stream's window is a real seek: the stream is dropped and detection
-  starts again.
+  outside every stream's window is another reader, or a seek (handlereader.py).
 - Parts are not cached: once the reader is past them they are freed (the kernel
   page cache keeps the data for re-reads).
 
@@ -42,11 +41,6 @@ MiB = 1024 * 1024
 # The kernel keeps up to its read-ahead batch (4 MiB, mount.KERNEL_READ_AHEAD_KB) of
 # READs in flight for one file and they arrive out of order; twice that is "near".
 REORDER_TOLERANCE_BYTES = 8 * MiB
-# A stream starts after this many contiguous bytes in at least 2 reads: a random
-# reader rarely chains 1 MiB, while the kernel's own read-ahead of a sequential
-# reader sends READs of 1 MiB or more, so the second READ already starts a stream.
-SEQUENTIAL_BYTES_TO_START = 1 * MiB
-SEQUENTIAL_READS_TO_START = 2
 # A part a reader is already waiting for is kept small: its first byte comes sooner.
 DEMAND_PART_BYTES = 2 * MiB
 # A warm head this recent is a live guess of which shard a loader opens next (see
@@ -300,7 +294,21 @@ def _covers_exactly(parts: list, off: int, end: int) -> bool:
 
 
 class SequentialStream:
-    def __init__(self, prefetcher: Prefetcher, key, version, size_bytes, start, window_bytes, max_window_bytes):
+    def __init__(
+        self,
+        prefetcher: Prefetcher,
+        key,
+        version,
+        size_bytes,
+        start,
+        window_bytes,
+        max_window_bytes,
+        handed_parts=(),
+        limit_end=None,
+    ):
+        """`handed_parts`: parts from `start` on that another stream handed over (a
+        second reader started inside its window: handlereader.py); else a warmed head
+        of the file is taken. `limit_end`: where another reader's stream begins."""
         self.pf = prefetcher
         self.key, self.version, self.size_bytes = key, version, size_bytes
         self.window_bytes = window_bytes
@@ -313,7 +321,18 @@ class SequentialStream:
         # issued when the stream began (set after its first read), no time ahead...
         self.ramp_end: Optional[int] = None
         self.starved = False  # a read waited on a part issued ahead of it since the window last grew
-        for part in prefetcher.take_head(key, version):
+        # Read-ahead goes no further: another reader's stream fetches from here on.
+        self.limit_end = size_bytes if limit_end is None else limit_end
+        if handed_parts and handed_parts[0].start > start:
+            # The bytes up to the first part handed over (the reader starts inside a
+            # part the other stream keeps): fetched for the READ waiting on them.
+            if not self._issue(start, handed_parts[0].start, demand_end=handed_parts[0].start):
+                self.parts.clear()  # (no memory: the READ goes to the block cache)
+                self.fetch_end = self.read_end = start = handed_parts[0].start
+        for part in handed_parts:
+            self.parts.append(part)
+            self.fetch_end = part.end
+        for part in () if handed_parts else prefetcher.take_head(key, version):
             if part.start <= self.fetch_end < part.end and part.error is None:
                 self.parts.append(part)  # a warmed head: the reader starts on ready bytes
                 self.fetch_end = part.end
@@ -328,10 +347,33 @@ class SequentialStream:
         self.head_end = self.fetch_end
         prefetcher.streams.add(self)
 
+    def first_offset(self) -> int:
+        """The first byte the stream still holds or will fetch."""
+        return self.parts[0].start if self.parts else self.fetch_end
+
     def covers(self, off: int) -> bool:
         """The stream can serve a read at `off` (what it holds, or just ahead of it)."""
         first = self.parts[0].start if self.parts else self.fetch_end
-        return first <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES
+        return first <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES and off < self.limit_end
+
+    def hand_over_from(self, off: int) -> list:
+        """The parts from `off` on, for another reader's stream starting there; this
+        one fetches no further than where they begin (nor past `off`). The part
+        holding `off` goes with them where `off` is in its first half and this
+        stream's reader has not reached it, else it stays: whichever reader lacks its
+        side of `off` fetches that side again, at most half a part."""
+        handed = [
+            p
+            for p in self.parts
+            if p.start >= off or (p.end > off and p.start >= self.read_end and off - p.start < p.end - off)
+        ]
+        if handed:
+            for part in handed:
+                self.parts.remove(part)
+            self.limit_end = self.fetch_end = handed[0].start
+        else:  # (`off` inside its last part, or just past it)
+            self.limit_end = max(self.fetch_end, off)
+        return handed
 
     def near(self, off: int) -> bool:
         """A read just behind the stream: the kernel reordered it; not a seek."""
@@ -339,12 +381,16 @@ class SequentialStream:
         return first - REORDER_TOLERANCE_BYTES <= off < first
 
     async def read(self, off: int, end: int):
+        if end > self.limit_end < self.size_bytes:
+            # Into where another reader's stream begins (a READ across the two): the
+            # block cache serves it rather than this stream fetching that stream's bytes.
+            raise PartCancelled()
         if end > self.fetch_end:
             # The reader caught up: fetch what it needs now, as demand, in a small part.
             if self.ramp_end is not None:
                 self.starved = True  # (past its start: the window ran short)
             self._issue(
-                self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.size_bytes)), demand_end=end
+                self.fetch_end, max(end, min(self.fetch_end + DEMAND_PART_BYTES, self.limit_end)), demand_end=end
             )
         self.read_end = max(self.read_end, end)
         self._drop_behind()  # (first: the parts it issues then take the buffers of those passed)
@@ -398,9 +444,9 @@ class SequentialStream:
 
     def _top_up(self) -> None:
         """Keep `window_bytes` in flight ahead of the reader, in parts of the window's size."""
-        while self.fetch_end < self.size_bytes and self.fetch_end - self.read_end < self.window_bytes:
+        while self.fetch_end < self.limit_end and self.fetch_end - self.read_end < self.window_bytes:
             size = min(self.part_size_bytes, self.window_bytes)
-            if not self._issue(self.fetch_end, min(self.fetch_end + size, self.size_bytes)):
+            if not self._issue(self.fetch_end, min(self.fetch_end + size, self.limit_end)):
                 return
 
     def _drop_behind(self) -> None:
@@ -443,85 +489,3 @@ class SequentialStream:
                 self.pf._waste(part)
             else:
                 self.pf.drop(part)
-
-
-class HandleReader:
-    """Per open handle: picks the block cache or a sequential stream for each read."""
-
-    def __init__(self, prefetcher: Prefetcher, cache, key, version, size_bytes, is_shard, config, on_progress=None):
-        self.pf, self.cache = prefetcher, cache
-        self.key, self.version, self.size_bytes = key, version, size_bytes
-        self.is_shard = is_shard
-        self.config = config
-        self.on_progress = on_progress  # called with (read_end, window_bytes) after stream reads: shard warming
-        self.stream: Optional[SequentialStream] = None
-        self.last_end: Optional[int] = None
-        self.contiguous_count = 0
-        self.contiguous_bytes = 0
-
-    async def read(self, off: int, end: int):
-        # Contiguous within a small reordering of the kernel's concurrent READs.
-        contiguous = self.last_end is not None and abs(off - self.last_end) <= 128 * 1024
-        if contiguous:
-            self.contiguous_count += 1
-            self.contiguous_bytes += end - off
-        else:
-            self.contiguous_count, self.contiguous_bytes = 1, 0
-        self.last_end = end
-        stream = self.stream
-        if stream is not None and not stream.covers(off):
-            if stream.near(off):
-                # Reordered READ of bytes the stream already passed: serve it alone.
-                self.pf.stats["prefetch.reordered_reads"] += 1
-                return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
-            self.pf.stats["prefetch.seeks"] += 1
-            stream.close()
-            stream = self.stream = None
-        if stream is None and self._starts_stream(off):
-            window = min(self._initial_window_bytes(), self.config.readahead_max_bytes)
-            stream = self.stream = SequentialStream(
-                self.pf,
-                self.key,
-                self.version,
-                self.size_bytes,
-                off,
-                window,
-                self.config.readahead_max_bytes,
-            )
-            self.pf.stats["prefetch.streams"] += 1
-        if stream is None:
-            return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
-        try:
-            data = await stream.read(off, end)
-        except PartCancelled:
-            return await self.cache.read(self.key, self.version, self.size_bytes, off, end)
-        except errors.BucketfsError:
-            if self.stream is stream:
-                stream.close()
-                self.stream = None
-            raise
-        if self.on_progress is not None:
-            self.on_progress(stream.read_end, stream.window_bytes)
-        return data
-
-    def _initial_window_bytes(self) -> int:
-        """A shard's stream starts wide, so that one reader has many GETs in flight at
-        once; streams running beside it share that width (each at least one part),
-        and each grows from there only if its reader waits. Every byte of a window
-        starts in a fresh buffer (the pool has not seen so many yet): four shard
-        readers starting at the full width held 256 MiB before their first part
-        came back."""
-        if not self.is_shard:
-            return self.config.readahead_initial_bytes
-        sharing = len(self.pf.streams) + 1
-        return max(self.config.shard_readahead_initial_bytes // sharing, self.pf.part_size_bytes)
-
-    def _starts_stream(self, off: int) -> bool:
-        if self.is_shard and off == 0:
-            return True
-        return self.contiguous_count >= SEQUENTIAL_READS_TO_START and self.contiguous_bytes >= SEQUENTIAL_BYTES_TO_START
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-            self.stream = None

@@ -172,6 +172,45 @@ def test_a_shard_read_again_at_once_streams_and_costs_its_bytes_once(rclone_serv
     assert "errors.EIO" not in m.stats()
 
 
+def test_readers_of_a_shards_slices_at_once_read_every_byte_and_fetch_it_about_once(
+    rclone_server, s3_bucket, mount_factory
+):
+    """Four threads each stream a quarter of one shard, as a loader's workers read
+    their slices of a large file: the kernel sends their READs by inode, with no
+    handle to tell them apart. Each reader keeps a stream of its own
+    (core/handlereader.py); with one stream per file they fetched 2.7x its bytes."""
+    files = dataset()
+    shard_key = "shards/shard-000000.tar"
+    shard = files[shard_key] = random.Random(4).randbytes(64 * MiB + 3)  # (slices of 16 MiB: 4 READs and more each)
+    rclone_server.write_files(s3_bucket, files)
+    m = mount_factory(rclone_server, s3_bucket)
+    list(os.walk(m.path("")))
+    small = {key: data for key, data in files.items() if key.startswith("train/")}
+    assert read_all(m, small) == small  # (the kernel opens files from here on)
+    bounds = [len(shard) * i // 4 for i in range(5)]
+
+    def read_slice(i):
+        fd = os.open(m.path(shard_key), os.O_RDONLY)
+        try:
+            got, off = bytearray(), bounds[i]
+            while off < bounds[i + 1]:
+                chunk = os.pread(fd, min(MiB, bounds[i + 1] - off), off)
+                assert chunk, (i, off)
+                got += chunk
+                off += len(chunk)
+            return bytes(got)
+        finally:
+            os.close(fd)
+
+    before = m.stats()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert b"".join(pool.map(read_slice, range(4))) == shard
+    after = m.stats()
+    assert after["prefetch.streams"] - before.get("prefetch.streams", 0) >= 2
+    assert after["backend.bytes_fetched"] - before.get("backend.bytes_fetched", 0) <= 1.5 * len(shard)
+    assert "errors.EIO" not in after
+
+
 def test_a_stop_while_large_reads_wait_on_a_frozen_store_replies_to_them_and_exits(tmp_path, empty_dir, mount_factory):
     """READs served by the daemon's own tasks (replies.py) blocked on a store that
     stopped answering: a second SIGTERM still ends the daemon at once, cleanly, and the
