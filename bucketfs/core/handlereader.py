@@ -52,7 +52,7 @@ TRACK_IDLE_S = 1.0
 class Track:
     """One reader's place in the file."""
 
-    __slots__ = ("stream", "last_end", "contiguous_count", "contiguous_bytes", "read_at_s")
+    __slots__ = ("stream", "last_end", "contiguous_count", "contiguous_bytes", "read_at_s", "reads_in_progress")
 
     def __init__(self, now_s: float, stream: Optional[SequentialStream] = None):
         self.stream = stream
@@ -60,6 +60,7 @@ class Track:
         self.contiguous_count = 0
         self.contiguous_bytes = 0
         self.read_at_s = now_s
+        self.reads_in_progress = 0  # (a READ waiting on a slow store is not idleness)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -109,6 +110,7 @@ class HandleReader:
             data = await self.cache.read(self.key, self.version, self.size_bytes, off, end)
             self._done_with(track, end)
             return data
+        track.reads_in_progress += 1
         try:
             data = await stream.read(off, end)
         except PartCancelled:
@@ -121,6 +123,8 @@ class HandleReader:
             self._last_stream = stream
             if self.on_progress is not None:
                 self.on_progress(stream.read_end, stream.window_bytes)
+        finally:
+            track.reads_in_progress -= 1
         self._done_with(track, end)
         return data
 
@@ -187,7 +191,11 @@ class HandleReader:
         )
 
     def _close_idle(self, now_s: float, current: Track) -> None:
-        for track in [t for t in self.tracks if t is not current and now_s - t.read_at_s > TRACK_IDLE_S]:
+        for track in [
+            t
+            for t in self.tracks
+            if t is not current and not t.reads_in_progress and now_s - t.read_at_s > TRACK_IDLE_S
+        ]:
             self.tracks.remove(track)
             track.close()
 
@@ -214,7 +222,9 @@ class HandleReader:
         """Whether a reader read to the file's end and no other reader read it within
         TRACK_IDLE_S (each other reader done with its slice, or gone)."""
         now_s = trio.current_time()
-        return self.end_reached and not any(now_s - t.read_at_s <= TRACK_IDLE_S for t in self.tracks)
+        return self.end_reached and not any(
+            t.reads_in_progress or now_s - t.read_at_s <= TRACK_IDLE_S for t in self.tracks
+        )
 
     def _done_with(self, track: Track, end: int) -> None:
         """A reader that reached the file's end is done: its track goes. (One that

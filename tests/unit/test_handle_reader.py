@@ -101,6 +101,32 @@ def test_a_reader_that_moved_on_has_its_stream_closed_once_another_reads():
     assert not still_open and not parts and tracks == 1
 
 
+def test_a_reader_waiting_on_a_slow_store_keeps_its_stream_while_another_reads():
+    """Idleness is no READ in TRACK_IDLE_S and none in progress: a READ waiting
+    longer than that for its part (a slow first byte) keeps its stream."""
+    backend = MemoryBackend({KEY: DATA}, delay_s=handlereader.TRACK_IDLE_S * 2)
+
+    async def body(fs):
+        ino = (await resolve(fs, KEY)).ino
+        got = {}
+
+        async def first():
+            got["first"] = bytes(await fs.read_inode(ino, 0, 4 * MiB))
+
+        async def second():
+            await trio.sleep(handlereader.TRACK_IDLE_S * 1.5)  # (the first READ still waits)
+            got["second"] = bytes(await fs.read_inode(ino, 60 * MiB, 64 * 1024))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            nursery.start_soon(second)
+        return got, fs.stats.snapshot()
+
+    got, stats = run_fs(backend, body, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert got["first"] == DATA[: 4 * MiB] and got["second"] == DATA[60 * MiB : 60 * MiB + 64 * 1024]
+    assert "cache.misses" not in stats and "prefetch.bytes_wasted" not in stats  # (no part given up, none read twice)
+
+
 def test_the_inodes_handle_stays_while_another_reader_still_reads():
     backend = MemoryBackend({KEY: DATA})
 
