@@ -244,12 +244,19 @@ def fresh_buffer_lines(runs: list, fresh_memory, part_mib: int = 8) -> list:
         return []
     first_ms, again_ms = fresh_memory
     lines = []
+    by_label = {r["run"]: r for r in runs if r["system"] == "bucketfs"}
     for r in runs:
         stats = r.get("daemon_stats") or {}
         if r["system"] != "bucketfs" or not r["run"].startswith("W1 ") or "backend.get_path.threads" not in stats:
             continue
-        parts = stats["backend.get_path.threads"]
-        fresh = max(parts - stats.get("prefetch.buffers_reused", 0), 0)
+        # (a next epoch runs on the mount of the run before it: the daemon's counters go on)
+        before = (
+            (by_label.get(r["run"].removesuffix(", next epoch")) or {}) if r["run"].endswith(", next epoch") else {}
+        )
+        before_stats = before.get("daemon_stats") or {}
+        parts = stats["backend.get_path.threads"] - before_stats.get("backend.get_path.threads", 0)
+        reused = stats.get("prefetch.buffers_reused", 0) - before_stats.get("prefetch.buffers_reused", 0)
+        fresh = max(parts - reused, 0)
         cost_s = fresh * part_mib * first_ms / 1000
         lines.append(
             f"  {r['run']}: bucketfs received {fresh} of its {parts} read-ahead parts into fresh buffers "
