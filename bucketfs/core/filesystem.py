@@ -484,10 +484,12 @@ class Filesystem:
             handle = self._handles.get(fh)
             if handle is None:  # (released already: a RELEASE sent before the kernel began opening files)
                 del self._inode_handles[ino]
-            elif not handle.reads_in_progress and now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S:
+            elif handle.reads_in_progress:
+                continue
+            elif now_s - handle.read_at_s >= INODE_HANDLE_IDLE_S:
                 self._release_inode(ino, fh)
                 self.stats["read.idle_handles_released"] += 1
-            elif not handle.reads_in_progress and handle.reader is not None and handle.reader.finished():
+            elif handle.reader is not None and handle.reader.finished():
                 self._release_inode(ino, fh)  # (read to its end, its other readers done with their slices)
 
     async def release_idle_inode_handles_periodically(self) -> None:

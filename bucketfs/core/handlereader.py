@@ -9,12 +9,14 @@ new reader (or this one seeking) and starts a track. With one track per handle, 
 readers of a file's four quarters each looked like a seek of the others': a 64 MB
 shard's READs fetched 2.7x its bytes, at half one reader's speed (ad hoc, 2026-11-28).
 
-- A stream's READs come at most AHEAD_OF_READER_BYTES ahead of its reader's last one
-  (the kernel's read-ahead); a READ further ahead, inside the bytes the stream already
-  fetches, is another reader starting there: it takes over the stream's parts from that
-  offset on, and the stream fetches no further than where they begin.
-- A track no READ came for in TRACK_IDLE_S, while another was read, is closed (its
-  reader moved on: a seek, or it finished its part of the file); at most MAX_TRACKS.
+- A stream's READs come at most REORDER_TOLERANCE_BYTES ahead of its reader's last
+  one (the kernel's read-ahead, prefetch.py); a READ further ahead, inside the bytes
+  the stream already fetches, is another reader starting there: it takes over the
+  stream's parts from that offset on, and the stream fetches no further than where
+  they begin.
+- A track no READ came for in TRACK_IDLE_S (and none in progress), while another was
+  read, is closed (its reader moved on: a seek, or it finished its part of the file);
+  at most MAX_TRACKS.
 - A READ that reaches the file's end ends its track; a handle of the inode's own goes
   once a reader reached the file's end and no other track was read within
   TRACK_IDLE_S (`finished`; checked at each READ, and by the mount's periodic sweep
@@ -28,7 +30,7 @@ from typing import Optional
 import trio
 
 from bucketfs import errors
-from bucketfs.core.prefetch import PartCancelled, Prefetcher, SequentialStream
+from bucketfs.core.prefetch import REORDER_TOLERANCE_BYTES, PartCancelled, Prefetcher, SequentialStream
 
 MiB = 1024 * 1024
 # A stream starts after this many contiguous bytes in at least 2 reads: a random
@@ -39,10 +41,6 @@ SEQUENTIAL_READS_TO_START = 2
 # READs this close to a track's last one continue it (the kernel's concurrent READs
 # of one reader arrive slightly reordered).
 CONTIGUOUS_SLACK_BYTES = 128 * 1024
-# How far ahead of its reader's last READ a stream's next READs come: the kernel's
-# read-ahead batch (4 MiB, mount.KERNEL_READ_AHEAD_KB) in READs of up to 4 MiB, a few
-# in flight at once.
-AHEAD_OF_READER_BYTES = 8 * MiB
 # Readers of one file at different places at once (a loader's workers each reading
 # their slice of one large file).
 MAX_TRACKS = 8
@@ -134,7 +132,8 @@ class HandleReader:
         found = None
         for track in reversed(self.tracks):
             s = track.stream
-            if s is not None and s.covers(off) and off <= s.read_end + AHEAD_OF_READER_BYTES:
+            # (a reader's READs come at most the kernel's reordering ahead of its last)
+            if s is not None and s.covers(off) and off <= s.read_end + REORDER_TOLERANCE_BYTES:
                 found = track
                 break
         if found is None:
@@ -160,7 +159,8 @@ class HandleReader:
     def _stream_at(self, off: int, inside_only: bool = False) -> Optional[SequentialStream]:
         """A stream for a reader at `off`, over the bytes up to where the next stream
         ahead begins (streams of one file never fetch the same bytes): a stream behind
-        that fetches past `off` hands over its parts from there and ends at `off`.
+        that fetches past `off` hands over its parts from there and ends where they
+        begin.
         `inside_only`: only where such parts were handed over (a reader starting
         inside another's window), else None."""
         handed: list = []

@@ -328,7 +328,7 @@ class SequentialStream:
             # part the other stream keeps): fetched for the READ waiting on them.
             if not self._issue(start, handed_parts[0].start, demand_end=handed_parts[0].start):
                 self.parts.clear()  # (no memory: the READ goes to the block cache)
-                self.fetch_end = self.read_end = start = handed_parts[0].start
+                self.fetch_end = self.read_end = handed_parts[0].start
         for part in handed_parts:
             self.parts.append(part)
             self.fetch_end = part.end
@@ -353,8 +353,7 @@ class SequentialStream:
 
     def covers(self, off: int) -> bool:
         """The stream can serve a read at `off` (what it holds, or just ahead of it)."""
-        first = self.parts[0].start if self.parts else self.fetch_end
-        return first <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES and off < self.limit_end
+        return self.first_offset() <= off <= self.fetch_end + REORDER_TOLERANCE_BYTES and off < self.limit_end
 
     def hand_over_from(self, off: int) -> list:
         """The parts from `off` on, for another reader's stream starting there; this
@@ -377,7 +376,7 @@ class SequentialStream:
 
     def near(self, off: int) -> bool:
         """A read just behind the stream: the kernel reordered it; not a seek."""
-        first = self.parts[0].start if self.parts else self.fetch_end
+        first = self.first_offset()
         return first - REORDER_TOLERANCE_BYTES <= off < first
 
     async def read(self, off: int, end: int):
