@@ -295,6 +295,19 @@ _SIMPLE = [
         "gauge",
     ),
     (
+        "fuse_loop.active",
+        "bucketfs_fuse_request_loop",
+        "1 if bucketfs's request loop serves the mount (a request read as soon as the last is served; "
+        "absent: pyfuse3's loop)",
+        "gauge",
+    ),
+    (
+        "fuse_loop.requests_read_at_once",
+        "bucketfs_fuse_requests_read_at_once",
+        "FUSE requests read with no wait before them (queued while the one before was served)",
+        "counter",
+    ),
+    (
         "process.serving_thread_cpu_s",
         "bucketfs_serving_thread_cpu_seconds",
         "CPU seconds of the thread that serves every FUSE request: near 1 per second, the mount's ceiling",

@@ -23,6 +23,7 @@ import trio
 
 from bucketfs import errors
 from bucketfs.core.filesystem import DOT_NAMES
+from bucketfs.fuse import requestloop
 from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
@@ -171,6 +172,8 @@ class FuseOperations(pyfuse3.Operations):
             self._dir_cache.install()
         if self._replies is not None and self._replies.available:
             ask_for_large_reads(kernel_fd, self.fs.stats)
+        if self._replies is not None:  # (pyfuse3's private layouts are used: see requestloop.py)
+            requestloop.install(kernel_fd, self, self.fs.stats)
         self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
 

@@ -1,0 +1,187 @@
+"""The FUSE request loop (bucketfs/fuse/requestloop.py) against a scripted libfuse: a
+task reads requests while they are queued and waits only when none is; requests are
+served in the order they came; a handler that waits holds up no other request; every
+task ends when the session does; tasks beyond what pyfuse3 keeps end once idle; a
+long run of requests lets other trio tasks run. (The real loop on a real mount:
+tests/integration/test_request_loop.py.)"""
+
+import collections
+import errno
+import functools
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from bucketfs.fuse.requestloop import YIELD_EVERY, RequestLoop
+
+pytestmark = pytest.mark.timeout(30)
+MIN_TASKS = 4
+
+
+class ScriptedLibfuse:
+    """libfuse's receive/process/exited over a queue of requests; the descriptor the
+    loop waits on is one end of a socket pair, readable while requests are queued."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque = collections.deque()
+        self.exited = 0
+        self.served: list = []
+        self.kernel, self.fd_end = socket.socketpair()
+        self.fd_end.setblocking(False)
+        self._current = None
+
+    def send(self, name: str, handler=None) -> None:
+        """A request: `handler(name)` runs as pyfuse3's C handler would (None: libfuse
+        answers it itself, as IOCTL)."""
+        self.queue.append((name, handler))
+        self.kernel.send(b"r")
+
+    def fuse_session_receive_buf(self, _session, _buf) -> int:
+        if self.exited:
+            return 0
+        if not self.queue:
+            return -errno.EAGAIN
+        self.fd_end.recv(1)
+        self._current = self.queue.popleft()
+        return 1
+
+    def fuse_session_process_buf(self, _session, _buf) -> None:
+        name, handler = self._current
+        if handler is None:
+            self.served.append(name)
+        else:
+            handler(name)
+
+    def fuse_session_exited(self, _session) -> int:
+        return self.exited
+
+
+def trio_test(fn):
+    @functools.wraps(fn)
+    def run():
+        trio.run(fn)
+
+    return run
+
+
+def make_loop():
+    lib = ScriptedLibfuse()
+    loop = RequestLoop(lib, session=1, fuse_fd=lib.fd_end.fileno(), stats=collections.Counter())
+    return lib, loop
+
+
+def async_handler(loop, lib, body=None):
+    """A request whose handler is a coroutine (as pyfuse3's `fuse_*_async`): served
+    by the loop's task; `body` awaited first if given."""
+
+    async def coroutine(name):
+        if body is not None:
+            await body(name)
+        lib.served.append(name)
+
+    return loop.capturing(coroutine)
+
+
+@trio_test
+async def test_requests_queued_together_are_served_in_order_after_one_wait():
+    lib, loop = make_loop()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(20):
+            lib.send(f"r{i}", async_handler(loop, lib) if i % 3 == 0 else None)
+        await trio.testing.wait_all_tasks_blocked()
+        assert lib.served == [f"r{i}" for i in range(20)]
+        # One wake-up for the lot: the other 19 were read with no wait before them.
+        assert loop.stats["fuse_loop.requests_read_at_once"] == 19
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())
+    assert loop.tasks_count == 0
+
+
+@trio_test
+async def test_a_handler_that_waits_holds_up_no_other_request():
+    lib, loop = make_loop()
+    store_answered = trio.Event()
+
+    async def wait_for_the_store(_name):
+        await store_answered.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        lib.send("cold read", async_handler(loop, lib, wait_for_the_store))
+        lib.send("ioctl")
+        lib.send("getattr", async_handler(loop, lib))
+        await trio.testing.wait_all_tasks_blocked()
+        assert lib.served == ["ioctl", "getattr"]  # while the READ waits on the store
+        store_answered.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert lib.served == ["ioctl", "getattr", "cold read"]
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())
+    assert loop.tasks_count == 0
+
+
+@trio_test
+async def test_every_task_ends_with_the_session_and_idle_ones_beyond_the_minimum_before():
+    lib, loop = make_loop()
+    store_answered = trio.Event()
+
+    async def wait_for_the_store(_name):
+        await store_answered.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(12):  # twelve READs waiting at once: a task each, and one more reading
+            lib.send(f"read{i}", async_handler(loop, lib, wait_for_the_store))
+            await trio.testing.wait_all_tasks_blocked()
+        assert loop.tasks_count == 13 and lib.served == []
+        store_answered.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(lib.served) == sorted(f"read{i}" for i in range(12))
+        # Idle: as in pyfuse3, a task ends rather than wait beside more than MIN_TASKS others.
+        assert loop.tasks_count == MIN_TASKS + 1 == loop.waiting_count
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())  # (what pyfuse3.terminate() does)
+    assert loop.tasks_count == 0 and loop.waiting_count == 0
+
+
+@trio_test
+async def test_an_unmount_ends_the_task_that_reads_it_and_those_waiting():
+    lib, loop = make_loop()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        lib.exited = 1  # libfuse's read saw ENODEV: the session is over
+        lib.kernel.send(b"x")  # (the descriptor reports it)
+    assert loop.tasks_count == 0
+
+
+@trio_test
+async def test_a_long_run_of_queued_requests_lets_other_tasks_run_meanwhile():
+    lib, loop = make_loop()
+    seen_served: list = []
+
+    async def other_task():
+        while len(seen_served) < 1000 and (not seen_served or seen_served[-1] < 200):
+            seen_served.append(len(lib.served))
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        for i in range(200):
+            lib.send(f"ioctl{i}")
+        nursery.start_soon(other_task)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(lib.served) == 200
+        # The other task ran between runs of at most YIELD_EVERY requests (it saw at
+        # most two of them go by: trio runs the tasks of one batch in random order).
+        during = sorted({n for n in seen_served if 0 < n < 200})
+        assert during and all(b - a <= 2 * YIELD_EVERY for a, b in zip([0, *during], [*during, 200]))
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())
