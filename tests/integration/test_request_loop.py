@@ -85,7 +85,7 @@ def test_a_read_waiting_on_a_slow_store_holds_up_no_other_request(rclone_server,
 def test_with_the_kernel_dir_cache_off_pyfuse3s_loop_serves_the_mount(rclone_server, s3_bucket, mount_factory):
     files = dataset()
     rclone_server.write_files(s3_bucket, files)
-    m = mount_factory(rclone_server, s3_bucket, "--kernel-dir-cache", "off")
+    m = mount_factory(rclone_server, s3_bucket, "", "--kernel-dir-cache", "off")
     list(os.walk(m.path("train")))
     assert read_all(m, files) == files
     assert "fuse_loop.active" not in m.stats()
