@@ -185,7 +185,10 @@ class RequestLoop:
                     self.stats["fuse_loop.requests_read_at_once"] += 1
                 waited = False
                 self.coroutine = None
-                process(session, buf_ref)
+                try:
+                    process(session, buf_ref)
+                except Exception:  # noqa: BLE001 - (an error a handler left set, which ctypes raises)
+                    log.exception("a FUSE request's handler raised")  # (its coroutine, if any, still runs)
                 coroutine, self.coroutine = self.coroutine, None
                 if coroutine is not None:
                     if not self.waiting_count and self.tasks_count < max_tasks:

@@ -53,6 +53,8 @@ class ScriptedLibfuse:
             self.served.append(name)
         else:
             handler(name)
+        if name.startswith("raising"):
+            raise RuntimeError("an error a handler left set (ctypes raises it after the call)")
 
     def fuse_session_exited(self, _session) -> int:
         return self.exited
@@ -158,6 +160,22 @@ async def test_an_unmount_ends_the_task_that_reads_it_and_those_waiting():
         await trio.testing.wait_all_tasks_blocked()
         lib.exited = 1  # libfuse's read saw ENODEV: the session is over
         lib.kernel.send(b"x")  # (the descriptor reports it)
+    assert loop.tasks_count == 0
+
+
+@trio_test
+async def test_a_request_whose_handler_raises_still_gets_its_coroutine_run_and_the_loop_goes_on():
+    lib, loop = make_loop()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        lib.send("raising getattr", async_handler(loop, lib))
+        lib.send("raising ioctl")
+        lib.send("lookup", async_handler(loop, lib))
+        await trio.testing.wait_all_tasks_blocked()
+        assert lib.served == ["raising getattr", "raising ioctl", "lookup"]
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())
     assert loop.tasks_count == 0
 
 
