@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 import pyfuse3
 import trio
 
-from bucketfs.fuse.noopendir import code_ranges, mappings
+from bucketfs.fuse.noopendir import PYFUSE3_OPS, code_ranges, mappings
 from bucketfs.fuse.requestsize import find_session
 
 log = logging.getLogger(__name__)
@@ -50,43 +50,9 @@ log = logging.getLogger(__name__)
 # Requests a task serves in a row without waiting before it lets other trio tasks run
 # (a handler that never suspends, and libfuse's own answers, do not yield).
 YIELD_EVERY = 32
-# pyfuse3 3.x's coroutine makers, one per operation it passes to Python (handlers.pxi);
-# FORGET's is the operations' own `forget`.
-PYFUSE3_HANDLERS = frozenset(
-    f"fuse_{op}_async"
-    for op in (
-        "lookup",
-        "getattr",
-        "setattr",
-        "readlink",
-        "mknod",
-        "mkdir",
-        "unlink",
-        "rmdir",
-        "symlink",
-        "rename",
-        "link",
-        "open",
-        "read",
-        "write",
-        "write_buf",
-        "flush",
-        "release",
-        "fsync",
-        "opendir",
-        "readdirplus",
-        "releasedir",
-        "fsyncdir",
-        "statfs",
-        "setxattr",
-        "getxattr",
-        "listxattr",
-        "removexattr",
-        "access",
-        "create",
-        "poll",
-    )
-)
+# pyfuse3 3.x's coroutine makers (handlers.pxi): one per operation its C handlers pass
+# to Python but INIT (answered at once) and the FORGETs (the operations' own `forget`).
+PYFUSE3_HANDLERS = frozenset(f"fuse_{op}_async" for op in PYFUSE3_OPS - {"init", "forget", "forget_multi"})
 
 
 class _FuseBuf(ctypes.Structure):

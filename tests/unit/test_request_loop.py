@@ -6,6 +6,7 @@ long run of requests lets other trio tasks run. (The real loop on a real mount:
 tests/integration/test_request_loop.py.)"""
 
 import collections
+import contextlib
 import errno
 import functools
 import socket
@@ -74,6 +75,19 @@ def make_loop():
     return lib, loop
 
 
+@contextlib.asynccontextmanager
+async def serving(lib, loop):
+    """The loop started as pyfuse3.main starts it, waiting for a request; on leaving,
+    the session ended (what pyfuse3.terminate() does), and every task of the loop gone."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
+        await trio.testing.wait_all_tasks_blocked()
+        yield nursery
+        lib.exited = 1
+        trio.lowlevel.notify_closing(lib.fd_end.fileno())
+    assert loop.tasks_count == 0 and loop.waiting_count == 0
+
+
 def async_handler(loop, lib, body=None):
     """A request whose handler is a coroutine (as pyfuse3's `fuse_*_async`): served
     by the loop's task; `body` awaited first if given."""
@@ -89,18 +103,13 @@ def async_handler(loop, lib, body=None):
 @trio_test
 async def test_requests_queued_together_are_served_in_order_after_one_wait():
     lib, loop = make_loop()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop):
         for i in range(20):
             lib.send(f"r{i}", async_handler(loop, lib) if i % 3 == 0 else None)
         await trio.testing.wait_all_tasks_blocked()
         assert lib.served == [f"r{i}" for i in range(20)]
         # One wake-up for the lot: the other 19 were read with no wait before them.
         assert loop.stats["fuse_loop.requests_read_at_once"] == 19
-        lib.exited = 1
-        trio.lowlevel.notify_closing(lib.fd_end.fileno())
-    assert loop.tasks_count == 0
 
 
 @trio_test
@@ -111,9 +120,7 @@ async def test_a_handler_that_waits_holds_up_no_other_request():
     async def wait_for_the_store(_name):
         await store_answered.wait()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop):
         lib.send("cold read", async_handler(loop, lib, wait_for_the_store))
         lib.send("ioctl")
         lib.send("getattr", async_handler(loop, lib))
@@ -122,9 +129,6 @@ async def test_a_handler_that_waits_holds_up_no_other_request():
         store_answered.set()
         await trio.testing.wait_all_tasks_blocked()
         assert lib.served == ["ioctl", "getattr", "cold read"]
-        lib.exited = 1
-        trio.lowlevel.notify_closing(lib.fd_end.fileno())
-    assert loop.tasks_count == 0
 
 
 @trio_test
@@ -135,9 +139,7 @@ async def test_every_task_ends_with_the_session_and_idle_ones_beyond_the_minimum
     async def wait_for_the_store(_name):
         await store_answered.wait()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop):
         for i in range(12):  # twelve READs waiting at once: a task each, and one more reading
             lib.send(f"read{i}", async_handler(loop, lib, wait_for_the_store))
             await trio.testing.wait_all_tasks_blocked()
@@ -147,36 +149,27 @@ async def test_every_task_ends_with_the_session_and_idle_ones_beyond_the_minimum
         assert sorted(lib.served) == sorted(f"read{i}" for i in range(12))
         # Idle: as in pyfuse3, a task ends rather than wait beside more than MIN_TASKS others.
         assert loop.tasks_count == MIN_TASKS + 1 == loop.waiting_count
-        lib.exited = 1
-        trio.lowlevel.notify_closing(lib.fd_end.fileno())  # (what pyfuse3.terminate() does)
-    assert loop.tasks_count == 0 and loop.waiting_count == 0
 
 
 @trio_test
 async def test_an_unmount_ends_the_task_that_reads_it_and_those_waiting():
     lib, loop = make_loop()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop):
         lib.exited = 1  # libfuse's read saw ENODEV: the session is over
         lib.kernel.send(b"x")  # (the descriptor reports it)
-    assert loop.tasks_count == 0
+        await trio.testing.wait_all_tasks_blocked()
+        assert loop.tasks_count == 0  # (before the descriptor's waits are closed)
 
 
 @trio_test
 async def test_a_request_whose_handler_raises_still_gets_its_coroutine_run_and_the_loop_goes_on():
     lib, loop = make_loop()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop):
         lib.send("raising getattr", async_handler(loop, lib))
         lib.send("raising ioctl")
         lib.send("lookup", async_handler(loop, lib))
         await trio.testing.wait_all_tasks_blocked()
         assert lib.served == ["raising getattr", "raising ioctl", "lookup"]
-        lib.exited = 1
-        trio.lowlevel.notify_closing(lib.fd_end.fileno())
-    assert loop.tasks_count == 0
 
 
 @trio_test
@@ -189,9 +182,7 @@ async def test_a_long_run_of_queued_requests_lets_other_tasks_run_meanwhile():
             seen_served.append(len(lib.served))
             await trio.lowlevel.checkpoint()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(loop.first_task, nursery, MIN_TASKS, 256)
-        await trio.testing.wait_all_tasks_blocked()
+    async with serving(lib, loop) as nursery:
         for i in range(200):
             lib.send(f"ioctl{i}")
         nursery.start_soon(other_task)
@@ -201,5 +192,3 @@ async def test_a_long_run_of_queued_requests_lets_other_tasks_run_meanwhile():
         # most two of them go by: trio runs the tasks of one batch in random order).
         during = sorted({n for n in seen_served if 0 < n < 200})
         assert during and all(b - a <= 2 * YIELD_EVERY for a, b in zip([0, *during], [*during, 200]))
-        lib.exited = 1
-        trio.lowlevel.notify_closing(lib.fd_end.fileno())
