@@ -54,11 +54,11 @@ def test_requests_queued_at_once_are_read_without_a_wait_and_every_byte_is_right
 
 def test_a_read_waiting_on_a_slow_store_holds_up_no_other_request(rclone_server, s3_bucket, mount_factory):
     files = dataset()
-    slow_key = "slow/one.bin"  # (large: read through the daemon, never fetched ahead with the small files)
-    slow_body = random.Random(5).randbytes(12 * 1024 * 1024)
+    slow_key = "slow/one.bin"  # (one GET when it is read: small, and nothing is fetched ahead)
+    slow_body = random.Random(5).randbytes(200_000)
     rclone_server.write_files(s3_bucket, {**files, slow_key: slow_body})
     with fault_proxy(rclone_server.endpoint_url, 0.0, 1, stall_s=0.0) as proxy:
-        m = mount_factory(rclone_server, s3_bucket, endpoint_url=proxy.url)
+        m = mount_factory(rclone_server, s3_bucket, "", "--fetch-ahead", "off", endpoint_url=proxy.url)
         list(os.walk(m.path("train")))
         os.stat(m.path(slow_key))
         assert read_all(m, files) == files  # (cached: in the page cache from here on)
