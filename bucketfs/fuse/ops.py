@@ -28,7 +28,7 @@ from bucketfs.fuse.dircache import DirCacheFlags, private_layouts_allowed
 from bucketfs.fuse.noopen import INODE_FH, KernelOpensFiles
 from bucketfs.fuse.noopendir import KernelOpensDirs
 from bucketfs.fuse.replies import REPLY_THREAD_MIN_BYTES, ReplyThread
-from bucketfs.fuse.requestsize import ask_for_large_reads
+from bucketfs.fuse.requestsize import ask_for_large_reads, pyfuse3_session
 from bucketfs.fuse.session import session_fd
 from bucketfs.metrics import STATS_FILE_NAME, encode_stats
 
@@ -170,10 +170,11 @@ class FuseOperations(pyfuse3.Operations):
             )
         if self._dir_cache is not None:
             self._dir_cache.install()
-        if self._replies is not None and self._replies.available:
-            ask_for_large_reads(kernel_fd, self.fs.stats)
-        if self._replies is not None:  # (pyfuse3's private layouts are used: see requestloop.py)
-            requestloop.install(kernel_fd, self, self.fs.stats)
+        if self._replies is not None:  # (pyfuse3's private layouts are used)
+            session = pyfuse3_session(kernel_fd)
+            if self._replies.available:
+                ask_for_large_reads(session, self.fs.stats)
+            requestloop.install(session, kernel_fd, self, self.fs.stats)
         self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
 

@@ -25,7 +25,7 @@ instead, and hand pyfuse3 None. So pyfuse3's loop must never run once they are:
 `pyfuse3.main`) in the same step, before `pyfuse3.main` starts.
 
 Installed only where pyfuse3's other private layouts are used
-(dircache.private_layouts_allowed), the session was found (requestsize.find_session),
+(dircache.private_layouts_allowed), the session was found (requestsize.pyfuse3_session),
 libfuse is loaded once in this process and pyfuse3's handlers are exactly the
 expected ones; else pyfuse3's own loop serves the mount.
 """
@@ -42,8 +42,7 @@ from typing import Any, Callable, Optional
 import pyfuse3
 import trio
 
-from bucketfs.fuse.noopendir import PYFUSE3_OPS, code_ranges, mappings
-from bucketfs.fuse.requestsize import find_session
+from bucketfs.fuse.noopendir import PYFUSE3_OPS, mappings
 
 log = logging.getLogger(__name__)
 
@@ -186,23 +185,19 @@ class RequestLoop:
         return True
 
 
-def install(fuse_fd: Optional[int], operations: Any, stats) -> Optional[RequestLoop]:
-    """Before pyfuse3.main: serve the mount with a RequestLoop; None (pyfuse3's loop
-    serves it) where anything is not as checked."""
-    if fuse_fd is None or getattr(pyfuse3, "_session_loop", None) is None:
+def install(session: Optional[int], fuse_fd: Optional[int], operations: Any, stats) -> Optional[RequestLoop]:
+    """Before pyfuse3.main: serve the mount with a RequestLoop (`session`:
+    requestsize.pyfuse3_session's); None (pyfuse3's loop serves it) where anything is
+    not as checked."""
+    if session is None or fuse_fd is None or getattr(pyfuse3, "_session_loop", None) is None:
         return None
-    try:
-        handlers = {name for name in dir(pyfuse3) if name.startswith("fuse_") and name.endswith("_async")}
-        if handlers != PYFUSE3_HANDLERS:
-            log.info("pyfuse3's handlers are not the expected ones: its own request loop serves the mount")
-            return None
-        session = find_session(fuse_fd, code_ranges(os.path.realpath(pyfuse3.__file__)))
-        lib = _libfuse() if session is not None else None
-    except Exception:  # noqa: BLE001 - (a layout not foreseen: pyfuse3's loop serves the mount)
-        log.exception("looking for libfuse's session failed")
+    handlers = {name for name in dir(pyfuse3) if name.startswith("fuse_") and name.endswith("_async")}
+    if handlers != PYFUSE3_HANDLERS:
+        log.info("pyfuse3's handlers are not the expected ones: its own request loop serves the mount")
         return None
-    if session is None or lib is None:
-        log.info("libfuse's session was not found where expected: pyfuse3's request loop serves the mount")
+    lib = _libfuse()
+    if lib is None:
+        log.info("libfuse is not loaded once in this process: pyfuse3's request loop serves the mount")
         return None
     flags = fcntl.fcntl(fuse_fd, fcntl.F_GETFL)
     fcntl.fcntl(fuse_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)

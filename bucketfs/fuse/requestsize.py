@@ -134,19 +134,30 @@ def _raise_max_pages_limit(pages: int) -> Optional[int]:
     return limit
 
 
-def ask_for_large_reads(fuse_fd: Optional[int], stats) -> int:
-    """Before pyfuse3.main (the session has read no request yet): have INIT ask for READs
-    of REQUEST_BYTES. The largest READ the kernel will send (bytes)."""
-    default_bytes = LIBFUSE_MAX_PAGES * PAGE_BYTES
+def pyfuse3_session(fuse_fd: Optional[int]) -> Optional[int]:
+    """The address of pyfuse3's libfuse session (find_session), found once for the
+    modules that use it (this one, requestloop.py); None where it is not found (a
+    failed search logged)."""
     if fuse_fd is None or POINTER_BYTES != 8:  # (the search reads 64-bit words)
-        return default_bytes
+        return None
     try:
-        code = code_ranges(os.path.realpath(pyfuse3.__file__))
-        session = find_session(fuse_fd, code)
-        field = bufsize_field(session, code) if session is not None else None
-    except Exception:  # noqa: BLE001 - (a layout not foreseen: READs stay as they were)
+        return find_session(fuse_fd, code_ranges(os.path.realpath(pyfuse3.__file__)))
+    except Exception:  # noqa: BLE001 - (a layout not foreseen: nothing is written)
         log.exception("looking for libfuse's session failed")
-        field = None
+        return None
+
+
+def ask_for_large_reads(session: Optional[int], stats) -> int:
+    """Before pyfuse3.main (the session has read no request yet): have INIT ask for READs
+    of REQUEST_BYTES. `session`: pyfuse3_session's. The largest READ the kernel will
+    send (bytes)."""
+    default_bytes = LIBFUSE_MAX_PAGES * PAGE_BYTES
+    field = None
+    if session is not None:
+        try:
+            field = bufsize_field(session, code_ranges(os.path.realpath(pyfuse3.__file__)))
+        except Exception:  # noqa: BLE001 - (a layout not foreseen: READs stay as they were)
+            log.exception("looking for libfuse's buffer size failed")
     if field is None:
         log.info("libfuse's session was not found where expected: READs of up to %d KiB", default_bytes // 1024)
         return default_bytes
