@@ -192,11 +192,20 @@ class DiskCache:
     def _measure_dirs(self) -> None:
         """The blocks of the cache's directories (the data directory grows by a block
         per ~100 files, and never shrinks on ext4), and one for --cache-dir's own: an
-        fstat each, cheap beside the write that calls this."""
-        blocks = os.fstat(self._dir_fd).st_blocks + (
-            os.fstat(self._data_fd).st_blocks if self._data_fd is not None else 0
-        )
-        self._dirs_disk_bytes = blocks * 512 + self._unit_bytes
+        fstat each, cheap beside the write that calls this. Before the data directory
+        is opened (at load), an earlier mount's counts as it stands, a new one as a block."""
+        blocks = os.fstat(self._dir_fd).st_blocks
+        if self._data_fd is not None:
+            data_dir_bytes = os.fstat(self._data_fd).st_blocks * 512
+        else:
+            try:
+                data_dir_bytes = (
+                    os.stat(journal.DATA_DIR_NAME, dir_fd=self._dir_fd, follow_symlinks=False).st_blocks * 512
+                )
+            except FileNotFoundError:
+                data_dir_bytes = 0
+            data_dir_bytes = max(data_dir_bytes, self._unit_bytes)
+        self._dirs_disk_bytes = blocks * 512 + data_dir_bytes + self._unit_bytes
 
     def _disk_bytes(self, entry: journal.Entry) -> int:
         """The blocks the entry's data file takes: its chunks sit at multiples of the
@@ -242,7 +251,7 @@ class DiskCache:
                 self.directory,
             )
             self._write_failures = WRITE_FAILURES_MAX
-        self._measure_dirs()  # (without the data directory yet: a new one is a block)
+        self._measure_dirs()
         # Alone, the evicted entries' records go with the rewrite below and their files
         # with the orphans; beside other mounts, evictions are journaled one by one.
         evicted_count = self._evict_at_load(journal.HEADER_BYTES) if self._alone else 0
@@ -251,13 +260,17 @@ class DiskCache:
         try:
             self._data_fd = self._open_data_dir()
             try:
-                if not loaded.incompatible and (
+                # (alone, the cache fits with the journal rewritten to its live records, as
+                # _evict_at_load counted it: the evicted objects' and dead records go)
+                must_rewrite = (
                     loaded.fresh
                     or evicted_count
-                    or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes)
+                    or (self._alone and self._disk_use_bytes(loaded.size_bytes) > self.capacity_bytes)
+                )
+                if not loaded.incompatible and (
+                    must_rewrite or loaded.needs_compacting(self._live_record_bytes, self._compact_min_bytes)
                 ):
-                    # (the evicted objects' records go)
-                    loaded.compact(lambda: self._caught_up_entries(force=loaded.fresh or bool(evicted_count)))
+                    loaded.compact(lambda: self._caught_up_entries(force=bool(must_rewrite)))
             except OSError as exc:
                 if exc.errno not in NO_SPACE_ERRNOS:
                     raise
@@ -407,6 +420,7 @@ class DiskCache:
             files.remove_orphans, self._data_fd, self._journal, names, limiter=self._delete_limiter
         )
         log.info("disk cache: removed %d files no entry names", removed_count)
+        self._evict_to_capacity()  # (the journal grew by their delete records: it counts)
 
     def _start_read_ahead(self) -> None:
         """Ask the kernel to read the most recently used files into the page cache, up

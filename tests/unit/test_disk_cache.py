@@ -545,6 +545,25 @@ def test_a_later_mount_with_a_smaller_cache_size_evicts_down_to_it(tmp_path):
     assert gets == 13  # the three kept come from disk; every other one is fetched
 
 
+def test_a_later_mount_counts_the_data_directory_and_journal_an_earlier_one_grew(tmp_path):
+    """600 small objects grow the data directory to several blocks (ext4 never shrinks
+    it), and the files a smaller --cache-size evicts at load are journaled as deleted:
+    both count, so the directory stays within the later mount's size."""
+    files = {f"many/{i:04d}": blob(1000 + i, i) for i in range(600)}
+    backend = MemoryBackend(files)
+    mount_epoch(backend, tmp_path, files, cache_size_bytes=64 * MiB)
+    assert (tmp_path / "cache" / "data").stat().st_blocks * 512 > 4096  # (else nothing to count)
+
+    async def body(fs):
+        await fs.backend.wait_idle()  # (the evicted files removed, their deletes journaled)
+        return fs.backend.stored_bytes
+
+    for cache_size_bytes in (1 * MiB + 5000, 1 * MiB + 2500, 1 * MiB):
+        stored_bytes = run_cached(backend, tmp_path, body, cache_size_bytes=cache_size_bytes)
+        assert stored_bytes <= cache_size_bytes
+        assert disk_use_bytes(tmp_path) <= cache_size_bytes
+
+
 def test_a_later_mount_with_another_block_size_starts_empty(tmp_path):
     backend = MemoryBackend(FILES)
     mount_epoch(backend, tmp_path)
