@@ -47,6 +47,7 @@ from bucketfs.core.components import build_components
 from bucketfs.core.handlereader import HandleReader
 from bucketfs.core.kept import KeptCopies
 from bucketfs.core.namespace import ROOT_INO, Node
+from bucketfs.core.openpush import OpenPushes
 from bucketfs.core.pieces import Pieces, nbytes_of, one_buffer
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,9 @@ class Filesystem:
         self.prefetcher = parts.prefetcher
         self.shards = parts.shards
         self.fetch_ahead = parts.fetch_ahead
+        self.open_pushes = OpenPushes(
+            config, self.ns, self.cache, self.prefetcher, self.fetch_ahead, self.backend, self.stats, nursery
+        )
         self._handles: dict = {}
         self._inode_handles: collections.OrderedDict = collections.OrderedDict()  # ino -> fh, least recent first
         # ino -> (until when, from which offset) a READ is a late one (LATE_READ_WINDOW_S)

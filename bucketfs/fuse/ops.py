@@ -174,7 +174,9 @@ class FuseOperations(pyfuse3.Operations):
             session = pyfuse3_session(kernel_fd)
             if self._replies.available:
                 ask_for_large_reads(session, self.fs.stats)
-            requestloop.install(session, kernel_fd, self, self.fs.stats)
+            loop = requestloop.install(session, kernel_fd, self, self.fs.stats)
+            if loop is not None:
+                loop.hold_ioctl = self.fs.open_pushes.hold  # (a Python open() asks isatty() first)
         self.fs.watch_vanished(self._note_vanished)
         nursery.start_soon(self._invalidate_vanished)
 

@@ -24,6 +24,12 @@ instead, and hand pyfuse3 None. So pyfuse3's loop must never run once they are:
 `install` replaces pyfuse3's `_session_loop` (also looked up by name, by
 `pyfuse3.main`) in the same step, before `pyfuse3.main` starts.
 
+A FUSE_IOCTL (libfuse answers it: pyfuse3 has no ioctl handler) may be held: where
+`hold_ioctl(inode, resume)` takes it (core/openpush.py: the file is pushed into the
+page cache before the reader's first read()), a copy of the request is processed
+when it calls `resume()`, if the session still runs; a request held when the loop
+ends is left to the kernel, which ends it with the mount.
+
 Installed only where pyfuse3's other private layouts are used
 (dircache.private_layouts_allowed), the session was found (requestsize.pyfuse3_session),
 libfuse is loaded once in this process and pyfuse3's handlers are exactly the
@@ -35,8 +41,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import os
+import struct
 from typing import Any, Callable, Optional
 
 import pyfuse3
@@ -52,6 +60,10 @@ YIELD_EVERY = 32
 # pyfuse3 3.x's coroutine makers (handlers.pxi): one per operation its C handlers pass
 # to Python but INIT (answered at once) and the FORGETs (the operations' own `forget`).
 PYFUSE3_HANDLERS = frozenset(f"fuse_{op}_async" for op in PYFUSE3_OPS - {"init", "forget", "forget_multi"})
+# struct fuse_in_header (fuse_kernel.h): len, opcode, unique, nodeid (then uid, gid, pid).
+_IN_HEADER = struct.Struct("<IIQQ")
+FUSE_IOCTL = 39
+FUSE_BUF_IS_FD = 1 << 1  # (fuse_common.h: the request is in a pipe, not in `mem`)
 
 
 class _FuseBuf(ctypes.Structure):
@@ -102,6 +114,8 @@ class RequestLoop:
         self.waiting_count = 0  # tasks waiting for a request (for the lock, or readable)
         self._lock: Optional[trio.Lock] = None
         self._serial = 0
+        # (inode, resume) -> whether a FUSE_IOCTL of the inode is held until resume()
+        self.hold_ioctl: Optional[Callable[[int, Callable[[], None]], bool]] = None
 
     def capturing(self, make: Callable) -> Callable:
         """`make` (a coroutine maker pyfuse3's handlers call), its coroutine kept for
@@ -149,6 +163,8 @@ class RequestLoop:
                 if not waited:
                     self.stats["fuse_loop.requests_read_at_once"] += 1
                 waited = False
+                if self.hold_ioctl is not None and not buf.flags & FUSE_BUF_IS_FD and self._held(buf.mem, res):
+                    continue
                 self.coroutine = None
                 try:
                     process(session, buf_ref)
@@ -166,6 +182,34 @@ class RequestLoop:
         finally:
             self.tasks_count -= 1
             _free(buf.mem)
+
+    def _held(self, mem: int, size: int) -> bool:
+        """Whether the request in `mem` is a FUSE_IOCTL that hold_ioctl holds."""
+        _, opcode, _, nodeid = _IN_HEADER.unpack(ctypes.string_at(mem, _IN_HEADER.size))
+        if opcode != FUSE_IOCTL:
+            return False
+        assert self.hold_ioctl is not None
+        if not self.hold_ioctl(nodeid, functools.partial(self._process_held, ctypes.string_at(mem, size))):
+            return False
+        self.stats["fuse_loop.ioctls_held"] += 1
+        return True
+
+    def _process_held(self, request: bytes) -> None:
+        """Process a held request (a copy of it), if the session still runs."""
+        # (No task serves once the session has ended, and pyfuse3 may have freed it then.)
+        if not self.tasks_count or self.lib.fuse_session_exited(self.session):
+            return
+        copy = ctypes.create_string_buffer(request, len(request))
+        held = _FuseBuf(size=len(request), flags=0, mem=ctypes.addressof(copy))
+        self.coroutine = None
+        try:
+            self.lib.fuse_session_process_buf(self.session, ctypes.byref(held))
+        except Exception:  # noqa: BLE001 - (as in _serve)
+            log.exception("a held FUSE request's handler raised")
+        coroutine, self.coroutine = self.coroutine, None
+        if coroutine is not None:  # (libfuse answers an IOCTL itself: none is expected)
+            coroutine.close()
+            log.error("a held FUSE request was given to a Python handler, which was not run")
 
     async def _wait_readable(self) -> bool:
         """Wait, one task at a time, until a request may be queued; False once the
