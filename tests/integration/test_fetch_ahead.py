@@ -319,6 +319,31 @@ def test_pushed_files_are_read_from_the_page_cache_without_a_read_reaching_the_d
     assert_at_most_one_get_per_file(proxy, s3_bucket, stats, FILES_COUNT)
 
 
+def test_a_file_opened_before_any_push_reached_it_is_pushed_while_its_open_waits(
+    rclone_server, s3_bucket, mount_factory, proxy
+):
+    """Python's open() asks isatty() (a FUSE_IOCTL) before the first read(): the daemon
+    holds it while a worker pushes the file, so the read finds the page cache and no
+    READ reaches the daemon (core/openpush.py)."""
+    digests = seeded(rclone_server, s3_bucket, image_tree(seed=17))
+    m = mount_factory(rclone_server, s3_bucket, "", endpoint_url=proxy.url)
+    assert scan(m) == sorted(digests)
+    # The first opens are OPENs, until the kernel opens files itself (kernel.md): their
+    # READs come.
+    first = sorted(digests)[1:4]
+    assert_bytes_match(dict(read_digest(m, key) for key in first), {key: digests[key] for key in first})
+    before = m.stats()
+    assert before.get("fuse.open", 0) > 0 and before.get("fuse.read", 0) > 0
+    keys = sorted(digests)[5::37]  # (a few, one at a time: no pass has pushed them)
+    assert_bytes_match(dict(read_digest(m, key) for key in keys), {key: digests[key] for key in keys})
+    stats = m.stats()
+    counts = {k: v - before.get(k, 0) for k, v in stats.items() if k.startswith(("open.", "fuse", "read.kernel"))}
+    assert counts.get("open.held", 0) == counts.get("open.pushed_pushed", 0) == len(keys), counts
+    assert counts.get("fuse_loop.ioctls_held", 0) == len(keys), counts
+    assert counts.get("fuse.open", 0) == 0 and counts.get("fuse.read", 0) <= counts.get("read.kernel_dropped_gets", 0)
+    assert_at_most_one_get_per_file(proxy, s3_bucket, stats, len(first) + len(keys))
+
+
 def test_files_opened_by_paths_never_listed_are_pushed_once_the_daemon_lists_their_directories(
     rclone_server, s3_bucket, mount_factory, proxy
 ):

@@ -2,11 +2,13 @@
 task reads requests while they are queued and waits only when none is; requests are
 served in the order they came; a handler that waits holds up no other request; every
 task ends when the session does; tasks beyond what pyfuse3 keeps end once idle; a
-long run of requests lets other trio tasks run. (The real loop on a real mount:
+long run of requests lets other trio tasks run; an IOCTL held is processed when let
+go, not after the session ended. (The real loop on a real mount:
 tests/integration/test_request_loop.py.)"""
 
 import collections
 import contextlib
+import ctypes
 import errno
 import functools
 import socket
@@ -15,15 +17,19 @@ import pytest
 import trio
 import trio.testing
 
-from bucketfs.fuse.requestloop import YIELD_EVERY, RequestLoop
+from bucketfs.fuse.requestloop import _IN_HEADER, FUSE_IOCTL, YIELD_EVERY, RequestLoop
 
 pytestmark = pytest.mark.timeout(30)
+_malloc = ctypes.CDLL(None).malloc
+_malloc.argtypes, _malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
 MIN_TASKS = 4
 
 
 class ScriptedLibfuse:
     """libfuse's receive/process/exited over a queue of requests; the descriptor the
-    loop waits on is one end of a socket pair, readable while requests are queued."""
+    loop waits on is one end of a socket pair, readable while requests are queued.
+    Each request is read into one buffer, as libfuse's: a FUSE header (its opcode and
+    inode) and its name."""
 
     def __init__(self) -> None:
         self.queue: collections.deque = collections.deque()
@@ -31,25 +37,33 @@ class ScriptedLibfuse:
         self.served: list = []
         self.kernel, self.fd_end = socket.socketpair()
         self.fd_end.setblocking(False)
-        self._current = None
+        self._handlers: dict = {}
 
-    def send(self, name: str, handler=None) -> None:
+    def send(self, name: str, handler=None, opcode: int = 0, nodeid: int = 0) -> None:
         """A request: `handler(name)` runs as pyfuse3's C handler would (None: libfuse
         answers it itself, as IOCTL)."""
-        self.queue.append((name, handler))
+        self._handlers[name] = handler
+        body = name.encode()
+        self.queue.append(_IN_HEADER.pack(_IN_HEADER.size + len(body), opcode, len(self.queue), nodeid) + body)
         self.kernel.send(b"r")
 
-    def fuse_session_receive_buf(self, _session, _buf) -> int:
+    def fuse_session_receive_buf(self, _session, buf_ref) -> int:
         if self.exited:
             return 0
         if not self.queue:
             return -errno.EAGAIN
         self.fd_end.recv(1)
-        self._current = self.queue.popleft()
-        return 1
+        request = self.queue.popleft()
+        buf = buf_ref._obj
+        if not buf.mem:  # (libfuse's: allocated at a buffer's first read, reused, freed by the loop)
+            buf.mem = _malloc(4096)
+        ctypes.memmove(buf.mem, request, len(request))
+        buf.size = len(request)
+        return len(request)
 
-    def fuse_session_process_buf(self, _session, _buf) -> None:
-        name, handler = self._current
+    def fuse_session_process_buf(self, _session, buf_ref) -> None:
+        name = ctypes.string_at(buf_ref._obj.mem, buf_ref._obj.size)[_IN_HEADER.size :].decode()
+        handler = self._handlers[name]
         if handler is None:
             self.served.append(name)
         else:
@@ -192,3 +206,40 @@ async def test_a_long_run_of_queued_requests_lets_other_tasks_run_meanwhile():
         # most two of them go by: trio runs the tasks of one batch in random order).
         during = sorted({n for n in seen_served if 0 < n < 200})
         assert during and all(b - a <= 2 * YIELD_EVERY for a, b in zip([0, *during], [*during, 200]))
+
+
+@trio_test
+async def test_a_held_ioctl_is_processed_when_let_go_and_holds_up_no_other_request():
+    lib, loop = make_loop()
+    offered, resumes = [], []
+
+    def hold(nodeid, resume):
+        offered.append(nodeid)
+        if nodeid == 7:
+            resumes.append(resume)
+            return True
+        return False
+
+    loop.hold_ioctl = hold
+    async with serving(lib, loop):
+        lib.send("ioctl of 7", opcode=FUSE_IOCTL, nodeid=7)
+        lib.send("getattr of 7", async_handler(loop, lib), nodeid=7)  # (not an IOCTL: never offered)
+        lib.send("ioctl of 8", opcode=FUSE_IOCTL, nodeid=8)  # (not held)
+        await trio.testing.wait_all_tasks_blocked()
+        assert lib.served == ["getattr of 7", "ioctl of 8"] and offered == [7, 8]
+        assert loop.stats["fuse_loop.ioctls_held"] == 1
+        (resume,) = resumes
+        resume()  # (its push ended): the request, as it was read, though the buffer was reused since
+        assert lib.served == ["getattr of 7", "ioctl of 8", "ioctl of 7"]
+
+
+@trio_test
+async def test_a_held_ioctl_let_go_after_the_session_ended_is_not_processed():
+    lib, loop = make_loop()
+    resumes: list = []
+    loop.hold_ioctl = lambda nodeid, resume: resumes.append(resume) is None
+    async with serving(lib, loop):
+        lib.send("ioctl", opcode=FUSE_IOCTL, nodeid=3)
+        await trio.testing.wait_all_tasks_blocked()
+    resumes[0]()  # (libfuse's session may be freed: the kernel ended the request with the mount)
+    assert lib.served == []
