@@ -308,6 +308,25 @@ _SIMPLE = [
         "counter",
     ),
     (
+        "open.held",
+        "bucketfs_opens_held",
+        "Opens of small files whose first read waited in the daemon (Python's isatty() IOCTL held) while a "
+        "fetch-ahead worker pushed the file into the page cache",
+        "counter",
+    ),
+    (
+        "open.pushed_pushed",
+        "bucketfs_opens_pushed",
+        "Files pushed into the page cache while their open was held (the rest are read through the daemon)",
+        "counter",
+    ),
+    (
+        "open.held_expired",
+        "bucketfs_opens_held_expired",
+        "Held opens let go after 5 s with their push still running (its READ then waits for it)",
+        "counter",
+    ),
+    (
         "process.serving_thread_cpu_s",
         "bucketfs_serving_thread_cpu_seconds",
         "CPU seconds of the thread that serves every FUSE request: near 1 per second, the mount's ceiling",

@@ -208,15 +208,12 @@ class PushRequest:
     waits) has the worker send the body back rather than write it into the kernel (whose
     write would wait for that READ's pages). `tell_open`: the push also ends the inode's
     cached attributes, so that its reader's first stat() is a GETATTR (the daemon hears
-    of the open). `keep`: the pushed body may become a kept copy (KeptBody); False for a
-    file its reader waits on now, whose copy no later READ needs more than the kept
-    files it would take the room of."""
+    of the open)."""
 
-    __slots__ = ("wanted", "want", "tell_open", "keep")
+    __slots__ = ("wanted", "want", "tell_open")
 
-    def __init__(self, tell_open: bool, keep: bool = True) -> None:
+    def __init__(self, tell_open: bool) -> None:
         self.tell_open = tell_open
-        self.keep = keep
         self.wanted = False
         self.want: Optional[Callable[[], None]] = None  # set by the backend once the push is sent
 

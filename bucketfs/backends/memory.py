@@ -235,7 +235,7 @@ class MemoryBackend(Backend):
         self.kernel_pages[ino] = data
         if request.tell_open:
             self.attributes_ended.add(ino)
-        return PUSHED, (KeptBody(bytes(data), size_bytes) if self.keeps and request.keep else None)
+        return PUSHED, (KeptBody(bytes(data), size_bytes) if self.keeps else None)
 
     async def check_bucket(self, prefix: str) -> bool:
         await self._request("list", prefix)

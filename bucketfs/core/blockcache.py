@@ -376,7 +376,6 @@ class BlockCache:
         tell_open: bool,
         on_done: Callable[[str], None],
         for_reader: bool = False,
-        opening: bool = False,
     ) -> Optional[Flight]:
         """fetch_ahead into the kernel's page cache (inode `ino`'s) by a fetch-ahead
         worker (Backend.push_whole): the bytes come here only if a READ waits for them
@@ -385,9 +384,7 @@ class BlockCache:
         `on_done(outcome)` is called with once it ended, whatever happened (a call, not
         a task waiting for the flight: one task less per file). `tell_open`:
         PushRequest's. `for_reader`: a reader's READs are about to wait for it, so the
-        body comes back from the start (it never goes into the kernel). `opening`: a
-        reader waits for it before its first READ (Filesystem.hold_open), so it goes into
-        the kernel, and is not kept; its memory is taken as a reader's."""
+        body comes back from the start (it never goes into the kernel)."""
         last = (size_bytes - 1) // self.block_size_bytes
         run = list(range(last + 1))
         if (
@@ -401,20 +398,19 @@ class BlockCache:
         # memory only, else its READ fetches as usual: after the page cache was dropped
         # the kept copies are the files the loader reads next (its body does not take
         # their arena extents either: workerengine._push_request).
-        readers = for_reader or opening
-        reclaim_priority = KeptCopies.RECLAIM_PRIORITY - 1 if readers else KeptCopies.RECLAIM_PRIORITY
-        if self.kept is not None and not opening:
+        reclaim_priority = KeptCopies.RECLAIM_PRIORITY - 1 if for_reader else KeptCopies.RECLAIM_PRIORITY
+        if self.kept is not None:
             reserved_bytes = -(-size_bytes // KEPT_PAGE_BYTES) * KEPT_PAGE_BYTES  # (kept: whole pages)
             if not for_reader:
                 self.kept.make_room(reserved_bytes)
         if not self.budget.try_reserve(
             reserved_bytes,
             reclaim_priority=reclaim_priority,
-            refused_stat="open.worker_memory_refused" if readers else "fetch_ahead.memory_refused",
+            refused_stat="open.worker_memory_refused" if for_reader else "fetch_ahead.memory_refused",
         ):
             return None
         flight = Flight(speculative=True)
-        request = PushRequest(tell_open, keep=not opening)
+        request = PushRequest(tell_open)
         flight.on_wait = request.ask_for_body
         if for_reader:
             request.ask_for_body()

@@ -22,9 +22,10 @@ Invariants:
   cached, kept or in flight here, and only where fetch-ahead workers push and the
   daemon's own GETs run in it (no --fetch-workers). Anything else is answered at once.
 - A held open is an open: fetch-ahead hears of it (note_open) as it would of its READ.
-- Its memory is taken as a reader's push takes it (free memory only) and it is not
-  kept (BlockCache.push_ahead `opening`): after the page cache was dropped the kept
-  copies are the files the loader reads next.
+- The push is a pass's (BlockCache.push_ahead): its memory made from the oldest kept
+  copies, its own copy kept. Only files never served whole are held, so an epoch after
+  the page cache was dropped (whose kept copies are the files its loader reads next)
+  holds none.
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ class OpenPushes:
         key = self._key_prefix + node.path
         if not self._ns.is_current(node) or self._prefetcher.is_warming(key, node.version):
             return False
+        # (A pass's push: into the kernel, its copy kept; its room made from the oldest kept
+        # copies, which are files pushed before and served: no held file was.)
         flight = self._cache.push_ahead(
-            key, node.version, node.size_bytes, ino, False, functools.partial(self._ended, node), opening=True
+            key, node.version, node.size_bytes, ino, False, functools.partial(self._ended, node)
         )
         if flight is None:  # (cached, kept or on its way already; or no free memory now)
             return False

@@ -244,7 +244,7 @@ class WorkerEngine:
         # A body asked for before the push was sent comes back through the socket: no
         # extent of the ring, whose oldest kept copies it would take (after the page
         # cache was dropped, the very files the loader reads next).
-        extent = arena.allocate(length_bytes) if arena is not None and request.keep and not request.wanted else None
+        extent = arena.allocate(length_bytes) if arena is not None and not request.wanted else None
 
         def request_of(tid: int) -> tuple:
             if extent is not None:
