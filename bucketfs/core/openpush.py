@@ -84,19 +84,25 @@ class OpenPushes:
         key = self._key_prefix + node.path
         if not self._ns.is_current(node) or self._prefetcher.is_warming(key, node.version):
             return False
+        # (Held before the push starts: its end, whenever it comes, finds the hold.)
+        self._held[ino] = held = (trio.current_time(), [resume])
         # (A pass's push: into the kernel, its copy kept; its room made from the oldest kept
         # copies, which are files pushed before and served: no held file was.)
         flight = self._cache.push_ahead(
             key, node.version, node.size_bytes, ino, False, functools.partial(self._ended, node)
         )
-        if flight is None:  # (cached, kept or on its way already; or no free memory now)
+        if flight is None:  # (cached, kept or on its way already; or no memory now)
+            if self._held.get(ino) is held:
+                del self._held[ino]
             return False
-        self._held[ino] = (trio.current_time(), [resume])
         self._stats["open.held"] += 1
-        self._fetch_ahead.note_open(node, key)
         if not self._watching:
             self._watching = True
             self._nursery.start_soon(self._watch)
+        try:
+            self._fetch_ahead.note_open(node, key)
+        except Exception:  # noqa: BLE001 - (the open is held: resume() must still come, once)
+            log.exception("fetch-ahead's accounting of a held open failed")
         return True
 
     def _ended(self, node, outcome: str) -> None:

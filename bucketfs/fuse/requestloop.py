@@ -189,7 +189,11 @@ class RequestLoop:
         if opcode != FUSE_IOCTL:
             return False
         assert self.hold_ioctl is not None
-        if not self.hold_ioctl(nodeid, functools.partial(self._process_held, ctypes.string_at(mem, size))):
+        try:
+            if not self.hold_ioctl(nodeid, functools.partial(self._process_held, ctypes.string_at(mem, size))):
+                return False
+        except Exception:  # noqa: BLE001 - (processed now, as any other request)
+            log.exception("holding a FUSE_IOCTL failed")
             return False
         self.stats["fuse_loop.ioctls_held"] += 1
         return True
