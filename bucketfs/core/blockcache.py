@@ -68,7 +68,7 @@ class Flight:
     """One GET of a run of blocks. Also the ticket of its GET's connection slot
     (backends/slots.py): a fetch-ahead flight is speculative until someone waits on it."""
 
-    __slots__ = ("done", "error", "blocks", "speculative", "waiters", "in_own_slot", "on_wait", "outcome")
+    __slots__ = ("done", "error", "blocks", "speculative", "waiters", "in_own_slot", "on_wait", "outcome", "on_end")
 
     def __init__(self, speculative: bool = False):
         self.done = trio.Event()
@@ -79,6 +79,8 @@ class Flight:
         self.in_own_slot = False  # (set by PrioritySlots)
         self.on_wait: Optional[Callable[[], None]] = None  # called when its first waiter comes
         self.outcome = ""  # a push's (push_ahead): Backend.push_whole's
+        # A push into the kernel (push_ahead, not for a reader): called once it has ended.
+        self.on_end: Optional[list] = None
 
     @property
     def urgent(self) -> bool:
@@ -414,6 +416,8 @@ class BlockCache:
         flight.on_wait = request.ask_for_body
         if for_reader:
             request.ask_for_body()
+        else:
+            flight.on_end = []
         for i in run:
             self._flights[(key, version, i)] = flight
         ended = functools.partial(self._pushed, key, version, size_bytes, run, flight, reserved_bytes, on_done)
@@ -461,6 +465,17 @@ class BlockCache:
                 on_done(outcome)
             except Exception:  # noqa: BLE001 - (fetch-ahead's accounting; the flight is done)
                 log.exception("accounting for the push of %r failed", key)
+            for call in flight.on_end or ():
+                try:
+                    call()
+                except Exception:  # noqa: BLE001 - (the others are still called)
+                    log.exception("a call at the end of the push of %r failed", key)
+
+    def push_into_kernel(self, key: str, version: str) -> Optional[Flight]:
+        """The push of the object into the kernel's page cache running now, if any (its
+        `on_end` takes calls for when it has ended)."""
+        flight = self._flights.get((key, version, 0))
+        return flight if flight is not None and flight.on_end is not None else None
 
     def fetch_ahead(self, key: str, version: str, size_bytes: int) -> Optional[Flight]:
         """Start one speculative GET of the whole object and hold it until `release_hold`;

@@ -13,7 +13,8 @@ reply's copy (~0.45 ms per 100 KB file), a push ~0.1 ms.
 
 Invariants:
 - Every held request is let go exactly once: when its push ends (pushed, refused,
-  failed, taken by another reader's READ), or HOLD_MAX_S after it was held, whichever
+  failed, taken by another reader's READ; the pass's push of it, where one already
+  runs), or HOLD_MAX_S after it was held, whichever
   comes first. A push that failed or was refused leaves the READ to fetch the file,
   with every check and retry of the read path; one still running then is waited for
   by that READ, which asks for its body.
@@ -21,6 +22,8 @@ Invariants:
   not list again), not served whole before (the kernel may hold their pages), not
   cached, kept or in flight here, and only where fetch-ahead workers push and the
   daemon's own GETs run in it (no --fetch-workers). Anything else is answered at once.
+  A file a pass's push is writing into the kernel now is held until that push ends
+  (no second GET); one on its way into the daemon (a reader's) is not.
 - A held open is an open: fetch-ahead hears of it (note_open) as it would of its READ.
 - The push is a pass's (BlockCache.push_ahead): its memory made from the oldest kept
   copies, its own copy kept. Only files never served whole are held, so an epoch after
@@ -92,9 +95,14 @@ class OpenPushes:
             key, node.version, node.size_bytes, ino, False, functools.partial(self._ended, node)
         )
         if flight is None:  # (cached, kept or on its way already; or no memory now)
-            if self._held.get(ino) is held:
-                del self._held[ino]
-            return False
+            running = self._cache.push_into_kernel(key, node.version)
+            if running is None:
+                if self._held.get(ino) is held:
+                    del self._held[ino]
+                return False
+            # (A pass's push of it runs: its READ would wait for it and take its body.)
+            running.on_end.append(functools.partial(self._let_go, ino))
+            self._stats["open.held_for_pass"] += 1
         self._stats["open.held"] += 1
         if not self._watching:
             self._watching = True

@@ -177,3 +177,32 @@ def test_a_shuffled_epoch_of_held_opens_reads_every_byte_each_file_fetched_once(
     # (READs: files opened while the pass's push of them ran, and whose pages it had not
     # written yet; 80 of the 240 with no open held, 5-26 in runs of this test.)
     assert stats.get("read.calls", 0) <= len(objects) // 5 < stats["open.held"]
+
+
+@pytest.mark.parametrize("running", ["a-pass-push", "a-readers-push"])
+def test_an_open_of_a_file_a_pass_is_pushing_waits_for_that_push(running):
+    """A pass's push of the file runs: the open is held until it ends (one GET, no
+    READ). A reader's push (its body on its way into the daemon) holds no open."""
+    objects, backend = image_folder()
+
+    async def body(fs):
+        fs.start_pushing(-1)
+        node = await resolve(fs, PATH)
+        key = fs.key_prefix + node.path
+        ended = []
+        flight = fs.cache.push_ahead(
+            key, node.version, node.size_bytes, node.ino, False, ended.append, for_reader=running == "a-readers-push"
+        )
+        assert flight is not None
+        resumes: list = []
+        data = await held_open_read(fs, backend, PATH, resumes)
+        return data, resumes, ended, fs.snapshot()
+
+    data, resumes, ended, stats = run_fs(backend, body, clock=mock_clock())
+    assert data == objects[PATH]
+    assert backend.requests["get"] == 1
+    if running == "a-pass-push":
+        assert resumes == [PATH] and ended == ["pushed"]
+        assert stats["open.held_for_pass"] == 1 and "read.calls" not in stats
+    else:
+        assert resumes == [] and stats["read.calls"] >= 1
