@@ -201,6 +201,9 @@ def test_a_body_wanted_back_comes_back_and_its_extent_is_freed_once_released(eng
             await trio.to_thread.run_sync(server.started.wait, WAIT_S)
             assert engine.arena.live_bytes == pages(len(OBJECTS["obj2"]))
             request.ask_for_body()  # (a READ came while the push ran)
+            # The WANT leaves the daemon before the body leaves the server: a body the
+            # worker had already begun to store would go into the kernel as well.
+            await until(lambda: not any(worker.outbox for worker in engine.workers), "the WANT sent")
             server.holds["obj2"].set()
         ((transfer, body),) = results
         assert body is None and bytes(transfer.buffer) == OBJECTS["obj2"]
