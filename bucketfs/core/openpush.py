@@ -87,22 +87,20 @@ class OpenPushes:
         key = self._key_prefix + node.path
         if not self._ns.is_current(node) or self._prefetcher.is_warming(key, node.version):
             return False
-        # (Held before the push starts: its end, whenever it comes, finds the hold.)
-        self._held[ino] = held = (trio.current_time(), [resume])
-        # (A pass's push: into the kernel, its copy kept; its room made from the oldest kept
-        # copies, which are files pushed before and served: no held file was.)
+        # A pass's push: into the kernel, its copy kept. No held file was served, so the
+        # oldest kept copies it makes room from are files pushed before and served.
         flight = self._cache.push_ahead(
-            key, node.version, node.size_bytes, ino, False, functools.partial(self._ended, node)
+            key, node.version, node.size_bytes, ino, False, functools.partial(self._pushed, node)
         )
         if flight is None:  # (cached, kept or on its way already; or no memory now)
-            running = self._cache.push_into_kernel(key, node.version)
-            if running is None:
-                if self._held.get(ino) is held:
-                    del self._held[ino]
+            # A pass's push of it may run: its READ would wait for it and take its body.
+            flight = self._cache.push_into_kernel(key, node.version)
+            if flight is None:
                 return False
-            # (A pass's push of it runs: its READ would wait for it and take its body.)
-            running.on_end.append(functools.partial(self._let_go, ino))
             self._stats["open.held_for_pass"] += 1
+        assert flight.on_end is not None  # (a push into the kernel)
+        self._held[ino] = (trio.current_time(), [resume])
+        flight.on_end.append(functools.partial(self._let_go, ino))
         self._stats["open.held"] += 1
         if not self._watching:
             self._watching = True
@@ -113,12 +111,12 @@ class OpenPushes:
             log.exception("fetch-ahead's accounting of a held open failed")
         return True
 
-    def _ended(self, node, outcome: str) -> None:
-        """The push of `node` a held open started ended with `outcome`."""
+    def _pushed(self, node, outcome: str) -> None:
+        """The push of `node` a held open started ended with `outcome` (its flight's
+        on_end lets the opens go next)."""
         if outcome == PUSHED:
             node.served = True  # (the kernel holds it whole, as if a reader had read it)
         self._stats[f"open.pushed_{outcome}"] += 1
-        self._let_go(node.ino)
 
     def _let_go(self, ino: int) -> None:
         _, resumes = self._held.pop(ino, (0.0, ()))

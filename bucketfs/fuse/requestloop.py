@@ -44,7 +44,6 @@ import fcntl
 import functools
 import logging
 import os
-import struct
 from typing import Any, Callable, Optional
 
 import pyfuse3
@@ -60,8 +59,8 @@ YIELD_EVERY = 32
 # pyfuse3 3.x's coroutine makers (handlers.pxi): one per operation its C handlers pass
 # to Python but INIT (answered at once) and the FORGETs (the operations' own `forget`).
 PYFUSE3_HANDLERS = frozenset(f"fuse_{op}_async" for op in PYFUSE3_OPS - {"init", "forget", "forget_multi"})
-# struct fuse_in_header (fuse_kernel.h): len, opcode, unique, nodeid (then uid, gid, pid).
-_IN_HEADER = struct.Struct("<IIQQ")
+# struct fuse_in_header (fuse_kernel.h): u32 len, u32 opcode, u64 unique, u64 nodeid, ...
+OPCODE_AT, NODEID_AT = 4, 16
 FUSE_IOCTL = 39
 FUSE_BUF_IS_FD = 1 << 1  # (fuse_common.h: the request is in a pipe, not in `mem`)
 
@@ -184,10 +183,11 @@ class RequestLoop:
             _free(buf.mem)
 
     def _held(self, mem: int, size: int) -> bool:
-        """Whether the request in `mem` is a FUSE_IOCTL that hold_ioctl holds."""
-        _, opcode, _, nodeid = _IN_HEADER.unpack(ctypes.string_at(mem, _IN_HEADER.size))
-        if opcode != FUSE_IOCTL:
+        """Whether the request in `mem` is a FUSE_IOCTL that hold_ioctl holds (every
+        request's opcode is read: one word)."""
+        if ctypes.c_uint32.from_address(mem + OPCODE_AT).value != FUSE_IOCTL:
             return False
+        nodeid = ctypes.c_uint64.from_address(mem + NODEID_AT).value
         assert self.hold_ioctl is not None
         try:
             if not self.hold_ioctl(nodeid, functools.partial(self._process_held, ctypes.string_at(mem, size))):
@@ -237,7 +237,10 @@ def install(session: Optional[int], fuse_fd: Optional[int], operations: Any, sta
     """Before pyfuse3.main: serve the mount with a RequestLoop (`session`:
     requestsize.pyfuse3_session's); None (pyfuse3's loop serves it) where anything is
     not as checked."""
-    if session is None or fuse_fd is None or getattr(pyfuse3, "_session_loop", None) is None:
+    if fuse_fd is None or getattr(pyfuse3, "_session_loop", None) is None:
+        return None
+    if session is None:
+        log.info("libfuse's session was not found where expected: pyfuse3's request loop serves the mount")
         return None
     handlers = {name for name in dir(pyfuse3) if name.startswith("fuse_") and name.endswith("_async")}
     if handlers != PYFUSE3_HANDLERS:

@@ -12,14 +12,18 @@ import ctypes
 import errno
 import functools
 import socket
+import struct
 
 import pytest
 import trio
 import trio.testing
 
-from bucketfs.fuse.requestloop import _IN_HEADER, FUSE_IOCTL, YIELD_EVERY, RequestLoop
+from bucketfs.fuse.requestloop import FUSE_IOCTL, NODEID_AT, OPCODE_AT, YIELD_EVERY, RequestLoop
 
 pytestmark = pytest.mark.timeout(30)
+# struct fuse_in_header: len, opcode, unique, nodeid (the loop reads the two at their offsets)
+_IN_HEADER = struct.Struct("<IIQQ")
+assert (struct.calcsize("<I"), struct.calcsize("<IIQ")) == (OPCODE_AT, NODEID_AT)
 _malloc = ctypes.CDLL(None).malloc
 _malloc.argtypes, _malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
 MIN_TASKS = 4
