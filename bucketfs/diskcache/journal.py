@@ -564,17 +564,20 @@ class Journal:
                     fd = os.open(JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, dir_fd=self.dir_fd)
                     try:
                         written = os.write(fd, data)
+                        # (O_APPEND: the offset is now the end of this write, whoever wrote after it)
+                        end, ino = os.lseek(fd, 0, os.SEEK_CUR), os.fstat(fd).st_ino
                         if written == len(data):
-                            # (O_APPEND: the offset is now the end of this write, whoever wrote after it)
-                            end = os.lseek(fd, 0, os.SEEK_CUR)
                             deleted = [eid for p in payloads if p[:1] == b"D" for eid in _ids_of(p)]
-                            self._own_spans.append((os.fstat(fd).st_ino, end - written, end, deleted))
+                            self._own_spans.append((ino, end - written, end, deleted))
                     finally:
                         os.close(fd)
             except OSError:
                 self.broken = True
                 raise
-            self.size_bytes += written
+            with self._read_lock:
+                # read_tail (another thread) may have seen this write's bytes already and
+                # set the size from fstat: the file's end then, not a sum.
+                self.size_bytes = max(self.size_bytes, end) if ino == self._read_ino else self.size_bytes + written
             if written != len(data):
                 self.broken = True
                 raise OSError(f"short write to the disk cache journal ({written} of {len(data)} bytes)")

@@ -378,6 +378,30 @@ def test_a_torn_record_of_one_writer_hides_none_of_the_others(tmp_path):
         os.close(dir_fd)
 
 
+def test_the_journals_size_stays_the_files_when_its_tail_is_read_during_an_append(tmp_path, monkeypatch):
+    """The trio thread reads the tail while a writing thread appends: a read that sees
+    the append's bytes before the append counts them counts them once."""
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    one = journal.Journal(dir_fd, CHUNK_BYTES, alone=True)
+    real_lseek = os.lseek
+
+    def lseek_then_read_tail(fd, offset, whence):  # (right after the append's write)
+        end = real_lseek(fd, offset, whence)
+        one.read_tail()
+        return end
+
+    try:
+        assert one.compact(lambda: ())
+        one.append([journal.entry_payload("x", "v1", 100)])
+        monkeypatch.setattr(journal.os, "lseek", lseek_then_read_tail)
+        one.append([chunks(journal.entry_id("x", "v1"), 11)])
+        monkeypatch.undo()
+        assert one.size_bytes == os.stat(tmp_path / "journal").st_size
+    finally:
+        one.close()
+        os.close(dir_fd)
+
+
 def test_a_torn_tail_is_cut_only_by_a_mount_alone(tmp_path):
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     first = journal.Journal(dir_fd, CHUNK_BYTES, alone=True)
