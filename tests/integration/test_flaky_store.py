@@ -209,7 +209,12 @@ def test_every_byte_is_right_while_the_store_fails_one_answer_in_five(seeded_sto
         # not retried: the push is given up, and the file's reader fetches it (with retries).
         given_up = sum(
             stats.get(name, 0)
-            for name in ("fetch_ahead.push_failed", "fetch_ahead.push_refused", "open.pushed_failed", "open.pushed_refused")
+            for name in (
+                "fetch_ahead.push_failed",
+                "fetch_ahead.push_refused",
+                "open.pushed_failed",
+                "open.pushed_refused",
+            )
         )
         assert stats["backend.retries"] + given_up >= sum(proxy.injected.values()) // 2, (
             stats["backend.retries"],
