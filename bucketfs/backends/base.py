@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from bucketfs import errors
 from bucketfs.backends import versions
+from bucketfs.backends.pages import FreshPages
 
 
 class ObjectInfo(typing.NamedTuple):
@@ -69,6 +70,8 @@ class Backend(abc.ABC):
         # GETs by the way they went, where a backend has more than one (S3 and GCS:
         # "curl" or "threads"); the counters show which one a mount's reads take.
         self.get_paths: collections.Counter = collections.Counter()
+        # Fresh receive buffers faulted in before their GETs, and what that cost.
+        self.fresh_pages = FreshPages()
 
     @property
     def redirects_count(self) -> int:

@@ -96,6 +96,8 @@ class S3Transport(abc.ABC):
     ):
         """get() on a worker thread (one attempt), checked there: a short answer is
         retried (base.check_answer)."""
+        if buffer is not None:
+            self.backend.fresh_pages.fault_in(buffer)
         return self.backend.checked(
             key, start, end, version, self.get_blocking(key, start, end, version, buffer), buffer, object_bytes
         )

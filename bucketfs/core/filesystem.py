@@ -626,6 +626,10 @@ class Filesystem:
         stats["backend.fetch_ahead_workers"], stats["backend.fetch_ahead_worker_restarts"] = workers, restarts
         for path, count in getattr(self.backend, "get_paths", {}).items():
             stats[f"backend.get_path.{path}"] = count
+        fresh = getattr(self.backend, "fresh_pages", None)
+        if fresh is not None:
+            stats["backend.fresh_buffers"], stats["backend.fresh_bytes"] = fresh.buffers, fresh.bytes
+            stats["backend.fresh_fault_cpu_s"] = round(fresh.cpu_s, 6)
         caller = getattr(self.backend, "caller", None)  # the backend's BlockingCaller, if it has one
         if caller is not None:
             stats["backend.retries"] = caller.retries_count

@@ -474,6 +474,10 @@ class DiskCache:
         return self.inner.get_paths
 
     @property
+    def fresh_pages(self):
+        return self.inner.fresh_pages
+
+    @property
     def redirects_count(self) -> int:
         return self.inner.redirects_count
 

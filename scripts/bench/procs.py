@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 import threading
-from typing import Optional
 
 from bucketfs.testing.mounting import drop_page_cache
 
@@ -17,39 +14,6 @@ from bucketfs.testing.mounting import drop_page_cache
 def drop_caches() -> bool:
     os.sync()
     return drop_page_cache()
-
-
-# A child that faults in fresh 8 MiB huge-page mappings as bucketfs's part buffers are
-# (partbuffers.new_part_buffer), twice: prints the CPU ms per MiB of each round.
-_FRESH_PROBE = """
-import mmap, sys, time
-mib = int(sys.argv[1])
-for _ in range(2):
-    t0, bufs = time.process_time(), []
-    for _ in range(mib // 8):
-        b = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        b.madvise(mmap.MADV_HUGEPAGE)
-        b[::4096] = bytes(2048)  # a write per 4 KiB page in one C loop: the faults are measured, not Python
-        bufs.append(b)
-    print(1000 * (time.process_time() - t0) / mib)
-    for b in bufs:
-        b.close()
-"""
-
-
-def fresh_memory_ms_per_mib(mib: int = 128) -> Optional[tuple]:
-    """(first, again): the CPU ms per MiB a new process spends faulting in `mib` MiB of
-    fresh memory, then the same again once it gave the first back. Right after the page
-    cache is dropped, the first is what a new mount's read-ahead buffers cost here: a
-    VM whose host takes back the pages its guest frees (free page reporting) faults
-    them in again from the host. None if the probe failed."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", _FRESH_PROBE, str(mib)], capture_output=True, text=True, timeout=60, check=True
-        ).stdout.split()
-        return float(out[0]), float(out[1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from .common import MB, SYSTEMS, text_table
+from .common import MB, SYSTEMS, MiB, text_table
 from .s3torch import SYSTEM as S3TORCH
 
 # The rows s3torchconnector has a value in (W1 threads, W2 listing and cold epochs, W5).
@@ -181,7 +181,7 @@ class Report:
         return text_table(header, lines)
 
 
-def emulation_ceilings(runs: list, cpus: int, fresh_memory=None) -> list:
+def emulation_ceilings(runs: list, cpus: int) -> list:
     """What this machine allows any client of the emulated store, from the CPU the store
     itself (server + proxy) used in this run: lines for the W1 rows. On a real
     deployment that CPU is the store's and the network's, not the training machine's;
@@ -191,13 +191,13 @@ def emulation_ceilings(runs: list, cpus: int, fresh_memory=None) -> list:
       fetch workers'), on `cpus` cores: a reader side that cheap cannot pass cpus / (that
       sum) MB/s. The local disk's readers are the least any reader side spends: no
       client passes that one.
-    - W1 bucketfs: what its fresh part buffers cost (fresh_buffer_lines).
+    - W1 bucketfs: what faulting in its fresh part buffers cost (fresh_buffer_line).
     - webdataset: the local loop keeps the cores busy (its busy CPU is ~cpus x its
       seconds), so a mount's run needs at least (the local loop's busy CPU + the store's
       CPU) / cpus seconds even if its daemon cost nothing: a ceiling on mount / local."""
     by = {(r["run"], r["system"]): r for r in runs}
     lines = []
-    for label in ("W1 1 reader(s)", "W1 4 reader(s)"):
+    for label in ("W1 1 reader(s)", "W1 4 reader(s)", "W1 4 reader(s), next epoch"):
         runs_of = {system: by.get((label, system)) for system in ("local", "direct", S3TORCH, "bucketfs")}
         remote = [
             r
@@ -220,7 +220,8 @@ def emulation_ceilings(runs: list, cpus: int, fresh_memory=None) -> list:
             f"On {cpus} CPUs, store + that reader side allow at most {bounds} MB/s "
             f"({' / '.join(client_s_per_mb)})"
         )
-    lines += fresh_buffer_lines(runs, fresh_memory)
+        if "bucketfs" in client_s_per_mb:
+            lines += fresh_buffer_line(by, label, cpus, store_s_per_mb, client_s_per_mb["bucketfs"])
     local, mount = by.get(("W1 webdataset", "local")), by.get(("W1 webdataset", "bucketfs"))
     if local and mount and local.get("loop_busy_cpu_s") and local.get("samples/s"):
         store_s = mount["server_cpu_s"] + mount.get("proxy_cpu_s", 0)
@@ -233,39 +234,36 @@ def emulation_ceilings(runs: list, cpus: int, fresh_memory=None) -> list:
     return lines
 
 
-def fresh_buffer_lines(runs: list, fresh_memory, part_mib: int = 8) -> list:
-    """For each bucketfs W1 run: how many of its read-ahead parts were received into
-    fresh buffers rather than pooled ones (each a `part_mib` MiB mapping the kernel
-    faults in and zeroes), and what that memory costs on this machine by the probe
-    (`fresh_memory`: procs.fresh_memory_ms_per_mib's (first, again)). A stream that
+def fresh_buffer_line(by: dict, label: str, cpus: int, store_s_per_mb: float, client_s_per_mb: float) -> list:
+    """bucketfs's W1 run `label`: the fresh part buffers it faulted in (the daemon's
+    backend.fresh_* counters; a next epoch's are its mount's since the run before) and
+    the CPU that took, which is the machine's price for new memory, not the read's (a
+    VM whose host takes back the pages its guest frees backs them again at each first
+    touch); and the bound store + reader side would allow without it. A stream that
     runs ~1 s from a new mount pays for its whole window's memory: the process reading
     directly reuses its own heap."""
-    if not fresh_memory:
+    r = by[(label, "bucketfs")]
+    stats = r.get("daemon_stats") or {}
+    if "backend.fresh_fault_cpu_s" not in stats and "backend.fresh_buffers" not in stats:
         return []
-    first_ms, again_ms = fresh_memory
-    lines = []
-    by_label = {r["run"]: r for r in runs if r["system"] == "bucketfs"}
-    for r in runs:
-        stats = r.get("daemon_stats") or {}
-        if r["system"] != "bucketfs" or not r["run"].startswith("W1 ") or "backend.get_path.threads" not in stats:
-            continue
-        # (a next epoch runs on the mount of the run before it: the daemon's counters go on)
-        before = (
-            (by_label.get(r["run"].removesuffix(", next epoch")) or {}) if r["run"].endswith(", next epoch") else {}
-        )
-        before_stats = before.get("daemon_stats") or {}
-        parts = stats["backend.get_path.threads"] - before_stats.get("backend.get_path.threads", 0)
-        reused = stats.get("prefetch.buffers_reused", 0) - before_stats.get("prefetch.buffers_reused", 0)
-        fresh = max(parts - reused, 0)
-        cost_s = fresh * part_mib * first_ms / 1000
-        lines.append(
-            f"  {r['run']}: bucketfs received {fresh} of its {parts} read-ahead parts into fresh buffers "
-            f"({fresh * part_mib} MiB); fresh memory cost a new process {first_ms:.2f} ms of CPU per MiB to fault "
-            f"in after the page cache was dropped ({again_ms:.2f} once reused; one probe after W1's streams, a "
-            f"figure that moves with what the host still backs): ~{cost_s:.2f} CPU s of the daemon's "
-            f"{r.get('daemon_cpu_s', 0):.2f} at that price"
-        )
-    return lines
+    before = (by.get((label.removesuffix(", next epoch"), "bucketfs")) or {}) if label.endswith(", next epoch") else {}
+    before_stats = before.get("daemon_stats") or {}
+
+    def delta(name):
+        return stats.get(name, 0) - before_stats.get(name, 0)
+
+    buffers, mib, fault_s = (
+        delta("backend.fresh_buffers"),
+        delta("backend.fresh_bytes") / MiB,
+        delta("backend.fresh_fault_cpu_s"),
+    )
+    without_s_per_mb = client_s_per_mb - fault_s / (r["MB/s"] * r["wall_s"])
+    return [
+        f"  {label}: bucketfs faulted in {buffers} fresh part buffers ({mib:,.0f} MiB) at "
+        f"{1000 * fault_s / mib if mib else 0:.2f} ms of CPU per MiB: {fault_s:.2f} CPU s of the daemon's "
+        f"{r.get('daemon_cpu_s', 0):.2f}; without it its reader side {1000 * without_s_per_mb:.2f} ms per MB, and "
+        f"store + reader side would allow {cpus / (store_s_per_mb + without_s_per_mb):,.0f} MB/s"
+    ]
 
 
 # Targets that are absolute speeds of a remote read (set for S3 at full scale): not
@@ -350,7 +348,7 @@ def print_report(bench, args, backend_cls, started: float) -> int:
     )
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     # (With --store-cpus the store has cores of its own: it caps no client by its CPU.)
-    ceilings = [] if args.store_cpus else emulation_ceilings(bench.runs, os.cpu_count() or 1, bench.fresh_memory)
+    ceilings = [] if args.store_cpus else emulation_ceilings(bench.runs, os.cpu_count() or 1)
     if ceilings:
         print("\nWhat the emulated store leaves this machine (its CPU is on the same cores as the client's):")
         print("\n".join(ceilings))
@@ -388,7 +386,6 @@ def print_report(bench, args, backend_cls, started: float) -> int:
                     "cpu_per_unit": bench.cpu_per_unit_rows(),
                     "fetch_workers_variant": bench.fetch_workers_results(),
                     "issue37": bench.issue37_results(),
-                    "fresh_memory_ms_per_mib": bench.fresh_memory,
                     "runs": bench.runs,
                     "failures": bench.failures,
                 },

@@ -93,7 +93,6 @@ class Bench(
             self.alt_mounts[cls.name] = cls(backend, dataset.bucket, alt_mountpoint, work_dir)
         self.systems = SYSTEMS + tuple(self.alt_mounts)
         self.dropped_ok = True
-        self.fresh_memory = None  # (first, again) CPU ms per MiB of fresh memory: fresh_memory_ms_per_mib
         self.census = CpuCensus()
         self.copy_then_read_runs: dict = {}  # W2 threads -> {"copy": run, "epoch": run}
         self.copy_then_read_note: Optional[str] = None  # why it was not measured

@@ -20,7 +20,7 @@ from typing import Callable
 
 from .common import CACHED_PASSES, ENTRY, MB, PARALLEL_PARTS, READ_BYTES, RUN_TIMEOUT_S, digest, log
 from .datasets import Verifier
-from .procs import RssSampler, drop_caches, fresh_memory_ms_per_mib, proc_status_kib
+from .procs import RssSampler, drop_caches, proc_status_kib
 from .readers import file_reader, median_run, pull_loop, read_file_streaming, read_object_direct, run_threads
 from .s3torch import SYSTEM as S3TORCH
 from .stores import S3Direct
@@ -84,9 +84,7 @@ class Workloads:
                         ex.shutdown()
                     client.close()
                 client = None  # (s3torchconnector's: its native client goes with it)
-        # What fresh memory costs here, in the state each cold run starts from.
         self.dropped_ok = drop_caches() and self.dropped_ok
-        self.fresh_memory = fresh_memory_ms_per_mib()
         self.w1_webdataset()
 
     def w1_fs_run(self, root: str, readers: int) -> Callable[[Verifier], dict]:

@@ -68,6 +68,11 @@ def test_shards_read_in_order_fetch_each_byte_once(rclone_server, s3_bucket, mou
     assert stats["prefetch.heads_used"] == 2
     assert stats.get("prefetch.bytes_wasted", 0) == 0
     assert stats["backend.bytes_fetched"] == sum(len(d) for d in shards.values())
+    # Each buffer new to the daemon was faulted in before its GET, and counted; the
+    # pool's buffers, reused for the later shards, were not.
+    assert 1 <= stats["backend.fresh_buffers"] < stats["backend.get_path.threads"]
+    assert stats["backend.fresh_bytes"] >= stats["backend.fresh_buffers"] * 2 * MiB
+    assert stats["backend.fresh_fault_cpu_s"] > 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's per-mount limits are root's to raise")
