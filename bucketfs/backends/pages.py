@@ -31,7 +31,7 @@ class FreshPages:
         self.cpu_s = 0.0
 
     def fault_in(self, buffer) -> None:
-        if not isinstance(buffer, mmap.mmap) or not len(buffer):
+        if not isinstance(buffer, mmap.mmap):
             return  # (a heap buffer, below a huge page: its receive faults it in)
         faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         started_s = time.thread_time()

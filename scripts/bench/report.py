@@ -244,7 +244,7 @@ def fresh_buffer_line(by: dict, label: str, cpus: int, store_s_per_mb: float, cl
     directly reuses its own heap."""
     r = by[(label, "bucketfs")]
     stats = r.get("daemon_stats") or {}
-    if "backend.fresh_fault_cpu_s" not in stats and "backend.fresh_buffers" not in stats:
+    if "backend.fresh_buffers" not in stats:  # (a daemon that does not count them)
         return []
     before = (by.get((label.removesuffix(", next epoch"), "bucketfs")) or {}) if label.endswith(", next epoch") else {}
     before_stats = before.get("daemon_stats") or {}

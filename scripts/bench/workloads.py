@@ -84,7 +84,6 @@ class Workloads:
                         ex.shutdown()
                     client.close()
                 client = None  # (s3torchconnector's: its native client goes with it)
-        self.dropped_ok = drop_caches() and self.dropped_ok
         self.w1_webdataset()
 
     def w1_fs_run(self, root: str, readers: int) -> Callable[[Verifier], dict]:
