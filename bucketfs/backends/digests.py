@@ -2,9 +2,11 @@
 checksum the store states for that object, so bytes damaged on the way (a proxy, a
 NIC, a plain-HTTP network, a bug) are fetched again and never served.
 
-Only whole objects: S3 and GCS state checksums of whole objects (the ETag of an S3
-single-part upload is the MD5 of its bytes; GCS's x-goog-hash header carries CRC32C
-and, except for composite objects, MD5), never of a range. Files fetched whole at
+Only whole objects: S3 and GCS state checksums of whole objects (S3: a full-object
+CRC32C or CRC32 in x-amz-checksum-* where the object was uploaded with one, as AWS's
+SDKs do by default, and the ETag of a single-part upload, the MD5 of its bytes; GCS's
+x-goog-hash header carries CRC32C and, except for composite objects, MD5), never of a
+range. A CRC is preferred where stated (http/checksums.py). Files fetched whole at
 open (up to --small-file-bytes: ImageFolder samples) are checked; ranged reads of
 larger objects (shards, random reads) are not.
 
@@ -22,6 +24,8 @@ import logging
 import re
 from typing import Callable, NamedTuple, Optional
 
+from bucketfs.backends.http.checksums import CRC_COMPUTE, S3_CHECKSUM_HEADERS, stated_crc
+
 log = logging.getLogger(__name__)
 
 # Objects whose last GET did not match their ETag, remembered to tell damage (which
@@ -37,13 +41,29 @@ class CorruptBody(ConnectionError):
 
 
 class Digest(NamedTuple):
-    name: str  # "md5" or "crc32c"
+    name: str  # "md5", "crc32c" or "crc32"
     expected: bytes
     compute: Callable[[object], bytes]  # bytes-like -> digest
 
 
 def md5_of(data) -> bytes:
     return hashlib.md5(data).digest()
+
+
+def s3_checksum_digest(headers, checksum_headers=S3_CHECKSUM_HEADERS) -> Optional[Digest]:
+    """The full-object CRC an S3 answer's headers state (http/checksums.py), as a Digest."""
+    stated = stated_crc(headers, checksum_headers)
+    return None if stated is None else Digest(stated[0], stated[1], CRC_COMPUTE[stated[0]])
+
+
+def s3_answer_digest(headers) -> Optional[Digest]:
+    """The checksum an S3 answer states of the whole object: a full-object CRC where
+    stated, else the MD5 its ETag states (s3_etag_digest), else None."""
+    return s3_checksum_digest(headers) or s3_etag_digest(
+        headers.get("etag", ""),
+        headers.get("x-amz-server-side-encryption"),
+        headers.get("x-amz-server-side-encryption-customer-algorithm"),
+    )
 
 
 # Answer headers that say an S3 ETag is not the MD5 of the bytes (AWS: SSE-KMS, DSSE-KMS,
@@ -112,7 +132,11 @@ def check_whole_object(
     """CorruptBody if `data` (bytes-like), the body of a GET from `start`, is the whole
     object and does not have the stated digest (None: nothing stated, nothing checked).
     `etags`: the mount's S3 ETag checks, which may have learnt that ETags are no MD5s."""
-    if digest is None or (etags is not None and not etags.enabled):
+    if digest is None:
+        return
+    if digest.name != "md5":
+        etags = None  # (what EtagChecks learns is of ETags, not of the CRCs a store states)
+    if etags is not None and not etags.enabled:
         return
     if not is_whole_object(start, len(data), object_bytes, content_range):
         return

@@ -21,7 +21,6 @@ from __future__ import annotations
 import abc
 from typing import Optional
 
-import google_crc32c
 import trio
 from google.api_core import exceptions as gexc
 from google.cloud import storage
@@ -30,15 +29,10 @@ from bucketfs.backends.base import check_answer
 from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
 from bucketfs.backends.gcs_curl import refused, served_generation
 from bucketfs.backends.http.body import read_range_body
+from bucketfs.backends.http.checksums import crc32c_of
 from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES
 
 LISTS = "google-cloud-storage (worker threads)"
-
-
-def crc32c_of(data) -> bytes:
-    """CRC32C as GCS states it (4 bytes, big-endian), by google-crc32c (the library's
-    own dependency; C where it has wheels), which takes bytes only."""
-    return google_crc32c.value(bytes(data)).to_bytes(4, "big")
 
 
 class GCSTransport(abc.ABC):

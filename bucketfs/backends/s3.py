@@ -66,7 +66,13 @@ from bucketfs.backends.base import (
     lists_entries,
 )
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
-from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check_whole_object, s3_etag_digest
+from bucketfs.backends.digests import (
+    S3_CHECKSUM_HEADERS,
+    S3_ETAG_NOT_MD5_HEADERS,
+    EtagChecks,
+    check_whole_object,
+    s3_etag_digest,
+)
 from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.http.fetchworker import DAMAGED, NO_INODE
 from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine
@@ -556,7 +562,7 @@ class S3Backend(Backend):
         pinned_etag = version if versions.kind(version) == versions.ETAG else None
         digest = s3_etag_digest(version, None, None) if pinned_etag and self.etag_checks.enabled else None
         md5 = None if digest is None else digest.expected
-        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS)
+        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS, S3_CHECKSUM_HEADERS)
         self.requests["get"] += 1
         self.get_paths["push"] += 1
         return transfer, checks

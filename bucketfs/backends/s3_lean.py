@@ -48,8 +48,9 @@ from botocore import UNSIGNED
 from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
-from bucketfs.backends.digests import s3_etag_digest
+from bucketfs.backends.digests import s3_answer_digest
 from bucketfs.backends.http.body import body_deadline_s, read_body, receive_into
+from bucketfs.backends.http.checksums import S3_CHECKSUM_MODE_HEADERS
 from bucketfs.backends.http.curl import BodyTransfer, Transfer
 from bucketfs.backends.http.sigv4 import Signer, host_of
 
@@ -364,15 +365,6 @@ def parse_list_page(body: bytes) -> tuple:
     return _parse_fast(body) or _parse_tree(body)
 
 
-def _etag_digest(headers):
-    """s3_etag_digest of an answer's headers (urllib3's, or http/curl.py's lower-case dict)."""
-    return s3_etag_digest(
-        headers.get("etag", ""),
-        headers.get("x-amz-server-side-encryption"),
-        headers.get("x-amz-server-side-encryption-customer-algorithm"),
-    )
-
-
 class LeanS3:
     def __init__(
         self,
@@ -578,13 +570,16 @@ class LeanS3:
             headers.get("ETag", ""),
             headers.get("Content-Range"),
             body,
-            _etag_digest(headers),
+            s3_answer_digest(headers),
             headers.get("Last-Modified"),
         )
 
     @staticmethod
     def range_headers(start: int, end: int, version: str) -> dict:
-        return {"Range": f"bytes={start}-{end - 1}", **versions.condition_headers(version)}
+        """A GET's headers; from the object's first byte, AWS is asked for the checksum
+        it keeps of the whole object (digests.py checks a whole one by it)."""
+        headers = {"Range": f"bytes={start}-{end - 1}", **versions.condition_headers(version)}
+        return {**headers, **S3_CHECKSUM_MODE_HEADERS} if start == 0 else headers
 
     def transfer(self, key: str, start: int, end: int, version: str, buffer: bytearray) -> Optional[Transfer]:
         """get() as a signed curl.Transfer into `buffer` (len end - start); None
@@ -645,11 +640,12 @@ class LeanS3:
             self._refused(transfer.status, bytes(transfer.error_body))
             return None
         headers = transfer.headers
-        digest = _etag_digest(headers)
-        if digest is not None and transfer.md5 is not None and transfer.received_bytes:
-            # Computed on the engine's thread over the bytes received (curl.Transfer.md5).
-            received_md5 = transfer.md5.digest()
-            digest = digest._replace(compute=lambda _body: received_md5)
+        digest = s3_answer_digest(headers)
+        body_hash = transfer.body_hash
+        if digest is not None and body_hash is not None and body_hash.name == digest.name and transfer.received_bytes:
+            # Computed on the engine's thread over the bytes received (curl.Transfer.body_hash).
+            received = body_hash.digest()
+            digest = digest._replace(compute=lambda _body: received)
         return (
             transfer.status,
             headers.get("etag", ""),

@@ -39,6 +39,7 @@ Known quirks (rclone v1.75, moto 5.2), which the backend tests rely on:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import http.client
@@ -197,6 +198,16 @@ class S3Server:
             self.write_files(bucket, {key: b""})
             return
         self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def put_with_crc(self, bucket: str, key: str, data: bytes, kind: str) -> None:
+        """Upload one object with its full-object CRC (`kind` "crc32c" or "crc32"), as
+        AWS's SDKs upload by default: the store then states it in its GET answers.
+        (The value is given, not asked of botocore, which needs awscrt for CRC32C.)"""
+        from bucketfs.backends.http.checksums import CRC_COMPUTE
+
+        value = base64.b64encode(CRC_COMPUTE[kind](data)).decode()
+        parameter = {"crc32c": "ChecksumCRC32C", "crc32": "ChecksumCRC32"}[kind]
+        self.client.put_object(Bucket=bucket, Key=key, Body=data, **{parameter: value})
 
     def write_files(self, bucket: str, objects: dict, mtime_s: Optional[float] = None) -> None:
         """rclone only: seed `{key: bytes}` fast, as files on disk (a `dir/` key makes a

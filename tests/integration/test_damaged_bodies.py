@@ -1,7 +1,8 @@
 """Bytes damaged on the way, through a real mount: a proxy flips one bit in a share of
 the object GETs' bodies (the right length, wrong bytes; listings are left alone).
 Small files are fetched whole at open and checked against the checksum the store
-states (S3: the ETag, the MD5 of the bytes as rclone sends it; GCS: x-goog-hash, added
+states (S3: the ETag, the MD5 of the bytes as rclone sends it, or the CRC32C or CRC32
+an object was uploaded with, which rclone states as AWS does; GCS: x-goog-hash, added
 by the proxy as GCS sends it, since the emulator does not): each damaged answer is
 fetched again, so every reader gets every byte right. When every answer is damaged,
 the reader gets EIO, never the damaged bytes.
@@ -35,12 +36,20 @@ def dataset() -> dict:
     return files
 
 
-@pytest.fixture(params=["s3", pytest.param("gcs", marks=pytest.mark.gcs)])
+@pytest.fixture(params=["s3", "s3-crc", pytest.param("gcs", marks=pytest.mark.gcs)])
 def seeded_store(request):
     files = dataset()
     if request.param == "s3":
         server, bucket = request.getfixturevalue("rclone_server"), request.getfixturevalue("s3_bucket")
         server.write_files(bucket, files)
+    elif request.param == "s3-crc":
+        # ETags that are no MD5s (XXH3): only the CRCs the objects were uploaded with,
+        # which rclone states in its answers as AWS does, can catch the damage.
+        server = request.getfixturevalue("rclone_server_xxh3")
+        bucket = server.new_bucket()
+        request.addfinalizer(lambda: server.delete_bucket(bucket))
+        for i, (key, data) in enumerate(sorted(files.items())):
+            server.put_with_crc(bucket, key, data, ("crc32c", "crc32")[i % 2])
     else:
         server = request.getfixturevalue("gcs_server")
         bucket = server.new_bucket()

@@ -139,7 +139,7 @@ def engine(kernel):
 def push(engine, server, name: str, ino: int, request=None):
     body = OBJECTS[name]
     transfer = BodyTransfer(f"http://127.0.0.1:{server.server_address[1]}/{name}", [], bytearray(), 0, 10.0)
-    checks = (hashlib.md5(body).hexdigest(), None, hashlib.md5(body).digest(), ())
+    checks = (hashlib.md5(body).hexdigest(), None, hashlib.md5(body).digest(), (), ())
     return engine.push(transfer, len(body), ino, checks, request or PushRequest(tell_open=False))
 
 
@@ -147,7 +147,7 @@ def push_soon(engine, server, name: str, ino: int, ended: dict) -> None:
     """push() with no task: `ended[name]` = (transfer, kept) once it ended."""
     body = OBJECTS[name]
     transfer = BodyTransfer(f"http://127.0.0.1:{server.server_address[1]}/{name}", [], bytearray(), 0, 10.0)
-    checks = (hashlib.md5(body).hexdigest(), None, hashlib.md5(body).digest(), ())
+    checks = (hashlib.md5(body).hexdigest(), None, hashlib.md5(body).digest(), (), ())
 
     def on_end(transfer, kept) -> None:
         assert name not in ended, "ended twice"

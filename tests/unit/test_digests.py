@@ -3,6 +3,7 @@ mismatch is told apart from an ETag that is no MD5."""
 
 import base64
 import hashlib
+import zlib
 
 import pytest
 
@@ -12,6 +13,7 @@ from bucketfs.backends.digests import (
     check_whole_object,
     gcs_hash_digest,
     is_whole_object,
+    s3_answer_digest,
     s3_etag_digest,
 )
 from bucketfs.backends.gcs import _crc32c_of
@@ -107,7 +109,7 @@ def test_the_curl_engine_computes_the_md5_as_the_body_arrives_and_the_check_uses
         return t
 
     t = received(DATA)
-    assert t.md5 is not None and t.md5.digest() == hashlib.md5(DATA).digest()
+    assert t.body_hash is not None and t.body_hash.digest() == hashlib.md5(DATA).digest()
     digest = LeanS3.answer_of(None, t)[4]
     assert digest.compute(b"not read") == hashlib.md5(DATA).digest()
     check_whole_object("k", digest, 0, t.buffer, len(DATA), None)
@@ -117,4 +119,90 @@ def test_the_curl_engine_computes_the_md5_as_the_body_arrives_and_the_check_uses
     digest = LeanS3.answer_of(None, received(bytes(damaged)))[4]
     with pytest.raises(CorruptBody):
         check_whole_object("k", digest, 0, damaged, len(DATA), None)
-    assert received(DATA, skip_bytes=5).md5 is None  # not from the object's start: hashed later, if at all
+    assert received(DATA, skip_bytes=5).body_hash is None  # not from the object's start: hashed later, if at all
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+CRC32C_B64 = _b64(_crc32c_of(DATA))
+CRC32_B64 = _b64(zlib.crc32(DATA).to_bytes(4, "big"))
+
+
+def test_an_s3_answer_states_a_full_object_crc_before_its_etags_md5():
+    etag = f'"{MD5_HEX}"'
+    both = {"etag": etag, "x-amz-checksum-crc32": CRC32_B64, "x-amz-checksum-crc32c": CRC32C_B64}
+    assert s3_answer_digest(both).name == "crc32c"  # the cheapest first
+    assert s3_answer_digest({"etag": etag, "x-amz-checksum-crc32": CRC32_B64}).expected == zlib.crc32(DATA).to_bytes(
+        4, "big"
+    )
+    assert s3_answer_digest({"etag": etag}).name == "md5"
+    # A multipart upload's composite CRC (of its parts' CRCs) says nothing of the bytes.
+    composite = {"etag": f'"{MD5_HEX}-2"', "x-amz-checksum-crc32": f"{CRC32_B64}-2"}
+    assert s3_answer_digest(composite) is None
+    typed = {"etag": etag, "x-amz-checksum-crc32": CRC32_B64, "x-amz-checksum-type": "COMPOSITE"}
+    assert s3_answer_digest(typed).name == "md5"
+    # CRC64NVME is not computed here; an unreadable value is no checksum.
+    assert s3_answer_digest({"etag": etag, "x-amz-checksum-crc64nvme": "AAAAAAAAAAA="}).name == "md5"
+    assert s3_answer_digest({"x-amz-checksum-crc32c": "not base64!"}) is None
+    # SSE-KMS: the ETag is no MD5, but a CRC still checks the bytes.
+    kms = {"etag": etag, "x-amz-server-side-encryption": "aws:kms", "x-amz-checksum-crc32c": CRC32C_B64}
+    assert s3_answer_digest(kms).name == "crc32c"
+
+
+def test_a_crc_mismatch_is_damage_even_where_etags_were_found_to_be_no_md5s():
+    checks = EtagChecks()
+    checks.enabled = False  # (this store's ETags are no MD5s)
+    digest = s3_answer_digest({"etag": "whatever", "x-amz-checksum-crc32c": CRC32C_B64})
+    check_whole_object("k", digest, 0, DATA, len(DATA), None, checks)
+    damaged = bytearray(DATA)
+    damaged[3] ^= 1
+    for _ in range(2):  # the same damaged bytes twice: still damage, never served
+        with pytest.raises(CorruptBody):
+            check_whole_object("k", digest, 0, damaged, len(DATA), None, checks)
+
+
+@pytest.mark.parametrize(
+    "header, value, kind",
+    [("x-amz-checksum-crc32c", CRC32C_B64, "crc32c"), ("x-amz-checksum-crc32", CRC32_B64, "crc32")],
+)
+def test_the_curl_engine_computes_a_stated_crc_as_the_body_arrives_instead_of_the_md5(header, value, kind):
+    from bucketfs.backends.http.curl import Transfer
+    from bucketfs.backends.s3_lean import LeanS3
+
+    def received(data: bytes, extra: tuple = ()) -> Transfer:
+        t = Transfer("http://store/k", [], bytearray(len(data)), 0, 30.0)
+        lines = (
+            b"HTTP/1.1 206 Partial Content\r\n",
+            f'ETag: "{MD5_HEX}"\r\n'.encode(),
+            f"{header}: {value}\r\n".encode(),
+        )
+        for line in (*lines, *extra, b"\r\n"):
+            t.on_header(line)
+        for at in range(0, len(data), 999):
+            t.on_body(memoryview(data)[at : at + 999])
+        return t
+
+    whole = f"Content-Range: bytes 0-{len(DATA) - 1}/{len(DATA)}\r\n".encode()
+    t = received(DATA, (whole,))
+    assert t.body_hash.name == kind
+    digest = LeanS3.answer_of(None, t)[4]
+    assert digest.name == kind and digest.compute(b"not read") == digest.expected
+    check_whole_object("k", digest, 0, t.buffer, len(DATA), None)
+
+    damaged = bytearray(DATA)
+    damaged[1234] ^= 1
+    digest = LeanS3.answer_of(None, received(bytes(damaged), (whole,)))[4]
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", digest, 0, damaged, len(DATA), None)
+    # The first part of a larger object is not all of it: nothing is hashed.
+    part = f"Content-Range: bytes 0-{len(DATA) - 1}/{len(DATA) * 4}\r\n".encode()
+    assert received(DATA, (part,)).body_hash is None
+
+
+def test_s3_gets_from_an_objects_first_byte_ask_for_its_checksum():
+    from bucketfs.backends.s3_lean import LeanS3
+
+    assert LeanS3.range_headers(0, 100, '"etag"')["x-amz-checksum-mode"] == "ENABLED"
+    assert "x-amz-checksum-mode" not in LeanS3.range_headers(100, 200, '"etag"')

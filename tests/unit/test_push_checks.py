@@ -2,11 +2,13 @@
 cache (backends/http/fetchworker.py: answer_refusal): a doubt is a refusal, and the
 reader's own READ then fetches the file through the daemon's checks and retries."""
 
+import base64
 import hashlib
 
 import pytest
 
 from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS
+from bucketfs.backends.http.checksums import S3_CHECKSUM_HEADERS, body_hash_for, crc32_of, crc32c_of
 from bucketfs.backends.http.curl import Transfer
 from bucketfs.backends.http.fetchworker import DAMAGED, answer_refusal
 
@@ -22,12 +24,14 @@ def answer(status=206, body=BODY, size=SIZE, **headers) -> Transfer:
     transfer.headers = {"etag": f'"{ETAG}"', "content-range": f"bytes 0-{size - 1}/{size}", **headers}
     transfer.buffer[: len(body)] = body
     transfer.received_bytes = len(body)
-    transfer.md5 = hashlib.md5(body)
+    transfer.body_hash = body_hash_for(transfer.headers, 0)  # (as curl.Transfer.on_body does)
+    if transfer.body_hash is not None:
+        transfer.body_hash.update(body)
     return transfer
 
 
 def checks(etag=ETAG, last_modified_max_s=None, md5=MD5):
-    return (etag, last_modified_max_s, md5, S3_ETAG_NOT_MD5_HEADERS)
+    return (etag, last_modified_max_s, md5, S3_ETAG_NOT_MD5_HEADERS, S3_CHECKSUM_HEADERS)
 
 
 def test_the_whole_object_of_the_pinned_version_with_its_md5_is_pushed():
@@ -77,3 +81,18 @@ def test_a_last_modified_pin_refuses_a_newer_object():
     assert answer_refusal(newer, checks(etag=None, last_modified_max_s=pinned_s, md5=None))
     undated = answer(etag="")
     assert answer_refusal(undated, checks(etag=None, last_modified_max_s=pinned_s, md5=None))
+
+
+@pytest.mark.parametrize("header, crc_of", [("x-amz-checksum-crc32c", crc32c_of), ("x-amz-checksum-crc32", crc32_of)])
+def test_a_stated_crc_is_checked_instead_of_the_etags_md5(header, crc_of):
+    stated = {header: base64.b64encode(crc_of(BODY)).decode()}
+    assert answer_refusal(answer(**stated), checks()) == ""
+    assert answer_refusal(answer(body=BODY[:-1] + b"z", **stated), checks()) == DAMAGED
+    # An object whose ETag is no MD5 (SSE-KMS, multipart) is still checked by its CRC.
+    kms = {"x-amz-server-side-encryption": "aws:kms", "etag": '"abc-3"', **stated}
+    assert answer_refusal(answer(**kms), checks(etag="abc-3", md5=None)) == ""
+    assert answer_refusal(answer(body=BODY[:-1] + b"z", **kms), checks(etag="abc-3", md5=None)) == DAMAGED
+    # A CRC stated but not computed (nothing hashed as it came): a doubt, refused.
+    unhashed = answer(**stated)
+    unhashed.body_hash = None
+    assert answer_refusal(unhashed, checks()) == DAMAGED

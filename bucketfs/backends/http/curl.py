@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ from typing import Any, Optional
 import trio
 
 from bucketfs.backends.http.body import body_deadline_s
+from bucketfs.backends.http.checksums import body_hash_for
 
 try:
     import pycurl
@@ -79,11 +79,12 @@ class Transfer:
     _body_seen_bytes: int = 0
     _ended_early: bool = False  # the buffer is full: the rest of a whole-object answer is not wanted
     _overflow: bool = False
-    # The MD5 of the bytes written into the buffer, for an answer from the object's first
-    # byte whose ETag could be an MD5 (32 hex digits): computed here, on the engine's
-    # thread as the body arrives (hashlib lets go of the GIL), so the whole-object check
-    # costs the trio thread nothing (it took ~0.15 ms per 100 KB there).
-    md5: Optional[Any] = None  # a hashlib MD5, or a digest a fetch worker computed (workerengine._Digest)
+    # The checksum of the bytes written into the buffer, for an answer that is a whole
+    # object and states one (digests.body_hash_for: S3's CRC, or an ETag that could be an
+    # MD5): computed here, on the engine's thread as the body arrives (hashlib lets go of
+    # the GIL), so the whole-object check costs the trio thread nothing (an MD5 took
+    # ~0.15 ms per 100 KB there).
+    body_hash: Optional[Any] = None  # a digests.BodyHash, or what a fetch worker computed (workerengine._Digest)
     # For an engine that signs (a fetch worker): (region, access key, secret key, token,
     # host, headers) to sign with SigV4 and send; header_lines is then empty.
     signing: Optional[tuple] = None
@@ -112,7 +113,7 @@ class Transfer:
         if line.startswith(b"HTTP/"):
             self.status = int(line.split(None, 2)[1])
             self.headers = {}  # (a later status line replaces an interim answer's)
-            self.md5 = None
+            self.body_hash = None
             return
         raw_name, sep, raw_value = line.partition(b":")
         if sep:
@@ -120,8 +121,6 @@ class Transfer:
             # A repeated header is one list, comma-joined (RFC 9110), as urllib3 reads it:
             # GCS sends x-goog-hash twice, crc32c= and md5=.
             self.headers[name] = f"{self.headers[name]}, {value}" if name in self.headers else value
-            if name == "etag" and self.skip_bytes == 0 and len(value.strip('"')) == 32:
-                self.md5 = hashlib.md5()
 
     def on_body(self, data: bytes):
         if self.status not in (200, 206):
@@ -130,6 +129,8 @@ class Transfer:
             return None
         ranged = "content-range" in self.headers
         start = self._body_seen_bytes
+        if start == 0:  # (every header is in)
+            self.body_hash = body_hash_for(self.headers, self.skip_bytes)
         self._body_seen_bytes += len(data)
         # A 200 without Content-Range: the server ignored Range and sends the whole object.
         piece = data if ranged else data[max(self.skip_bytes - start, 0) :]
@@ -143,8 +144,8 @@ class Transfer:
                 return 0  # (aborts the transfer)
         self.buffer[at : at + len(piece)] = piece
         self.received_bytes = at + len(piece)
-        if self.md5 is not None:
-            self.md5.update(piece)
+        if self.body_hash is not None:
+            self.body_hash.update(piece)
         return 0 if self._ended_early else None
 
     def finish(self, code: int, message: str) -> None:

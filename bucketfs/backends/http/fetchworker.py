@@ -16,13 +16,16 @@ goes through it:
       the mount's /dev/fuse), as "Pushing into the page cache" below says; checks: (the
       pinned ETag or None, the pinned Last-Modified or None, the MD5 the ETag states or
       None, the answer headers that say it is no MD5 after all:
-      digests.S3_ETAG_NOT_MD5_HEADERS); received at `arena_offset` of the shared
+      digests.S3_ETAG_NOT_MD5_HEADERS, the answer headers of the full-object CRCs
+      checked instead where stated: checksums.S3_CHECKSUM_HEADERS); received at
+      `arena_offset` of the shared
       memory ARENA_FD (arena.py), or into a buffer of its own when -1
 - worker -> daemon: a FRAME header (type, tid, offset, body_length, meta_length),
   the meta, then the body: bytes at `offset` of the transfer's buffer (BODY: appended)
     DATA: body bytes of a GET still running (no meta)
     DONE: the GET's last bytes, and its meta: marshal (status, headers,
-          received_bytes, error_body, error_kind, error_text, md5 or None)
+          received_bytes, error_body, error_kind, error_text, (checksum kind,
+          checksum of the bytes received) or None: checksums.body_hash_for)
     RELEASED: (no body, no meta) the worker no longer touches the arena extent of
           PUSH tid, whose body it sent in a DONE (once WANTed): its write into the
           kernel, if one had begun, has returned
@@ -62,6 +65,7 @@ import typing
 from typing import Optional
 
 from bucketfs.backends.http.body import http_date_s
+from bucketfs.backends.http.checksums import stated_crc
 from bucketfs.backends.http.curl import BodyTransfer, CurlLoop, Transfer
 from bucketfs.backends.http.sigv4 import Signer
 
@@ -162,7 +166,7 @@ class _Out:
                 bytes(transfer.error_body),
                 kind,
                 "" if error is None else str(error),
-                None if transfer.md5 is None else transfer.md5.digest(),
+                None if transfer.body_hash is None else (transfer.body_hash.name, transfer.body_hash.digest()),
             )
         )
         offset = 0
@@ -397,7 +401,7 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
     the stated MD5. Stricter than the daemon's checks (s3.py, base.check_answer): a
     doubt is a refusal, and the reader's own READ then fetches the file, through
     those checks and their retries."""
-    etag, last_modified_max_s, md5, not_md5_headers = checks
+    etag, last_modified_max_s, md5, not_md5_headers, checksum_headers = checks
     headers, size_bytes = transfer.headers, len(transfer.buffer)
     if transfer.status == 206:
         if headers.get("content-range", "").strip() != f"bytes 0-{size_bytes - 1}/{size_bytes}":
@@ -412,10 +416,15 @@ def answer_refusal(transfer: Transfer, checks: tuple) -> str:
         answered_s = http_date_s(headers.get("last-modified"))
         if answered_s is None or answered_s > last_modified_max_s:
             return f"Last-Modified {headers.get('last-modified')!r}"
-    if md5 is not None and not any(
+    body_hash = transfer.body_hash
+    stated = stated_crc(headers, checksum_headers)
+    if stated is not None:  # (checked instead of the ETag's MD5: cheaper, and as sure)
+        if body_hash is None or body_hash.name != stated[0] or body_hash.digest() != stated[1]:
+            return DAMAGED
+    elif md5 is not None and not any(
         (value := headers.get(name, "").lower()) and value.startswith(start) for name, start in not_md5_headers
     ):
-        if transfer.md5 is None or transfer.md5.digest() != md5:
+        if body_hash is None or body_hash.name != "md5" or body_hash.digest() != md5:
             return DAMAGED
     return ""
 

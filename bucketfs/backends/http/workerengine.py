@@ -84,12 +84,13 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(bucketfs.__fil
 
 
 class _Digest:
-    """The MD5 a worker computed, where answer_of expects a hashlib object."""
+    """The checksum a worker computed (its kind `name`), where answer_of expects a
+    checksums.BodyHash."""
 
-    __slots__ = ("_digest",)
+    __slots__ = ("name", "_digest")
 
-    def __init__(self, digest: bytes):
-        self._digest = digest
+    def __init__(self, name: str, digest: bytes):
+        self.name, self._digest = name, digest
 
     def digest(self) -> bytes:
         return self._digest
@@ -652,12 +653,12 @@ def _abort_request(tid: int) -> bytes:
 
 
 def _finish(transfer: Transfer, meta: tuple) -> None:
-    status, headers, received_bytes, error_body, error_kind, error_text, md5 = meta
+    status, headers, received_bytes, error_body, error_kind, error_text, body_hash = meta
     transfer.status, transfer.headers, transfer.received_bytes = status, headers, received_bytes
     transfer.error_body = bytearray(error_body)
     if error_kind:
         transfer.error = _ERRORS.get(error_kind, OSError)(error_text)
-    transfer.md5 = None if md5 is None else _Digest(md5)
+    transfer.body_hash = None if body_hash is None else _Digest(*body_hash)
     transfer.done.set()
 
 
