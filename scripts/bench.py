@@ -66,6 +66,11 @@ everything else (this script, the mounts, every client) on the others, as where 
 another machine: a client's own CPU per unit then decides its throughput on the cores it
 has, not its contention with the store's.
 
+--object-checksum crc32|crc32c (S3 only) uploads the ImageFolder files and the shards
+again through rclone's API with that full-object checksum, as AWS's SDKs upload by
+default, so that the store states it in its GET answers (bucketfs then checks small
+files by it instead of the ETag's MD5); default none.
+
 --alternatives (S3 only) adds existing FUSE mounts as further systems, each through the
 same proxy: "rclone mount" (`rclone mount :s3:BUCKET`, --vfs-cache-mode off,
 --dir-cache-time/--attr-timeout 1h, --use-server-modtime so that a stat is no HEAD) and,

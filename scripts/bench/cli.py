@@ -92,6 +92,14 @@ def parse_args(argv):
         "everything else (this script, the mounts, every client) on the others: the client side gets "
         "cores of its own, as it would where the store is another machine",
     )
+    p.add_argument(
+        "--object-checksum",
+        choices=("none", "crc32", "crc32c"),
+        default="none",
+        help="S3: upload the ImageFolder files and the shards again through the server's API with this "
+        "full-object checksum, as AWS's SDKs upload by default, so that the store states it in its answers "
+        "(default none: the files as written, whose only checksum is the ETag's MD5)",
+    )
     p.add_argument("--wds-child", help=argparse.SUPPRESS)
     p.add_argument("--gcs-proxy-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -122,6 +130,9 @@ def main(argv=None) -> int:
         return 2
     if args.s5cmd_workers < 1:
         print("bench: --s5cmd-workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.object_checksum != "none" and args.backend != "s3":
+        print("bench: --object-checksum needs --backend s3", file=sys.stderr)
         return 2
     if not 0 < args.scale <= 1:
         print("bench: --scale must be in (0, 1]", file=sys.stderr)
@@ -165,6 +176,8 @@ def main(argv=None) -> int:
     try:
         with backend_cls(args.data_dir / "srv", args.latency_ms, args.conn_mbps, args.proxy_log).serve() as backend:
             backend.seed(ds)
+            if args.object_checksum != "none":
+                backend.upload_with_checksum(ds, ds.images + ds.shards, args.object_checksum)
             log(f"server: {backend.description} behind the proxy {backend.proxy.url} (pid {backend.proxy.pid})")
             if client_cpus is not None:
                 # This process's tree first (the server and proxy are in it), then theirs.

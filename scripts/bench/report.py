@@ -294,6 +294,11 @@ def print_report(bench, args, backend_cls, started: float) -> int:
         f"bucketfs benchmark: scale {args.scale:g}, +{args.latency_ms:g} ms first byte, {args.conn_mbps:g} MB/s per connection, "
         f"--max-memory {args.max_memory}{backend_cls.title}, {time.perf_counter() - started:.0f} s"
         + (f"; the store and proxy on CPUs {args.store_cpus}, the rest on the others" if args.store_cpus else "")
+        + (
+            f"; ImageFolder files and shards uploaded with their {args.object_checksum}"
+            if getattr(args, "object_checksum", "none") != "none"
+            else ""
+        )
     )
     print(bench.table())
     print()
