@@ -23,41 +23,19 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.procs import drop_caches, tree_cpu_s  # noqa: E402 - (scripts/bench, beside this file)
+
 from bucketfs.testing.mounting import Mount, server_env  # noqa: E402
 from bucketfs.testing.servers import rclone_s3_server  # noqa: E402
 
 FILE_BYTES = 100_000  # an ImageFolder sample
 READER_THREADS = 32
 KINDS = ("md5", "crc32c", "crc32")
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of process `pid` and its live children (the fetch-ahead workers)."""
-    total_s = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # (exited meanwhile)
-        if int(entry) == pid or int(fields[1]) == pid:
-            total_s += (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-    return total_s
-
-
-def drop_page_cache() -> None:
-    if os.geteuid() == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
 
 
 def epoch(server, bucket: str, files: dict, seed: int) -> tuple:
     """(files/s, CPU ms per file) of one cold shuffled epoch on a fresh mount."""
-    drop_page_cache()
+    drop_caches()
     mountpoint = tempfile.mkdtemp(prefix="bucketfs-checksum-")
     mount = Mount(f"s3://{bucket}/", mountpoint, server_env(server), (), endpoint_url=server.endpoint_url)
     try:

@@ -22,6 +22,15 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and the processes below it that are still running."""
+    total_s = 0.0
+    for member in _descendants(pid):
+        with contextlib.suppress(OSError):  # (exited meanwhile)
+            total_s += proc_cpu_s(member)
+    return total_s
+
+
 class CpuCensus:
     """CPU seconds of every process on the machine, split into this benchmark's (this
     process and its descendants: daemon, proxy, server, webdataset workers) and the
