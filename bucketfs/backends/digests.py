@@ -131,12 +131,9 @@ def check_whole_object(
 ) -> None:
     """CorruptBody if `data` (bytes-like), the body of a GET from `start`, is the whole
     object and does not have the stated digest (None: nothing stated, nothing checked).
-    `etags`: the mount's S3 ETag checks, which may have learnt that ETags are no MD5s."""
-    if digest is None:
-        return
-    if digest.name != "md5":
-        etags = None  # (what EtagChecks learns is of ETags, not of the CRCs a store states)
-    if etags is not None and not etags.enabled:
+    `etags`: the mount's S3 checks, which may have learnt that its store's ETags are no
+    MD5s, or its CRCs not of the bytes."""
+    if digest is None or (etags is not None and not etags.on(digest)):
         return
     if not is_whole_object(start, len(data), object_bytes, content_range):
         return
@@ -150,33 +147,47 @@ def check_whole_object(
 
 
 class EtagChecks:
-    """Whether S3 ETags are checked, for one mount: until the store shows that its ETags
-    are not MD5s of the objects' bytes, by two GETs of one object version that bring the
-    same bytes (the same MD5), not matching its ETag. Damage on the way does not repeat
-    itself; an ETag of another kind does (S3-compatible stores that encrypt, compress or
-    choose ETags their own way, where AWS would send MD5s). Then the bytes are served,
-    and ETags are no longer checked on this mount (logged once). Used from worker
+    """Whether the checksums an S3 store states are checked, for one mount: its ETags as
+    MD5s (`enabled`), and its full-object CRCs (`crc_enabled`), each until the store
+    shows that they are not of the objects' bytes, by two GETs of one object version
+    that bring the same bytes, not matching it. Damage on the way does not repeat
+    itself; a checksum of another kind does (S3-compatible stores that encrypt, compress
+    or choose ETags their own way, where AWS would send MD5s; a store that stated a
+    multipart object's composite CRC as a full-object one). Then the bytes are served,
+    and that kind is no longer checked on this mount (logged once). Used from worker
     threads and the trio thread: the dict's single operations are atomic under the GIL,
     and a lost update only costs one more attempt."""
 
     def __init__(self) -> None:
-        self.enabled = True
-        self._mismatched: dict = {}  # (key, etag) -> the MD5 of the bytes that came
+        self.enabled = True  # ETags taken as MD5s
+        self.crc_enabled = True  # x-amz-checksum-* CRCs
+        self._mismatched: dict = {}  # (key, kind, stated) -> the checksum of the bytes that came
+
+    def on(self, digest: Digest) -> bool:
+        return self.enabled if digest.name == "md5" else self.crc_enabled
 
     def same_bytes_again(self, key: str, digest: Digest, got: bytes) -> bool:
         """A mismatch: whether the last GET of this object version brought the same
-        bytes (then the checks go off), remembering these otherwise."""
-        etag = digest.expected.hex()
-        if self._mismatched.pop((key, etag), None) == got:
-            if self.enabled:
+        bytes (then the checks of its kind go off), remembering these otherwise."""
+        mismatch = (key, digest.name, digest.expected.hex())
+        if self._mismatched.pop(mismatch, None) == got:
+            if digest.name == "md5" and self.enabled:
                 self.enabled = False
                 log.warning(
                     "%s: two GETs brought the same bytes, whose MD5 is not the object's ETag: this store's "
                     "ETags are not MD5s of the bytes, so whole-object checks against them are off",
                     key,
                 )
+            elif digest.name != "md5" and self.crc_enabled:
+                self.crc_enabled = False
+                log.warning(
+                    "%s: two GETs brought the same bytes, whose %s is not the one the store states: this store's "
+                    "x-amz-checksum-* headers are not of the bytes, so whole-object checks against them are off",
+                    key,
+                    digest.name.upper(),
+                )
             return True
         if len(self._mismatched) >= MISMATCHES_KEPT_COUNT:
             self._mismatched.clear()
-        self._mismatched[(key, etag)] = got
+        self._mismatched[mismatch] = got
         return False

@@ -562,7 +562,8 @@ class S3Backend(Backend):
         pinned_etag = version if versions.kind(version) == versions.ETAG else None
         digest = s3_etag_digest(version, None, None) if pinned_etag and self.etag_checks.enabled else None
         md5 = None if digest is None else digest.expected
-        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS, S3_CHECKSUM_HEADERS)
+        crcs = S3_CHECKSUM_HEADERS if self.etag_checks.crc_enabled else ()
+        checks = (pinned_etag, versions.lastmod_s(version), md5, S3_ETAG_NOT_MD5_HEADERS, crcs)
         self.requests["get"] += 1
         self.get_paths["push"] += 1
         return transfer, checks

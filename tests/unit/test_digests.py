@@ -143,6 +143,11 @@ def test_an_s3_answer_states_a_full_object_crc_before_its_etags_md5():
     assert s3_answer_digest(composite) is None
     typed = {"etag": etag, "x-amz-checksum-crc32": CRC32_B64, "x-amz-checksum-type": "COMPOSITE"}
     assert s3_answer_digest(typed).name == "md5"
+    # AWS drops the "-<parts>" of a composite CRC when a Range asks for the whole object:
+    # a multipart object's CRC is taken only where the answer says it is FULL_OBJECT.
+    ranged = {"etag": f'"{MD5_HEX}-2"', "x-amz-checksum-crc32": CRC32_B64}
+    assert s3_answer_digest(ranged) is None
+    assert s3_answer_digest({**ranged, "x-amz-checksum-type": "FULL_OBJECT"}).name == "crc32"
     # CRC64NVME is not computed here; an unreadable value is no checksum.
     assert s3_answer_digest({"etag": etag, "x-amz-checksum-crc64nvme": "AAAAAAAAAAA="}).name == "md5"
     assert s3_answer_digest({"x-amz-checksum-crc32c": "not base64!"}) is None
@@ -158,9 +163,26 @@ def test_a_crc_mismatch_is_damage_even_where_etags_were_found_to_be_no_md5s():
     check_whole_object("k", digest, 0, DATA, len(DATA), None, checks)
     damaged = bytearray(DATA)
     damaged[3] ^= 1
-    for _ in range(2):  # the same damaged bytes twice: still damage, never served
-        with pytest.raises(CorruptBody):
-            check_whole_object("k", digest, 0, damaged, len(DATA), None, checks)
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", digest, 0, damaged, len(DATA), None, checks)
+    damaged[3] ^= 1
+    damaged[4] ^= 1  # other damage: still damage
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", digest, 0, damaged, len(DATA), None, checks)
+    assert checks.crc_enabled
+
+
+def test_crcs_that_twice_disagree_with_the_same_bytes_are_not_of_the_bytes_and_go_off_alone():
+    checks = EtagChecks()
+    wrong = s3_answer_digest({"etag": f'"{MD5_HEX}"', "x-amz-checksum-crc32c": _b64(b"\x00\x00\x00\x01")})
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", wrong, 0, DATA, len(DATA), None, checks)
+    check_whole_object("k", wrong, 0, DATA, len(DATA), None, checks)  # the same bytes again: served
+    assert not checks.crc_enabled and checks.enabled  # the ETags' MD5s are still checked
+    damaged = bytearray(DATA)
+    damaged[3] ^= 1
+    with pytest.raises(CorruptBody):
+        check_whole_object("k", s3_etag_digest(MD5_HEX, None, None), 0, damaged, len(DATA), None, checks)
 
 
 @pytest.mark.parametrize(

@@ -88,10 +88,15 @@ def test_a_stated_crc_is_checked_instead_of_the_etags_md5(header, crc_of):
     stated = {header: base64.b64encode(crc_of(BODY)).decode()}
     assert answer_refusal(answer(**stated), checks()) == ""
     assert answer_refusal(answer(body=BODY[:-1] + b"z", **stated), checks()) == DAMAGED
-    # An object whose ETag is no MD5 (SSE-KMS, multipart) is still checked by its CRC.
-    kms = {"x-amz-server-side-encryption": "aws:kms", "etag": '"abc-3"', **stated}
-    assert answer_refusal(answer(**kms), checks(etag="abc-3", md5=None)) == ""
-    assert answer_refusal(answer(body=BODY[:-1] + b"z", **kms), checks(etag="abc-3", md5=None)) == DAMAGED
+    # An object whose ETag is no MD5 (SSE-KMS; multipart, its CRC FULL_OBJECT) is still
+    # checked by its CRC.
+    kms = {"x-amz-server-side-encryption": "aws:kms", **stated}
+    multipart = {"etag": '"abc-3"', "x-amz-checksum-type": "FULL_OBJECT", **stated}
+    for headers, etag in ((kms, ETAG), (multipart, "abc-3")):
+        assert answer_refusal(answer(**headers), checks(etag=etag, md5=None)) == ""
+        assert answer_refusal(answer(body=BODY[:-1] + b"z", **headers), checks(etag=etag, md5=None)) == DAMAGED
+    # A mount that found its store's CRCs not of the bytes sends no CRC headers to check.
+    assert answer_refusal(answer(body=BODY[:-1] + b"z", **kms), (ETAG, None, None, (), ())) == ""
     # A CRC stated but not computed (nothing hashed as it came): a doubt, refused.
     unhashed = answer(**stated)
     unhashed.body_hash = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
 import zlib
 from typing import Optional
 
@@ -23,6 +24,7 @@ import google_crc32c
 # which AWS adds to objects uploaded without a checksum, and the SHAs have no C
 # implementation among bucketfs's dependencies: such objects are checked by their ETag.
 S3_CHECKSUM_HEADERS = (("x-amz-checksum-crc32c", "crc32c"), ("x-amz-checksum-crc32", "crc32"))
+_MULTIPART_ETAG_RE = re.compile(r"-[0-9]+\"?\s*$")  # a multipart upload's ETag: "<md5 of the parts' MD5s>-<parts>"
 # Sent with S3 GETs from an object's first byte: AWS states checksums only when asked.
 S3_CHECKSUM_MODE_HEADERS = {"x-amz-checksum-mode": "ENABLED"}
 
@@ -65,9 +67,14 @@ class BodyHash:
 
 def stated_crc(headers, checksum_headers=S3_CHECKSUM_HEADERS) -> Optional[tuple]:
     """(kind, 4-byte value) of the full-object CRC an S3 answer's headers (a dict with
-    lower-case names, or urllib3's) state, or None: none stated, or only a COMPOSITE
-    one (a multipart upload's checksum of its parts' checksums, "<b64>-<parts>")."""
-    if (headers.get("x-amz-checksum-type") or "").upper() == "COMPOSITE":
+    lower-case names, or urllib3's) state, or None: none stated, or a COMPOSITE one (a
+    multipart upload's checksum of its parts' checksums: "<b64>-<parts>", but without
+    the suffix when a Range asked for the whole object). A multipart object's CRC is
+    taken only where the answer says it is FULL_OBJECT."""
+    checksum_type = (headers.get("x-amz-checksum-type") or "").upper()
+    if checksum_type == "COMPOSITE":
+        return None
+    if checksum_type != "FULL_OBJECT" and _MULTIPART_ETAG_RE.search(headers.get("etag") or ""):
         return None
     for header, kind in checksum_headers:
         value = (headers.get(header) or "").strip()
