@@ -80,11 +80,11 @@ class Transfer:
     _ended_early: bool = False  # the buffer is full: the rest of a whole-object answer is not wanted
     _overflow: bool = False
     # The checksum of the bytes written into the buffer, for an answer that is a whole
-    # object and states one (digests.body_hash_for: S3's CRC, or an ETag that could be an
+    # object and states one (checksums.body_hash_for: S3's CRC, or an ETag that could be an
     # MD5): computed here, on the engine's thread as the body arrives (hashlib lets go of
     # the GIL), so the whole-object check costs the trio thread nothing (an MD5 took
     # ~0.15 ms per 100 KB there).
-    body_hash: Optional[Any] = None  # a digests.BodyHash, or what a fetch worker computed (workerengine._Digest)
+    body_hash: Optional[Any] = None  # a checksums.BodyHash, or what a fetch worker computed (workerengine._Digest)
     # For an engine that signs (a fetch worker): (region, access key, secret key, token,
     # host, headers) to sign with SigV4 and send; header_lines is then empty.
     signing: Optional[tuple] = None
