@@ -162,12 +162,11 @@ class CurlGets(LibraryGets):
         if served == generation:
             content_range = transfer.headers.get("content-range")
             check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
-            check_whole_object(
-                key,
-                gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of),
-                start,
-                into,
-                object_bytes,
-                content_range,
-            )
+            digest = gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of)
+            body_hash = transfer.body_hash
+            if digest is not None and body_hash is not None and body_hash.name == digest.name:
+                # Computed on the engine's thread as the body arrived (curl.Transfer.body_hash).
+                received = body_hash.digest()
+                digest = digest._replace(compute=lambda _body: received)
+            check_whole_object(key, digest, start, into, object_bytes, content_range)
         return into, served, looked_up

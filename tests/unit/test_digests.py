@@ -228,3 +228,16 @@ def test_s3_gets_from_an_objects_first_byte_ask_for_its_checksum():
 
     assert LeanS3.range_headers(0, 100, '"etag"')["x-amz-checksum-mode"] == "ENABLED"
     assert "x-amz-checksum-mode" not in LeanS3.range_headers(100, 200, '"etag"')
+
+
+def test_the_curl_engine_computes_gcs_crc32c_as_the_body_arrives():
+    from bucketfs.backends.http.curl import Transfer
+
+    goog_hash = f"crc32c={CRC32C_B64}, md5={_b64(hashlib.md5(DATA).digest())}"
+    t = Transfer("http://store/k", [], bytearray(len(DATA)), 0, 30.0)
+    for line in (b"HTTP/1.1 200 OK\r\n", f"x-goog-hash: {goog_hash}\r\n".encode(), b"\r\n"):
+        t.on_header(line)
+    for at in range(0, len(DATA), 999):
+        t.on_body(DATA[at : at + 999])
+    digest = gcs_hash_digest(t.headers["x-goog-hash"], _crc32c_of)
+    assert t.body_hash.name == digest.name == "crc32c" and t.body_hash.digest() == digest.expected

@@ -101,13 +101,16 @@ def covers_all(content_range: Optional[str]) -> bool:
 
 def body_hash_for(headers: dict, skip_bytes: int) -> Optional[BodyHash]:
     """What to hash a body with as it arrives: for an answer from the object's first
-    byte to its end, the kind of checksum it states (an S3 CRC, else an ETag that could
-    be an MD5: 32 hex digits); None for anything else."""
+    byte to its end, the kind of checksum it states (an S3 CRC, GCS's CRC32C in
+    x-goog-hash, else an ETag that could be an MD5: 32 hex digits); None for anything
+    else."""
     if skip_bytes or not covers_all(headers.get("content-range")):
         return None
     stated = stated_crc(headers)
     if stated is not None:
         return BodyHash(stated[0])
+    if "crc32c=" in headers.get("x-goog-hash", ""):
+        return BodyHash("crc32c")
     if len(headers.get("etag", "").strip('"')) == 32:
         return BodyHash("md5")
     return None
