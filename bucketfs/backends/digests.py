@@ -24,7 +24,7 @@ import logging
 import re
 from typing import Callable, NamedTuple, Optional
 
-from bucketfs.backends.http.checksums import CRC_COMPUTE, S3_CHECKSUM_HEADERS, stated_crc
+from bucketfs.backends.http.checksums import CRC_COMPUTE, stated_crc
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,28 @@ def md5_of(data) -> bytes:
     return hashlib.md5(data).digest()
 
 
-def s3_checksum_digest(headers, checksum_headers=S3_CHECKSUM_HEADERS) -> Optional[Digest]:
-    """The full-object CRC an S3 answer's headers state (http/checksums.py), as a Digest."""
-    stated = stated_crc(headers, checksum_headers)
-    return None if stated is None else Digest(stated[0], stated[1], CRC_COMPUTE[stated[0]])
-
-
 def s3_answer_digest(headers) -> Optional[Digest]:
-    """The checksum an S3 answer states of the whole object: a full-object CRC where
-    stated, else the MD5 its ETag states (s3_etag_digest), else None."""
-    return s3_checksum_digest(headers) or s3_etag_digest(
+    """The checksum an S3 answer's headers (lower-case names, or urllib3's) state of the
+    whole object: a full-object CRC where stated (http/checksums.py), else the MD5 its
+    ETag states (s3_etag_digest), else None."""
+    stated = stated_crc(headers)
+    if stated is not None:
+        return Digest(stated[0], stated[1], CRC_COMPUTE[stated[0]])
+    return s3_etag_digest(
         headers.get("etag", ""),
         headers.get("x-amz-server-side-encryption"),
         headers.get("x-amz-server-side-encryption-customer-algorithm"),
     )
+
+
+def received_digest(digest: Optional[Digest], body_hash) -> Optional[Digest]:
+    """`digest`, answering with `body_hash` (curl.Transfer.body_hash: computed on the
+    engine's thread, or in a worker, as the body arrived) where it is of the same kind,
+    so that the check reads no byte on the event loop."""
+    if digest is None or body_hash is None or body_hash.name != digest.name:
+        return digest
+    received = body_hash.digest()
+    return digest._replace(compute=lambda _body: received)
 
 
 # Answer headers that say an S3 ETag is not the MD5 of the bytes (AWS: SSE-KMS, DSSE-KMS,

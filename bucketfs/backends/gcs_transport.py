@@ -26,7 +26,7 @@ from google.api_core import exceptions as gexc
 from google.cloud import storage
 
 from bucketfs.backends.base import check_answer
-from bucketfs.backends.digests import check_whole_object, gcs_hash_digest
+from bucketfs.backends.digests import check_whole_object, gcs_hash_digest, received_digest
 from bucketfs.backends.gcs_curl import refused, served_generation
 from bucketfs.backends.http.body import read_range_body
 from bucketfs.backends.http.checksums import crc32c_of
@@ -162,11 +162,8 @@ class CurlGets(LibraryGets):
         if served == generation:
             content_range = transfer.headers.get("content-range")
             check_answer(key, start, end, transfer.received_bytes, content_range, object_bytes)
-            digest = gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of)
-            body_hash = transfer.body_hash
-            if digest is not None and body_hash is not None and body_hash.name == digest.name:
-                # Computed on the engine's thread as the body arrived (curl.Transfer.body_hash).
-                received = body_hash.digest()
-                digest = digest._replace(compute=lambda _body: received)
+            digest = received_digest(
+                gcs_hash_digest(transfer.headers.get("x-goog-hash"), crc32c_of), transfer.body_hash
+            )
             check_whole_object(key, digest, start, into, object_bytes, content_range)
         return into, served, looked_up

@@ -66,13 +66,8 @@ from bucketfs.backends.base import (
     lists_entries,
 )
 from bucketfs.backends.calls import BlockingCaller, RetryPolicy
-from bucketfs.backends.digests import (
-    S3_CHECKSUM_HEADERS,
-    S3_ETAG_NOT_MD5_HEADERS,
-    EtagChecks,
-    check_whole_object,
-    s3_etag_digest,
-)
+from bucketfs.backends.digests import S3_ETAG_NOT_MD5_HEADERS, EtagChecks, check_whole_object, s3_etag_digest
+from bucketfs.backends.http.checksums import S3_CHECKSUM_HEADERS
 from bucketfs.backends.http.curl import CurlEngine
 from bucketfs.backends.http.fetchworker import DAMAGED, NO_INODE
 from bucketfs.backends.http.workerengine import PushRefused, WorkerEngine, engine_workers, small_get_engine

@@ -48,7 +48,7 @@ from botocore import UNSIGNED
 from botocore.compat import unquote_str
 
 from bucketfs.backends import versions
-from bucketfs.backends.digests import s3_answer_digest
+from bucketfs.backends.digests import received_digest, s3_answer_digest
 from bucketfs.backends.http.body import body_deadline_s, read_body, receive_into
 from bucketfs.backends.http.checksums import S3_CHECKSUM_MODE_HEADERS
 from bucketfs.backends.http.curl import BodyTransfer, Transfer
@@ -640,12 +640,7 @@ class LeanS3:
             self._refused(transfer.status, bytes(transfer.error_body))
             return None
         headers = transfer.headers
-        digest = s3_answer_digest(headers)
-        body_hash = transfer.body_hash
-        if digest is not None and body_hash is not None and body_hash.name == digest.name and transfer.received_bytes:
-            # Computed on the engine's thread over the bytes received (curl.Transfer.body_hash).
-            received = body_hash.digest()
-            digest = digest._replace(compute=lambda _body: received)
+        digest = received_digest(s3_answer_digest(headers), transfer.body_hash)
         return (
             transfer.status,
             headers.get("etag", ""),

@@ -33,7 +33,7 @@ import botocore.exceptions
 import trio
 
 from bucketfs.backends import versions
-from bucketfs.backends.digests import s3_answer_digest, s3_checksum_digest, s3_etag_digest
+from bucketfs.backends.digests import s3_answer_digest
 from bucketfs.backends.http.body import copy_into, read_range_body
 from bucketfs.backends.http.curl import SMALL_GET_MAX_BYTES
 from bucketfs.backends.s3_lean import (
@@ -176,9 +176,7 @@ class Sdk(S3Transport):
         # (The client's parameters ask for no checksum: botocore would check it itself,
         # and needs awscrt for CRC32C. A store that states one unasked is checked by it.)
         headers_in = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-        digest = s3_checksum_digest(headers_in) or s3_etag_digest(
-            response.get("ETag", ""), response.get("ServerSideEncryption"), response.get("SSECustomerAlgorithm")
-        )
+        digest = s3_answer_digest(headers_in)
         last_modified = headers_in.get("last-modified")
         return (
             normalise_etag(response.get("ETag", "")),

@@ -296,7 +296,7 @@ def print_report(bench, args, backend_cls, started: float) -> int:
         + (f"; the store and proxy on CPUs {args.store_cpus}, the rest on the others" if args.store_cpus else "")
         + (
             f"; ImageFolder files and shards uploaded with their {args.object_checksum}"
-            if getattr(args, "object_checksum", "none") != "none"
+            if args.object_checksum != "none"
             else ""
         )
     )
